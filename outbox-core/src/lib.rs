@@ -1,0 +1,27 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod backoff;
+mod error;
+mod message;
+mod redact;
+mod sink;
+mod storage;
+
+#[cfg(any(test, feature = "memory"))]
+pub mod memory;
+#[cfg(feature = "runner")]
+mod worker;
+
+pub use backoff::Backoff;
+pub use error::{Error, ErrorKind, Result};
+pub use redact::redact_url;
+pub use message::{Message, NewMessage, TraceContext};
+pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
+pub use storage::{
+    Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Storage, StorageCapabilities,
+};
+#[cfg(feature = "runner")]
+pub use worker::{Worker, WorkerConfig};
+#[cfg(feature = "runner")]
+pub use tokio_util::sync::CancellationToken;

@@ -1,0 +1,97 @@
+//! The sink trait: where a relay publishes messages.
+
+use async_trait::async_trait;
+
+use crate::{Error, Message, Result};
+
+/// What the broker returned for a delivered message (a stream entry id, a partition and
+/// offset, ...), kept with the message when delivered rows are retained.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Receipt(pub String);
+
+impl Receipt {
+    /// A receipt with this text.
+    pub fn new(text: impl Into<String>) -> Self {
+        Receipt(text.into())
+    }
+}
+
+impl std::fmt::Display for Receipt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// The result of publishing one message.
+#[derive(Debug)]
+pub enum Outcome {
+    /// The broker took the message.
+    Delivered(Receipt),
+    /// The message was not delivered; the error's kind decides what happens to it:
+    /// [`Unavailable`](crate::ErrorKind::Unavailable) releases it without charging an attempt,
+    /// [`Temporary`](crate::ErrorKind::Temporary) charges an attempt and retries it later,
+    /// [`Permanent`](crate::ErrorKind::Permanent) dead-letters it.
+    Failed(Error),
+}
+
+/// What a sink guarantees, declared as data so the conformance suite runs what applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SinkCapabilities {
+    /// Messages of one key published in one call land in the order given.
+    pub keeps_order: bool,
+    /// A message published twice (same id) is stored once.
+    pub deduplicates: bool,
+    /// Largest payload in bytes the sink accepts, if it knows.
+    pub max_payload: Option<usize>,
+}
+
+impl Default for SinkCapabilities {
+    fn default() -> Self {
+        SinkCapabilities {
+            keeps_order: true,
+            deduplicates: false,
+            max_payload: None,
+        }
+    }
+}
+
+impl SinkCapabilities {
+    /// Sets whether the sink de-duplicates by message id.
+    pub fn with_deduplication(mut self, deduplicates: bool) -> Self {
+        self.deduplicates = deduplicates;
+        self
+    }
+
+    /// Sets the largest payload the sink accepts.
+    pub fn with_max_payload(mut self, max_payload: Option<usize>) -> Self {
+        self.max_payload = max_payload;
+        self
+    }
+}
+
+/// Where a relay publishes messages (a Redis stream, an AMQP exchange, a Kafka topic).
+///
+/// The batch contract:
+/// - `publish` is never called concurrently on one instance, so an implementation may keep
+///   one connection or channel per instance;
+/// - it must not block forever: every network wait has a time-out, and a time-out is an
+///   [`Unavailable`](crate::ErrorKind::Unavailable) error;
+/// - retries are not its job: it reports and the worker decides;
+/// - a batch never holds two messages of one partition key when the storage keeps per-key
+///   order, so the sink needs no ordering logic of its own.
+#[async_trait]
+pub trait Sink: Send + Sync {
+    /// Publishes `batch` and returns one outcome per message, in the same order. An `Err`
+    /// means the whole batch failed (for example the connection dropped) and no message
+    /// may be taken as delivered.
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>>;
+
+    /// Checks that the broker answers, within a time-out.
+    async fn health(&self) -> Result<()>;
+
+    /// What this sink guarantees.
+    fn capabilities(&self) -> SinkCapabilities {
+        SinkCapabilities::default()
+    }
+}

@@ -1,0 +1,386 @@
+//! The relay loop: claim a batch, publish it, record each outcome; supervised and
+//! shut down gracefully.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::{Instant, sleep};
+use tokio_util::sync::CancellationToken;
+use uuid::Uuid;
+
+use crate::{
+    Backoff, Claim, ClaimToken, DeadLetter, Delivery, Error, ErrorKind, Message, Outcome, Result,
+    Retry, Sink, Storage,
+};
+
+/// How often the worker calls [`Storage::maintain`].
+const MAINTAIN_EVERY: Duration = Duration::from_secs(10);
+
+/// Waits between restarts of a failed run: 1 s doubling to 60 s, no jitter.
+const RESTART_BACKOFF: Backoff = Backoff {
+    initial: Duration::from_secs(1),
+    multiplier: 2.0,
+    max: Duration::from_secs(60),
+    jitter: 0.0,
+};
+
+/// A run that lasted this long resets the restart wait to its first step.
+const RESTART_RESET_AFTER: Duration = Duration::from_secs(60);
+
+/// Settings of one relay worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    /// Names this worker in claims and logs.
+    pub worker_id: String,
+    /// Messages claimed at once (default 100).
+    pub batch_size: usize,
+    /// Wait after an under-full batch when no wake-up comes (default 1 s).
+    pub poll_interval: Duration,
+    /// How long a claim holds its messages before another worker may take them (default 30 s).
+    /// Must be longer than the sink's publish time-out.
+    pub lease: Duration,
+    /// Attempts before a message is dead-lettered (default 10).
+    pub max_attempts: u32,
+    /// Wait before retrying a failed message, and between sink health checks while it is down.
+    pub backoff: Backoff,
+    /// After shutdown is requested, how long the batch in flight may take before its
+    /// messages are released unpublished (default 10 s).
+    pub shutdown_timeout: Duration,
+}
+
+impl WorkerConfig {
+    /// Defaults for a worker named `worker_id`.
+    pub fn new(worker_id: impl Into<String>) -> Self {
+        WorkerConfig {
+            worker_id: worker_id.into(),
+            batch_size: 100,
+            poll_interval: Duration::from_secs(1),
+            lease: Duration::from_secs(30),
+            max_attempts: 10,
+            backoff: Backoff::default(),
+            shutdown_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// Checks every setting; the error names the bad one.
+    pub fn validate(&self) -> Result<()> {
+        if self.worker_id.trim().is_empty() {
+            return Err(Error::config("worker_id is empty; give each worker a name"));
+        }
+        if self.batch_size == 0 {
+            return Err(Error::config("batch_size is 0; it must be at least 1"));
+        }
+        if self.poll_interval.is_zero() {
+            return Err(Error::config("poll_interval is 0; it must be greater than zero"));
+        }
+        if self.lease < Duration::from_secs(1) {
+            return Err(Error::config(format!(
+                "lease is {:?}; it must be at least 1 s and longer than the sink's time-out",
+                self.lease
+            )));
+        }
+        if self.max_attempts == 0 {
+            return Err(Error::config("max_attempts is 0; it must be at least 1"));
+        }
+        self.backoff.validate()
+    }
+}
+
+/// One relay worker: moves messages from a [`Storage`] to a [`Sink`].
+pub struct Worker {
+    config: WorkerConfig,
+    storage: Arc<dyn Storage>,
+    sink: Arc<dyn Sink>,
+}
+
+/// What happened to one claimed batch.
+#[derive(Default)]
+struct Settlement {
+    delivered: Vec<Delivery>,
+    retries: Vec<Retry>,
+    dead: Vec<DeadLetter>,
+    released: Vec<Uuid>,
+    sink_unavailable: bool,
+}
+
+impl Worker {
+    /// A worker with validated settings.
+    pub fn new(config: WorkerConfig, storage: Arc<dyn Storage>, sink: Arc<dyn Sink>) -> Result<Self> {
+        config.validate()?;
+        Ok(Worker {
+            config,
+            storage,
+            sink,
+        })
+    }
+
+    /// The worker's settings.
+    pub fn config(&self) -> &WorkerConfig {
+        &self.config
+    }
+
+    /// Runs until `shutdown` is cancelled. A run that fails (database down, grant missing) is
+    /// logged and restarted after a wait that doubles from 1 s to 60 s, reset once a run has
+    /// lasted 60 s.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        let mut failures = 0;
+        loop {
+            let started = Instant::now();
+            match self.run_once(&shutdown).await {
+                Ok(()) => return,
+                Err(error) => {
+                    if started.elapsed() >= RESTART_RESET_AFTER {
+                        failures = 0;
+                    }
+                    failures += 1;
+                    let wait = RESTART_BACKOFF.delay(failures);
+                    tracing::error!(worker = %self.config.worker_id, %error, ?wait, "relay run failed; restarting");
+                    if sleep_or_cancel(wait, &shutdown).await {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    /// One run: relays until `shutdown` is cancelled (`Ok`) or the storage fails (`Err`).
+    pub async fn run_once(&self, shutdown: &CancellationToken) -> Result<()> {
+        let mut sink_checked = false;
+        let mut sink_failures = 0;
+        let mut last_maintain: Option<Instant> = None;
+        loop {
+            if shutdown.is_cancelled() {
+                return Ok(());
+            }
+            if last_maintain.is_none_or(|at| at.elapsed() >= MAINTAIN_EVERY) {
+                self.storage.maintain().await?;
+                last_maintain = Some(Instant::now());
+            }
+            // Health gate: while the sink is down, claim nothing and charge nothing.
+            if !sink_checked {
+                if let Err(error) = self.sink.health().await {
+                    sink_failures += 1;
+                    let wait = self.config.backoff.delay(sink_failures);
+                    tracing::warn!(worker = %self.config.worker_id, %error, ?wait, "sink is down; not claiming");
+                    if sleep_or_cancel(wait, shutdown).await {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                sink_checked = true;
+            }
+
+            let claim = self
+                .storage
+                .claim(&self.config.worker_id, self.config.batch_size, self.config.lease)
+                .await?;
+            let claimed = claim.messages.len();
+            if claimed > 0 {
+                if self.relay_batch(claim, shutdown).await? {
+                    if sink_failures > 0 {
+                        tracing::info!(worker = %self.config.worker_id, "sink is back");
+                    }
+                    sink_failures = 0;
+                } else {
+                    // The sink dropped out mid-publish: back off even if its health check
+                    // still passes, so a half-broken broker is not hammered.
+                    sink_failures += 1;
+                    let wait = self.config.backoff.delay(sink_failures);
+                    tracing::warn!(worker = %self.config.worker_id, ?wait, "sink unavailable during publish; batch released");
+                    if sleep_or_cancel(wait, shutdown).await {
+                        return Ok(());
+                    }
+                    sink_checked = false;
+                    continue;
+                }
+            }
+            // Drain until idle: a full batch means more may be waiting, so claim again now.
+            if claimed < self.config.batch_size {
+                tokio::select! {
+                    _ = sleep(self.config.poll_interval) => {}
+                    woken = self.storage.wait_for_work() => woken?,
+                    _ = shutdown.cancelled() => return Ok(()),
+                }
+                sink_checked = false;
+            }
+        }
+    }
+
+    /// Publishes one claimed batch and records the outcomes. Returns false when the sink
+    /// turned out to be unavailable. Once shutdown is requested the batch gets
+    /// `shutdown_timeout` to finish; after that its messages are released.
+    async fn relay_batch(&self, claim: Claim, shutdown: &CancellationToken) -> Result<bool> {
+        let token = claim.token;
+        let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        let publish = self.publish(claim.messages);
+        tokio::pin!(publish);
+        let settlement = tokio::select! {
+            settlement = &mut publish => settlement,
+            _ = async {
+                shutdown.cancelled().await;
+                sleep(self.config.shutdown_timeout).await;
+            } => {
+                tracing::warn!(worker = %self.config.worker_id, messages = ids.len(), "shutdown time-out: releasing the batch in flight");
+                self.storage.release(&token, &ids).await?;
+                return Ok(true);
+            }
+        };
+        self.record(&token, &settlement).await?;
+        Ok(!settlement.sink_unavailable)
+    }
+
+    /// Publishes a batch in rounds: with per-key order, each round holds at most one message
+    /// per key, and a key whose message failed publishes nothing more in this batch.
+    async fn publish(&self, messages: Vec<Message>) -> Settlement {
+        let per_key_order = self.storage.capabilities().per_key_order;
+        let rounds = if per_key_order {
+            split_into_rounds(messages)
+        } else {
+            vec![messages]
+        };
+        let mut settlement = Settlement::default();
+        let mut stopped_keys: HashSet<String> = HashSet::new();
+        for round in rounds {
+            let (ready, held): (Vec<Message>, Vec<Message>) = round.into_iter().partition(|m| {
+                !settlement.sink_unavailable
+                    && m.key.as_ref().is_none_or(|k| !stopped_keys.contains(k))
+            });
+            settlement.released.extend(held.iter().map(|m| m.id));
+            if ready.is_empty() {
+                continue;
+            }
+            let started = Instant::now();
+            let outcomes = match self.sink.publish(&ready).await {
+                Ok(outcomes) if outcomes.len() == ready.len() => outcomes,
+                Ok(outcomes) => {
+                    let error = Error::temporary(format!(
+                        "sink broke its contract: {} outcomes for {} messages",
+                        outcomes.len(),
+                        ready.len()
+                    ));
+                    tracing::error!(worker = %self.config.worker_id, %error);
+                    ready.iter().map(|_| Outcome::Failed(Error::temporary(error.message()))).collect()
+                }
+                Err(error) => {
+                    let (kind, text) = (error.kind(), error.to_string());
+                    ready.iter().map(|_| Outcome::Failed(Error::new(kind, text.clone()))).collect()
+                }
+            };
+            tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), elapsed = ?started.elapsed(), "published");
+            for (message, outcome) in ready.into_iter().zip(outcomes) {
+                match outcome {
+                    Outcome::Delivered(receipt) => settlement.delivered.push(Delivery {
+                        id: message.id,
+                        receipt,
+                    }),
+                    Outcome::Failed(error) => {
+                        if let Some(key) = &message.key {
+                            stopped_keys.insert(key.clone());
+                        }
+                        self.settle_failure(&message, &error, &mut settlement);
+                    }
+                }
+            }
+        }
+        settlement
+    }
+
+    fn settle_failure(&self, message: &Message, error: &Error, settlement: &mut Settlement) {
+        let worker = &self.config.worker_id;
+        let attempt = message.attempts.saturating_add(1);
+        match error.kind() {
+            ErrorKind::Unavailable => {
+                tracing::warn!(%worker, id = %message.id, %error, "sink unavailable; releasing without charging an attempt");
+                settlement.sink_unavailable = true;
+                settlement.released.push(message.id);
+            }
+            ErrorKind::Temporary if attempt < self.config.max_attempts => {
+                let delay = self.config.backoff.delay(attempt);
+                tracing::warn!(%worker, id = %message.id, topic = %message.topic, attempt, ?delay, %error, "publish failed; will retry");
+                settlement.retries.push(Retry {
+                    id: message.id,
+                    delay,
+                    error: error.to_string(),
+                });
+            }
+            kind => {
+                let error = if kind == ErrorKind::Temporary {
+                    format!("gave up after {attempt} attempts: {error}")
+                } else {
+                    error.to_string()
+                };
+                tracing::warn!(%worker, id = %message.id, topic = %message.topic, attempt, %error, "dead-lettering message");
+                settlement.dead.push(DeadLetter {
+                    id: message.id,
+                    error,
+                });
+            }
+        }
+    }
+
+    /// Writes the outcomes. Dead letters and retries first, so that a key's head is settled
+    /// before anything released behind it can be claimed again.
+    async fn record(&self, token: &ClaimToken, s: &Settlement) -> Result<()> {
+        let storage = &self.storage;
+        let mut expected = 0;
+        let mut applied = 0;
+        if !s.dead.is_empty() {
+            expected += s.dead.len() as u64;
+            applied += storage.dead_letter(token, &s.dead).await?;
+        }
+        if !s.retries.is_empty() {
+            expected += s.retries.len() as u64;
+            applied += storage.retry(token, &s.retries).await?;
+        }
+        if !s.delivered.is_empty() {
+            expected += s.delivered.len() as u64;
+            applied += storage.ack(token, &s.delivered).await?;
+        }
+        if !s.released.is_empty() {
+            expected += s.released.len() as u64;
+            applied += storage.release(token, &s.released).await?;
+        }
+        if applied < expected {
+            tracing::warn!(
+                worker = %self.config.worker_id,
+                refused = expected - applied,
+                "claim was taken over (lease expired?); its writes were refused and another worker will deliver again"
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Splits a claimed batch so that each round holds at most one message per key, keeping
+/// each key's messages in order across rounds. Messages without a key all go in the first.
+fn split_into_rounds(messages: Vec<Message>) -> Vec<Vec<Message>> {
+    let mut rounds: Vec<Vec<Message>> = Vec::new();
+    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for message in messages {
+        let round = match &message.key {
+            None => 0,
+            Some(key) => {
+                let count = seen.entry(key.clone()).or_insert(0);
+                *count += 1;
+                *count - 1
+            }
+        };
+        if rounds.len() <= round {
+            rounds.resize_with(round + 1, Vec::new);
+        }
+        rounds[round].push(message);
+    }
+    rounds
+}
+
+/// Sleeps for `wait`; returns true if `shutdown` was cancelled first.
+async fn sleep_or_cancel(wait: Duration, shutdown: &CancellationToken) -> bool {
+    tokio::select! {
+        _ = sleep(wait) => false,
+        _ = shutdown.cancelled() => true,
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,350 @@
+//! Worker behaviour on tokio's paused clock, with the in-memory storage and sink.
+
+use std::sync::{Arc, Mutex};
+
+use async_trait::async_trait;
+use tokio::time::{Instant, sleep};
+
+use super::*;
+use crate::memory::{MemorySink, MemoryStorage};
+use crate::{NewMessage, QueueStats, StorageCapabilities};
+
+fn config() -> WorkerConfig {
+    WorkerConfig {
+        backoff: Backoff {
+            jitter: 0.0,
+            ..Backoff::default()
+        },
+        ..WorkerConfig::new("test-worker")
+    }
+}
+
+fn start(
+    config: WorkerConfig,
+    storage: Arc<MemoryStorage>,
+    sink: Arc<MemorySink>,
+) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+    let worker = Worker::new(config, storage, sink).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    (shutdown, handle)
+}
+
+fn times_of_attempts(sink: &MemorySink, fail: impl Fn(&Message) -> bool + Send + Sync + 'static) -> Arc<Mutex<Vec<Duration>>> {
+    let start = Instant::now();
+    let times = Arc::new(Mutex::new(Vec::new()));
+    let seen = times.clone();
+    sink.fail_when(move |m| {
+        if fail(m) {
+            seen.lock().unwrap().push(start.elapsed());
+            Some(Error::temporary("broker said no"))
+        } else {
+            None
+        }
+    });
+    times
+}
+
+#[tokio::test(start_paused = true)]
+async fn retries_follow_the_backoff_then_dead_letter() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    let times = times_of_attempts(&sink, |_| true);
+    storage.enqueue(NewMessage::new("t", "x").key("k"));
+    let cfg = WorkerConfig {
+        max_attempts: 5,
+        poll_interval: Duration::from_millis(100),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    sleep(Duration::from_secs(30)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+
+    // Attempts at 0, then after waits of 1, 2, 4, 8 s (each seen at the next poll).
+    let secs: Vec<u64> = times.lock().unwrap().iter().map(|d| d.as_secs()).collect();
+    assert_eq!(secs, [0, 1, 3, 7, 15]);
+    let dead = storage.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert!(dead[0].1.contains("gave up after 5 attempts"), "{}", dead[0].1);
+    assert!(dead[0].1.contains("broker said no"));
+    assert_eq!(dead[0].0.attempts, 5);
+}
+
+/// A storage whose every claim fails, recording when it was called.
+struct BrokenStorage {
+    calls: Mutex<Vec<Duration>>,
+    start: Instant,
+}
+
+#[async_trait]
+impl Storage for BrokenStorage {
+    async fn claim(&self, _: &str, _: usize, _: Duration) -> Result<Claim> {
+        self.calls.lock().unwrap().push(self.start.elapsed());
+        Err(Error::unavailable("database is down"))
+    }
+    async fn ack(&self, _: &ClaimToken, _: &[Delivery]) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn retry(&self, _: &ClaimToken, _: &[Retry]) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn dead_letter(&self, _: &ClaimToken, _: &[DeadLetter]) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn release(&self, _: &ClaimToken, _: &[Uuid]) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn health(&self) -> Result<()> {
+        Err(Error::unavailable("database is down"))
+    }
+    async fn stats(&self) -> Result<QueueStats> {
+        Err(Error::unavailable("database is down"))
+    }
+    fn capabilities(&self) -> StorageCapabilities {
+        StorageCapabilities::new(true)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_runs_restart_after_doubling_waits() {
+    let storage = Arc::new(BrokenStorage {
+        calls: Mutex::new(Vec::new()),
+        start: Instant::now(),
+    });
+    let worker = Worker::new(config(), storage.clone(), Arc::new(MemorySink::new())).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    sleep(Duration::from_millis(7500)).await;
+    let calls: Vec<u64> = storage.calls.lock().unwrap().iter().map(|d| d.as_secs()).collect();
+    // Waits of 1 + 2 + 4 s between runs.
+    assert_eq!(calls, [0, 1, 3, 7]);
+    // Shutdown during a restart wait returns at once.
+    let asked = Instant::now();
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(asked.elapsed(), Duration::ZERO);
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_while_waiting_returns_at_once() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage, sink.clone());
+    sleep(Duration::from_secs(5)).await;
+    let asked = Instant::now();
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(asked.elapsed(), Duration::ZERO);
+    assert_eq!(sink.publish_calls(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn sink_outage_charges_nothing_and_claims_nothing() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    sink.set_up(false);
+    for i in 0..10 {
+        storage.enqueue(NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 3)));
+    }
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_secs(120)).await;
+    assert_eq!(sink.publish_calls(), 0, "claimed while the sink was down");
+    assert!(sink.health_calls() >= 3, "health gate did not keep checking");
+    assert!(storage.pending().iter().all(|m| m.attempts == 0));
+
+    sink.set_up(true);
+    sleep(Duration::from_secs(61)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(sink.published().len(), 10);
+    assert!(storage.dead_letters().is_empty());
+    assert!(storage.delivered().iter().all(|(m, _)| m.attempts == 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn outage_in_the_middle_of_a_publish_releases_without_charging() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    // The sink answers health checks but every publish hits a dropped connection.
+    sink.fail_when(|_| Some(Error::unavailable("connection reset")));
+    for i in 0..5 {
+        storage.enqueue(NewMessage::new("t", format!("m{i}")).key("k"));
+    }
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_secs(20)).await;
+    assert!(sink.publish_calls() >= 2);
+    assert!(storage.pending().iter().all(|m| m.attempts == 0));
+    assert!(storage.dead_letters().is_empty());
+    sink.fail_when(|_| None);
+    sleep(Duration::from_secs(61)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    let order: Vec<Vec<u8>> = sink.published().into_iter().map(|m| m.payload).collect();
+    let expected: Vec<Vec<u8>> = (0..5).map(|i| format!("m{i}").into_bytes()).collect();
+    assert_eq!(order, expected);
+}
+
+#[tokio::test(start_paused = true)]
+async fn drains_until_idle_without_waiting_between_full_batches() {
+    let storage = Arc::new(MemoryStorage::new(false));
+    let sink = Arc::new(MemorySink::new());
+    for i in 0..250 {
+        storage.enqueue(NewMessage::new("t", format!("m{i}")));
+    }
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(10),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    // Far less than one poll interval: full batches are followed by an immediate claim.
+    sleep(Duration::from_millis(1)).await;
+    assert_eq!(sink.published().len(), 250);
+    assert_eq!(sink.publish_calls(), 3);
+    shutdown.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn wake_up_cuts_the_poll_wait_short() {
+    let storage = Arc::new(MemoryStorage::new(false));
+    let sink = Arc::new(MemorySink::new());
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    sleep(Duration::from_secs(5)).await;
+    storage.enqueue(NewMessage::new("t", "late"));
+    sleep(Duration::from_millis(1)).await;
+    assert_eq!(sink.published().len(), 1);
+    shutdown.cancel();
+    handle.await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_head_holds_back_its_key_but_not_others() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|m| (m.payload == b"a0").then(|| Error::temporary("nack")));
+    for i in 0..3 {
+        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
+        storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
+    }
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_millis(500)).await;
+    let published: Vec<String> = sink.published().iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect();
+    assert_eq!(published, ["b0", "b1", "b2"], "key a must wait for its head");
+    // a1 and a2 were released uncharged; a0 was charged.
+    let pending = storage.pending();
+    let attempts: Vec<(String, u32)> = pending.iter().map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts)).collect();
+    assert_eq!(attempts, [("a0".into(), 1), ("a1".into(), 0), ("a2".into(), 0)]);
+
+    sink.fail_when(|_| None);
+    sleep(Duration::from_secs(3)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    let published: Vec<String> = sink.published().iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect();
+    assert_eq!(published, ["b0", "b1", "b2", "a0", "a1", "a2"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn permanent_failure_dead_letters_at_once_and_parks_its_key() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|m| (m.payload == b"a0").then(|| Error::permanent("message too large")));
+    for i in 0..3 {
+        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
+    }
+    storage.enqueue(NewMessage::new("t", "free"));
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_secs(10)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    let dead = storage.dead_letters();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0.payload, b"a0");
+    assert!(dead[0].1.contains("message too large"));
+    assert_eq!(sink.published().len(), 1, "only the keyless message may pass");
+    assert_eq!(storage.pending().len(), 2, "a1 and a2 stay parked");
+    assert_eq!(storage.stats().await.unwrap().parked_keys, 1);
+}
+
+/// A sink whose publish never finishes.
+struct StuckSink;
+
+#[async_trait]
+impl Sink for StuckSink {
+    async fn publish(&self, _: &[Message]) -> Result<Vec<Outcome>> {
+        std::future::pending().await
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn shutdown_releases_a_batch_that_outlives_the_timeout() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    for i in 0..3 {
+        storage.enqueue(NewMessage::new("t", format!("m{i}")));
+    }
+    let cfg = WorkerConfig {
+        shutdown_timeout: Duration::from_secs(2),
+        ..config()
+    };
+    let worker = Worker::new(cfg, storage.clone(), Arc::new(StuckSink)).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    sleep(Duration::from_secs(1)).await;
+    assert_eq!(storage.stats().await.unwrap().in_flight, 3);
+    let asked = Instant::now();
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(asked.elapsed(), Duration::from_secs(2));
+    let stats = storage.stats().await.unwrap();
+    assert_eq!((stats.in_flight, stats.pending), (0, 3));
+    assert!(storage.pending().iter().all(|m| m.attempts == 0));
+}
+
+#[test]
+fn rounds_hold_one_message_per_key_in_order() {
+    let msgs: Vec<Message> = ["a", "b", "a", "a", "c", "b"]
+        .iter()
+        .enumerate()
+        .map(|(i, k)| NewMessage::new("t", i.to_string()).key(*k).into())
+        .chain(std::iter::once(NewMessage::new("t", "free").into()))
+        .collect();
+    let rounds = split_into_rounds(msgs);
+    let payloads: Vec<Vec<String>> = rounds
+        .iter()
+        .map(|r| r.iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect())
+        .collect();
+    assert_eq!(payloads, [vec!["0", "1", "4", "free"], vec!["2", "5"], vec!["3"]]);
+}
+
+#[test]
+fn config_validation_names_the_setting() {
+    let bad = WorkerConfig {
+        batch_size: 0,
+        ..config()
+    };
+    let err = Worker::new(bad, Arc::new(MemoryStorage::new(true)), Arc::new(MemorySink::new()))
+        .err()
+        .unwrap();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("batch_size"));
+}

@@ -1,0 +1,92 @@
+//! Settings of the PostgreSQL storage.
+
+use std::time::Duration;
+
+use outbox_core::{Error, Result, redact_url};
+
+/// Settings of the PostgreSQL storage. `Debug` hides the password in the URL.
+#[derive(Clone, PartialEq)]
+pub struct PostgresConfig {
+    /// Connection URL, e.g. `postgres://user:password@127.0.0.1:5432/app`.
+    pub url: String,
+    /// Schema of the outbox tables (default `outbox`).
+    pub schema: String,
+    /// Name of the outbox table (default `outbox`); the dead-letter and other tables are
+    /// named after it.
+    pub table: String,
+    /// Deliver messages that share a partition key in enqueue order (default on).
+    pub per_key_order: bool,
+    /// Wake the relay with LISTEN/NOTIFY when it is idle (default on); polling remains
+    /// the fallback.
+    pub wakeup: bool,
+    /// Keep delivered messages, with their receipt, for this long; `None` (the default)
+    /// deletes them on delivery.
+    pub retention: Option<Duration>,
+    /// Connections the relay may open (default 4; one is the listener when `wakeup` is on).
+    pub max_connections: u32,
+    /// How long to wait for a connection before the storage counts as unavailable
+    /// (default 5 s).
+    pub connect_timeout: Duration,
+}
+
+impl std::fmt::Debug for PostgresConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PostgresConfig")
+            .field("url", &redact_url(&self.url))
+            .field("schema", &self.schema)
+            .field("table", &self.table)
+            .field("per_key_order", &self.per_key_order)
+            .field("wakeup", &self.wakeup)
+            .field("retention", &self.retention)
+            .field("max_connections", &self.max_connections)
+            .field("connect_timeout", &self.connect_timeout)
+            .finish()
+    }
+}
+
+impl PostgresConfig {
+    /// Defaults for the database at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresConfig {
+            url: url.into(),
+            schema: "outbox".into(),
+            table: "outbox".into(),
+            per_key_order: true,
+            wakeup: true,
+            retention: None,
+            max_connections: 4,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Sets the schema and table names.
+    pub fn table(mut self, schema: impl Into<String>, table: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self.table = table.into();
+        self
+    }
+
+    /// Checks every setting; the error names the bad one.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
+            return Err(Error::config(format!(
+                "storage.url `{}` is not a PostgreSQL URL; expected postgres://user:password@host:port/database",
+                redact_url(&self.url)
+            )));
+        }
+        crate::OutboxTable::new(&self.schema, &self.table)?;
+        let min = if self.wakeup { 2 } else { 1 };
+        if self.max_connections < min {
+            return Err(Error::config(format!(
+                "storage.max_connections is {}; it must be at least {min} (the wake-up listener holds one)",
+                self.max_connections
+            )));
+        }
+        if self.retention.is_some_and(|r| r.is_zero()) {
+            return Err(Error::config(
+                "storage.retention is 0; leave it unset to delete delivered rows, or give a duration",
+            ));
+        }
+        Ok(())
+    }
+}
