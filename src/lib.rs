@@ -7,3 +7,15 @@ pub use outbox_core::*;
 /// PostgreSQL outbox storage (cargo feature `postgres`).
 #[cfg(feature = "postgres")]
 pub use outbox_postgres as postgres;
+
+/// Redis Streams sink (cargo feature `redis`).
+#[cfg(feature = "redis")]
+pub use outbox_redis as redis;
+
+/// AMQP 0-9-1 sink (cargo feature `amqp`).
+#[cfg(feature = "amqp")]
+pub use outbox_amqp as amqp;
+
+/// Kafka sink (cargo feature `kafka`).
+#[cfg(feature = "kafka")]
+pub use outbox_kafka as kafka;

@@ -1,1 +1,11 @@
-//! wip
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod storage;
+mod table;
+
+pub use config::PostgresConfig;
+pub use storage::{DeadLetterRow, PgStorage};
+pub use table::OutboxTable;

@@ -1,0 +1,587 @@
+//! The relay side of the PostgreSQL outbox: claims under fenced leases, settlements, the
+//! wake-up, queue figures and the operator's repairs.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use outbox_core::{
+    Claim, ClaimToken, DeadLetter, Delivery, Error, Message, QueueStats, Result, Retry, Storage,
+    StorageCapabilities, TraceContext,
+};
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Executor, Row};
+use tokio::sync::{Notify, OnceCell};
+use uuid::Uuid;
+
+use crate::error::db_error;
+use crate::{OutboxTable, PostgresConfig};
+
+/// Columns of a message, in the order `message_from_row` reads them.
+const MESSAGE_COLUMNS: &str =
+    "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at, attempts";
+
+/// The SQL of one outbox table, built once from validated names.
+struct Statements {
+    claim: String,
+    ack: String,
+    retry: String,
+    dead_letter: String,
+    release: String,
+    stats: String,
+    arm_wakeup: String,
+    disarm_wakeup: String,
+    purge_delivered: String,
+}
+
+impl Statements {
+    fn new(t: &OutboxTable, per_key_order: bool, retention: bool) -> Self {
+        let outbox = t.qualified("");
+        let dead = t.qualified("_dead_letters");
+        let parked = t.qualified("_parked_keys");
+        let delivered = t.qualified("_delivered");
+        let wakeup = t.qualified("_wakeup");
+        // With per-key order, claims hold the table's advisory lock exclusively and every
+        // settlement holds it shared: a claim then sees no settlement half done, so "an
+        // earlier message of this key is still pending" is never misread (see ARCHITECTURE.md).
+        // The key is a number we computed from the validated names, so it is written inline.
+        let (lock_cte, locked) = if per_key_order {
+            (
+                format!("lock AS (SELECT pg_advisory_xact_lock_shared({})),", t.lock_key()),
+                "AND EXISTS (SELECT 1 FROM lock)",
+            )
+        } else {
+            (String::new(), "")
+        };
+        let key_rule = if per_key_order {
+            format!(
+                "AND (o.partition_key IS NULL OR (
+                    NOT EXISTS (SELECT 1 FROM {outbox} e WHERE e.partition_key = o.partition_key
+                                AND e.seq < o.seq AND e.available_at > now())
+                    AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = o.partition_key)))"
+            )
+        } else {
+            String::new()
+        };
+        // Without per-key order claims run concurrently and skip each other's rows.
+        let skip = if per_key_order { "" } else { "SKIP LOCKED" };
+        let claim = format!(
+            "WITH due AS (
+                SELECT o.seq FROM {outbox} o
+                WHERE o.available_at <= now() {key_rule}
+                ORDER BY o.seq LIMIT $1 FOR UPDATE {skip})
+             UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
+                    available_at = now() + $4 * interval '1 millisecond'
+             FROM due WHERE o.seq = due.seq
+             RETURNING o.seq, {cols}",
+            cols = MESSAGE_COLUMNS.split(", ").map(|c| format!("o.{c}")).collect::<Vec<_>>().join(", ")
+        );
+        let ack = if retention {
+            format!(
+                "WITH {lock_cte} done AS (
+                    DELETE FROM {outbox} o USING unnest($1::uuid[], $3::text[]) AS r(id, receipt)
+                    WHERE o.id = r.id AND o.claim_token = $2 {locked}
+                    RETURNING o.*, r.receipt)
+                 INSERT INTO {delivered} (seq, id, topic, partition_key, payload, headers,
+                        traceparent, tracestate, created_at, attempts, receipt)
+                 SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
+                        created_at, attempts, receipt FROM done"
+            )
+        } else {
+            format!(
+                "WITH {lock_cte} done AS (
+                    DELETE FROM {outbox} o WHERE o.id = ANY($1) AND o.claim_token = $2 {locked}
+                    RETURNING 1)
+                 SELECT count(*) FROM done"
+            )
+        };
+        let retry = format!(
+            "WITH {lock_cte} done AS (
+                UPDATE {outbox} o SET attempts = o.attempts + 1, claim_token = NULL, claimed_by = NULL,
+                       available_at = now() + r.delay_ms * interval '1 millisecond', last_error = r.error
+                FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS r(id, delay_ms, error)
+                WHERE o.id = r.id AND o.claim_token = $2 {locked}
+                RETURNING 1)
+             SELECT count(*) FROM done"
+        );
+        let park = if per_key_order {
+            format!(
+                ", parked AS (
+                    INSERT INTO {parked} (partition_key, dead_letter_id)
+                    SELECT DISTINCT ON (partition_key) partition_key, id FROM moved
+                    WHERE partition_key IS NOT NULL ORDER BY partition_key, seq
+                    ON CONFLICT (partition_key) DO NOTHING)"
+            )
+        } else {
+            String::new()
+        };
+        let dead_letter = format!(
+            "WITH {lock_cte} gone AS (
+                DELETE FROM {outbox} o USING unnest($1::uuid[], $3::text[]) AS r(id, error)
+                WHERE o.id = r.id AND o.claim_token = $2 {locked}
+                RETURNING o.*, r.error),
+             moved AS (
+                INSERT INTO {dead} (seq, id, topic, partition_key, payload, headers, traceparent,
+                       tracestate, created_at, attempts, last_error)
+                SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
+                       created_at, attempts + 1, error FROM gone
+                RETURNING seq, id, partition_key) {park}
+             SELECT count(*) FROM moved"
+        );
+        let release = format!(
+            "WITH {lock_cte} done AS (
+                UPDATE {outbox} o SET claim_token = NULL, claimed_by = NULL, available_at = now()
+                WHERE o.id = ANY($1) AND o.claim_token = $2 {locked}
+                RETURNING 1)
+             SELECT count(*) FROM done"
+        );
+        let stats = format!(
+            "SELECT count(*) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
+                    min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
+                    count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()),
+                    (SELECT count(*) FROM {dead}),
+                    (SELECT count(*) FROM {parked})
+             FROM {outbox}"
+        );
+        Statements {
+            claim,
+            ack,
+            retry,
+            dead_letter,
+            release,
+            stats,
+            arm_wakeup: format!("UPDATE {wakeup} SET relay_idle = true WHERE NOT relay_idle"),
+            disarm_wakeup: format!("UPDATE {wakeup} SET relay_idle = false WHERE relay_idle"),
+            purge_delivered: format!(
+                "DELETE FROM {delivered} WHERE seq IN (
+                    SELECT seq FROM {delivered} WHERE delivered_at < now() - $1 * interval '1 millisecond'
+                    ORDER BY delivered_at LIMIT 1000)"
+            ),
+        }
+    }
+}
+
+/// The PostgreSQL [`Storage`]: claims with `FOR UPDATE` under leases on the database clock,
+/// fences every later write with the claim's token, keeps per-key order, and wakes the
+/// relay with LISTEN/NOTIFY.
+pub struct PgStorage {
+    config: PostgresConfig,
+    table: OutboxTable,
+    pool: PgPool,
+    sql: Statements,
+    wakeup: Arc<Notify>,
+    listener: OnceCell<tokio::task::JoinHandle<()>>,
+    /// Whether this storage told writers to notify (it went idle and has not drained a full
+    /// batch since).
+    armed: AtomicBool,
+}
+
+impl std::fmt::Debug for PgStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStorage").field("config", &self.config).finish_non_exhaustive()
+    }
+}
+
+impl Drop for PgStorage {
+    fn drop(&mut self) {
+        if let Some(listener) = self.listener.get() {
+            listener.abort();
+        }
+    }
+}
+
+impl PgStorage {
+    /// A storage for `config`. Validates the configuration; connects lazily, so a database
+    /// that is down shows up as an `Unavailable` error from the first call, not here.
+    pub fn new(config: PostgresConfig) -> Result<Self> {
+        config.validate()?;
+        let options: PgConnectOptions = config.url.parse().map_err(|e: sqlx::Error| {
+            Error::config(format!(
+                "storage.url `{}` cannot be parsed: {e}",
+                outbox_core::redact_url(&config.url)
+            ))
+        })?;
+        let options = options.application_name("outbox-relay");
+        let pool = PgPoolOptions::new()
+            .max_connections(config.max_connections)
+            .acquire_timeout(config.connect_timeout)
+            .after_connect(|conn, _| {
+                Box::pin(async move {
+                    // The relay's own writes may be lost in a crash without harm (a lost
+                    // acknowledgement means one redelivery), so they need not wait for the WAL
+                    // flush. Custom plans keep the claim index-driven however small the table
+                    // was when the statement was first prepared.
+                    conn.execute("SET synchronous_commit = off; SET plan_cache_mode = force_custom_plan")
+                        .await?;
+                    Ok(())
+                })
+            })
+            .connect_lazy_with(options);
+        let table = OutboxTable::new(&config.schema, &config.table)?;
+        let sql = Statements::new(&table, config.per_key_order, config.retention.is_some());
+        Ok(PgStorage {
+            config,
+            table,
+            pool,
+            sql,
+            wakeup: Arc::new(Notify::new()),
+            listener: OnceCell::new(),
+            armed: AtomicBool::new(false),
+        })
+    }
+
+    /// The outbox table this storage relays from.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// The relay's connection pool (its sessions run with `synchronous_commit = off`: do not
+    /// enqueue through it).
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &PostgresConfig {
+        &self.config
+    }
+
+    /// Creates or upgrades the outbox tables.
+    pub async fn migrate(&self) -> Result<()> {
+        let mut conn = self.pool.acquire().await.map_err(|e| db_error("cannot connect", e))?;
+        // Migrations must be durable whatever the relay's session settings say.
+        sqlx::query("SET synchronous_commit = on")
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| db_error("migration failed", e))?;
+        let result = self.table.migrate(&mut conn).await;
+        let _ = sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await;
+        result
+    }
+
+    fn lock_key(&self) -> i64 {
+        self.table.lock_key()
+    }
+
+    /// Runs a settlement statement that returns a count.
+    async fn settle(&self, what: &str, query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>) -> Result<u64> {
+        let row = query.fetch_one(&self.pool).await.map_err(|e| db_error(what, e))?;
+        let n: i64 = row.try_get(0).map_err(|e| db_error(what, e))?;
+        Ok(n as u64)
+    }
+
+    /// Starts the LISTEN connection once; returns false if it could not be started.
+    async fn ensure_listener(&self) -> bool {
+        let started = self
+            .listener
+            .get_or_try_init(|| async {
+                let mut listener = PgListener::connect_with(&self.pool)
+                    .await
+                    .map_err(|e| db_error("wake-up listener cannot connect", e))?;
+                listener
+                    .listen(&self.table.channel())
+                    .await
+                    .map_err(|e| db_error("LISTEN failed", e))?;
+                let wakeup = self.wakeup.clone();
+                Ok::<_, Error>(tokio::spawn(async move {
+                    loop {
+                        match listener.recv().await {
+                            Ok(_) => wakeup.notify_one(),
+                            Err(error) => {
+                                // PgListener reconnects on the next recv; polling covers the gap.
+                                tracing::warn!(%error, "wake-up listener lost its connection");
+                                tokio::time::sleep(Duration::from_secs(1)).await;
+                            }
+                        }
+                    }
+                }))
+            })
+            .await;
+        match started {
+            Ok(_) => true,
+            Err(error) => {
+                tracing::warn!(%error, "wake-up unavailable; polling only");
+                false
+            }
+        }
+    }
+
+    /// Dead-lettered messages, oldest first, at most `limit`.
+    pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetterRow>> {
+        let sql = format!(
+            "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {} ORDER BY seq LIMIT $1",
+            self.table.qualified("_dead_letters")
+        );
+        let rows = sqlx::query(&sql)
+            .bind(limit)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("cannot list dead letters", e))?;
+        rows.iter()
+            .map(|row| {
+                let message = message_from_row(row)?;
+                let get = |e| db_error("cannot read dead letter", e);
+                Ok(DeadLetterRow {
+                    message,
+                    last_error: row.try_get("last_error").map_err(get)?,
+                    dead_lettered_at: row.try_get("dead_lettered_at").map_err(get)?,
+                })
+            })
+            .collect()
+    }
+
+    /// Puts dead-lettered messages back into the outbox at their original position (first in
+    /// their key's order), with their attempts reset, and releases their keys' parked
+    /// messages once no dead letter of the key remains. Returns how many were replayed.
+    pub async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        let (outbox, dead, parked) = (
+            self.table.qualified(""),
+            self.table.qualified("_dead_letters"),
+            self.table.qualified("_parked_keys"),
+        );
+        let sql = format!(
+            "WITH lock AS (SELECT pg_advisory_xact_lock_shared($2)),
+             back AS (
+                DELETE FROM {dead} d WHERE d.id = ANY($1) AND EXISTS (SELECT 1 FROM lock)
+                RETURNING d.*),
+             restored AS (
+                INSERT INTO {outbox} (seq, id, topic, partition_key, payload, headers, traceparent,
+                       tracestate, created_at, attempts, available_at)
+                OVERRIDING SYSTEM VALUE
+                SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
+                       created_at, 0, now() FROM back
+                RETURNING partition_key),
+             unparked AS (
+                DELETE FROM {parked} p WHERE p.partition_key IN (SELECT partition_key FROM restored)
+                  AND NOT EXISTS (SELECT 1 FROM {dead} d WHERE d.partition_key = p.partition_key
+                                  AND d.id <> ALL($1)))
+             SELECT count(*) FROM restored"
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(ids)
+            .bind(self.lock_key())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error("cannot replay dead letters", e))?;
+        Ok(n as u64)
+    }
+
+    /// Lets a parked key's messages flow again without replaying its dead letter (which stays
+    /// in the dead letters). Returns whether the key was parked.
+    pub async fn release_parked_key(&self, key: &str) -> Result<bool> {
+        let sql = format!(
+            "DELETE FROM {} WHERE partition_key = $1",
+            self.table.qualified("_parked_keys")
+        );
+        let done = sqlx::query(&sql)
+            .bind(key)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| db_error("cannot release parked key", e))?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// Deletes dead letters for good. Their keys stay parked until released.
+    pub async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        let sql = format!("DELETE FROM {} WHERE id = ANY($1)", self.table.qualified("_dead_letters"));
+        let done = sqlx::query(&sql)
+            .bind(ids)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| db_error("cannot purge dead letters", e))?;
+        Ok(done.rows_affected())
+    }
+}
+
+/// A dead-lettered message with why and when it was dead-lettered.
+#[derive(Debug, Clone)]
+pub struct DeadLetterRow {
+    /// The message, with the attempts it used.
+    pub message: Message,
+    /// The last error.
+    pub last_error: String,
+    /// When it was dead-lettered.
+    pub dead_lettered_at: DateTime<Utc>,
+}
+
+/// Reads a message from a row holding [`MESSAGE_COLUMNS`].
+fn message_from_row(row: &PgRow) -> Result<Message> {
+    let get = |e| db_error("cannot read message row", e);
+    let id: Uuid = row.try_get("id").map_err(get)?;
+    let headers: serde_json::Value = row.try_get("headers").map_err(get)?;
+    let traceparent: Option<String> = row.try_get("traceparent").map_err(get)?;
+    let attempts: i32 = row.try_get("attempts").map_err(get)?;
+    Ok(Message {
+        id,
+        topic: row.try_get("topic").map_err(get)?,
+        key: row.try_get("partition_key").map_err(get)?,
+        payload: row.try_get("payload").map_err(get)?,
+        headers: headers_from_json(id, headers),
+        created_at: row.try_get("created_at").map_err(get)?,
+        attempts: attempts.max(0) as u32,
+        trace_context: match traceparent {
+            Some(traceparent) => Some(TraceContext {
+                traceparent,
+                tracestate: row.try_get("tracestate").map_err(get)?,
+            }),
+            None => None,
+        },
+    })
+}
+
+/// Headers are a JSON object of strings. Rows written by hand in SQL may hold other JSON
+/// values: those are passed on as their JSON text rather than dropped.
+fn headers_from_json(id: Uuid, value: serde_json::Value) -> BTreeMap<String, String> {
+    match value {
+        serde_json::Value::Object(map) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        serde_json::Value::Null => BTreeMap::new(),
+        other => {
+            tracing::warn!(%id, "headers column is not a JSON object; passing it on as `headers`");
+            BTreeMap::from([("headers".to_string(), other.to_string())])
+        }
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[async_trait]
+impl Storage for PgStorage {
+    async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        let fail = |e| db_error("claim failed", e);
+        let token = ClaimToken(Uuid::now_v7());
+        let query = sqlx::query(&self.sql.claim)
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(token.0)
+            .bind(worker_id)
+            .bind(millis(lease));
+        let rows = if self.config.per_key_order {
+            let mut tx = self.pool.begin().await.map_err(fail)?;
+            sqlx::query("SELECT pg_advisory_xact_lock($1)")
+                .bind(self.lock_key())
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+            let rows = query.fetch_all(&mut *tx).await.map_err(fail)?;
+            tx.commit().await.map_err(fail)?;
+            rows
+        } else {
+            query.fetch_all(&self.pool).await.map_err(fail)?
+        };
+        let mut numbered = rows
+            .iter()
+            .map(|row| Ok((row.try_get::<i64, _>("seq").map_err(fail)?, message_from_row(row)?)))
+            .collect::<Result<Vec<_>>>()?;
+        numbered.sort_unstable_by_key(|(seq, _)| *seq);
+        let messages: Vec<Message> = numbered.into_iter().map(|(_, m)| m).collect();
+        // Busy again: writers need not notify until this relay goes idle.
+        if messages.len() == limit && self.armed.swap(false, Ordering::SeqCst) {
+            sqlx::query(&self.sql.disarm_wakeup)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| db_error("cannot disarm the wake-up", e))?;
+        }
+        Ok(Claim { token, messages })
+    }
+
+    async fn ack(&self, token: &ClaimToken, delivered: &[Delivery]) -> Result<u64> {
+        let ids: Vec<Uuid> = delivered.iter().map(|d| d.id).collect();
+        let query = sqlx::query(&self.sql.ack).bind(ids).bind(token.0);
+        if self.config.retention.is_some() {
+            let receipts: Vec<&str> = delivered.iter().map(|d| d.receipt.0.as_str()).collect();
+            let done = query
+                .bind(receipts)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| db_error("ack failed", e))?;
+            return Ok(done.rows_affected());
+        }
+        self.settle("ack failed", query).await
+    }
+
+    async fn retry(&self, token: &ClaimToken, failed: &[Retry]) -> Result<u64> {
+        let ids: Vec<Uuid> = failed.iter().map(|f| f.id).collect();
+        let delays: Vec<i64> = failed.iter().map(|f| millis(f.delay)).collect();
+        let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
+        let query = sqlx::query(&self.sql.retry).bind(ids).bind(token.0).bind(delays).bind(errors);
+        self.settle("recording a retry failed", query).await
+    }
+
+    async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64> {
+        let ids: Vec<Uuid> = dead.iter().map(|d| d.id).collect();
+        let errors: Vec<&str> = dead.iter().map(|d| d.error.as_str()).collect();
+        let query = sqlx::query(&self.sql.dead_letter).bind(ids).bind(token.0).bind(errors);
+        self.settle("dead-lettering failed", query).await
+    }
+
+    async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64> {
+        let query = sqlx::query(&self.sql.release).bind(ids.to_vec()).bind(token.0);
+        self.settle("release failed", query).await
+    }
+
+    async fn health(&self) -> Result<()> {
+        sqlx::query("SELECT 1")
+            .execute(&self.pool)
+            .await
+            .map_err(|e| db_error("health check failed", e))?;
+        Ok(())
+    }
+
+    async fn stats(&self) -> Result<QueueStats> {
+        let fail = |e| db_error("cannot read queue figures", e);
+        let row = sqlx::query(&self.sql.stats).fetch_one(&self.pool).await.map_err(fail)?;
+        let count = |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i).map_err(fail)?.max(0) as u64) };
+        Ok(QueueStats {
+            pending: count(0)?,
+            oldest_pending: row.try_get(1).map_err(fail)?,
+            in_flight: count(2)?,
+            dead_lettered: count(3)?,
+            parked_keys: count(4)?,
+        })
+    }
+
+    fn capabilities(&self) -> StorageCapabilities {
+        StorageCapabilities::new(self.config.per_key_order)
+    }
+
+    async fn wait_for_work(&self) -> Result<()> {
+        if !self.config.wakeup || !self.ensure_listener().await {
+            return std::future::pending().await;
+        }
+        if !self.armed.swap(true, Ordering::SeqCst) {
+            sqlx::query(&self.sql.arm_wakeup)
+                .execute(&self.pool)
+                .await
+                .map_err(|e| db_error("cannot arm the wake-up", e))?;
+            // Rows committed before writers knew to notify: look once more before sleeping.
+            return Ok(());
+        }
+        self.wakeup.notified().await;
+        Ok(())
+    }
+
+    async fn maintain(&self) -> Result<()> {
+        if let Some(retention) = self.config.retention {
+            let done = sqlx::query(&self.sql.purge_delivered)
+                .bind(millis(retention))
+                .execute(&self.pool)
+                .await
+                .map_err(|e| db_error("cannot purge delivered rows", e))?;
+            if done.rows_affected() > 0 {
+                tracing::debug!(rows = done.rows_affected(), "purged delivered rows past retention");
+            }
+        }
+        Ok(())
+    }
+}
+
