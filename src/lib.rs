@@ -19,3 +19,7 @@ pub use outbox_amqp as amqp;
 /// Kafka sink (cargo feature `kafka`).
 #[cfg(feature = "kafka")]
 pub use outbox_kafka as kafka;
+
+/// NATS JetStream sink (cargo feature `nats`).
+#[cfg(feature = "nats")]
+pub use outbox_nats as nats;

@@ -48,7 +48,9 @@ impl Backoff {
     /// Checks that the settings make sense; the error names the bad field.
     pub fn validate(&self) -> crate::Result<()> {
         if self.initial.is_zero() {
-            return Err(crate::Error::config("backoff.initial must be greater than zero"));
+            return Err(crate::Error::config(
+                "backoff.initial must be greater than zero",
+            ));
         }
         if !(self.multiplier >= 1.0 && self.multiplier.is_finite()) {
             return Err(crate::Error::config(format!(
@@ -89,7 +91,10 @@ mod tests {
         let mut seen_below = false;
         for _ in 0..1000 {
             let d = b.delay(3);
-            assert!(d <= Duration::from_secs(4) && d >= Duration::from_secs_f64(3.2), "{d:?}");
+            assert!(
+                d <= Duration::from_secs(4) && d >= Duration::from_secs_f64(3.2),
+                "{d:?}"
+            );
             seen_below |= d < Duration::from_secs(4);
         }
         assert!(seen_below, "jitter never applied");
@@ -99,8 +104,16 @@ mod tests {
 
     #[test]
     fn validate_names_the_bad_field() {
-        let bad = Backoff { multiplier: 0.5, ..Backoff::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("backoff.multiplier"));
+        let bad = Backoff {
+            multiplier: 0.5,
+            ..Backoff::default()
+        };
+        assert!(
+            bad.validate()
+                .unwrap_err()
+                .to_string()
+                .contains("backoff.multiplier")
+        );
         assert!(Backoff::default().validate().is_ok());
     }
 }

@@ -5,6 +5,7 @@ mod backoff;
 mod error;
 mod message;
 mod redact;
+mod registry;
 mod sink;
 mod storage;
 
@@ -15,13 +16,14 @@ mod worker;
 
 pub use backoff::Backoff;
 pub use error::{Error, ErrorKind, Result};
-pub use redact::redact_url;
 pub use message::{Message, NewMessage, TraceContext};
+pub use redact::redact_url;
+pub use registry::{BoxFuture, SinkFactory, SinkRegistry};
 pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
 pub use storage::{
     Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Storage, StorageCapabilities,
 };
 #[cfg(feature = "runner")]
-pub use worker::{Worker, WorkerConfig};
-#[cfg(feature = "runner")]
 pub use tokio_util::sync::CancellationToken;
+#[cfg(feature = "runner")]
+pub use worker::{Worker, WorkerConfig};

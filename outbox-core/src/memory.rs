@@ -60,7 +60,9 @@ impl MemoryStorage {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     /// Enqueues a message and wakes a waiting worker.
@@ -93,7 +95,11 @@ impl MemoryStorage {
 
     /// Messages still in the queue (pending, in flight or waiting to retry), in order.
     pub fn pending(&self) -> Vec<Message> {
-        self.lock().rows.values().map(|r| r.message.clone()).collect()
+        self.lock()
+            .rows
+            .values()
+            .map(|r| r.message.clone())
+            .collect()
     }
 
     /// The last error recorded for a message still in the queue.
@@ -208,9 +214,17 @@ impl Storage for MemoryStorage {
         let state = self.lock();
         let now = Instant::now();
         Ok(QueueStats {
-            pending: state.rows.values().filter(|r| r.token.is_none() || r.due <= now).count() as u64,
+            pending: state
+                .rows
+                .values()
+                .filter(|r| r.token.is_none() || r.due <= now)
+                .count() as u64,
             oldest_pending: state.rows.values().map(|r| r.message.created_at).min(),
-            in_flight: state.rows.values().filter(|r| r.token.is_some() && r.due > now).count() as u64,
+            in_flight: state
+                .rows
+                .values()
+                .filter(|r| r.token.is_some() && r.due > now)
+                .count() as u64,
             dead_lettered: state.dead.len() as u64,
             parked_keys: state.parked.len() as u64,
         })
@@ -269,7 +283,10 @@ impl MemorySink {
 
     /// Every delivered message, in publish order.
     pub fn published(&self) -> Vec<Message> {
-        self.published.lock().unwrap_or_else(|p| p.into_inner()).clone()
+        self.published
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     /// How many times `publish` was called.

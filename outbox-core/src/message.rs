@@ -135,7 +135,9 @@ mod tests {
         struct Order {
             id: u32,
         }
-        let a = NewMessage::json("orders", &Order { id: 7 }).unwrap().key("o-7");
+        let a = NewMessage::json("orders", &Order { id: 7 })
+            .unwrap()
+            .key("o-7");
         let b = NewMessage::new("orders", b"x".to_vec());
         assert_eq!(a.id.get_version_num(), 7);
         assert!(a.id < b.id, "UUID v7 ids sort by creation");

@@ -33,8 +33,14 @@ mod tests {
             redact_url("postgres://app:s3cr@t@db:5432/x?sslmode=require"),
             "postgres://app:***@db:5432/x?sslmode=require"
         );
-        assert_eq!(redact_url("redis://:pw@127.0.0.1:6379/0"), "redis://:***@127.0.0.1:6379/0");
-        assert_eq!(redact_url("amqp://guest@localhost"), "amqp://guest@localhost");
+        assert_eq!(
+            redact_url("redis://:pw@127.0.0.1:6379/0"),
+            "redis://:***@127.0.0.1:6379/0"
+        );
+        assert_eq!(
+            redact_url("amqp://guest@localhost"),
+            "amqp://guest@localhost"
+        );
         assert_eq!(redact_url("redis://127.0.0.1/a@b"), "redis://127.0.0.1/a@b");
         assert_eq!(redact_url("not a url"), "not a url");
     }

@@ -1,7 +1,7 @@
 //! The relay loop: claim a batch, publish it, record each outcome; supervised and
 //! shut down gracefully.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -72,7 +72,9 @@ impl WorkerConfig {
             return Err(Error::config("batch_size is 0; it must be at least 1"));
         }
         if self.poll_interval.is_zero() {
-            return Err(Error::config("poll_interval is 0; it must be greater than zero"));
+            return Err(Error::config(
+                "poll_interval is 0; it must be greater than zero",
+            ));
         }
         if self.lease < Duration::from_secs(1) {
             return Err(Error::config(format!(
@@ -104,9 +106,48 @@ struct Settlement {
     sink_unavailable: bool,
 }
 
+impl Settlement {
+    /// Adds this batch's outcomes to the per-topic counters, one increment per topic.
+    fn count(&self, worker: &str, topics: &HashMap<Uuid, String>) {
+        let mut counts: HashMap<(&'static str, &str), u64> = HashMap::new();
+        let ids = [
+            (
+                "outbox_delivered_total",
+                self.delivered.iter().map(|d| d.id).collect::<Vec<_>>(),
+            ),
+            (
+                "outbox_retried_total",
+                self.retries.iter().map(|r| r.id).collect(),
+            ),
+            (
+                "outbox_dead_lettered_total",
+                self.dead.iter().map(|d| d.id).collect(),
+            ),
+        ];
+        for (name, ids) in &ids {
+            for id in ids {
+                let topic = topics.get(id).map(String::as_str).unwrap_or("");
+                *counts.entry((name, topic)).or_default() += 1;
+            }
+        }
+        for ((name, topic), n) in counts {
+            metrics::counter!(name, "worker" => worker.to_string(), "topic" => topic.to_string())
+                .increment(n);
+            if name != "outbox_delivered_total" {
+                metrics::counter!("outbox_failed_total", "worker" => worker.to_string(), "topic" => topic.to_string())
+                    .increment(n);
+            }
+        }
+    }
+}
+
 impl Worker {
     /// A worker with validated settings.
-    pub fn new(config: WorkerConfig, storage: Arc<dyn Storage>, sink: Arc<dyn Sink>) -> Result<Self> {
+    pub fn new(
+        config: WorkerConfig,
+        storage: Arc<dyn Storage>,
+        sink: Arc<dyn Sink>,
+    ) -> Result<Self> {
         config.validate()?;
         Ok(Worker {
             config,
@@ -159,7 +200,10 @@ impl Worker {
             }
             // Health gate: while the sink is down, claim nothing and charge nothing.
             if !sink_checked {
-                if let Err(error) = self.sink.health().await {
+                let health = self.sink.health().await;
+                metrics::gauge!("outbox_sink_up", "worker" => self.config.worker_id.clone())
+                    .set(if health.is_ok() { 1.0 } else { 0.0 });
+                if let Err(error) = health {
                     sink_failures += 1;
                     let wait = self.config.backoff.delay(sink_failures);
                     tracing::warn!(worker = %self.config.worker_id, %error, ?wait, "sink is down; not claiming");
@@ -173,7 +217,11 @@ impl Worker {
 
             let claim = self
                 .storage
-                .claim(&self.config.worker_id, self.config.batch_size, self.config.lease)
+                .claim(
+                    &self.config.worker_id,
+                    self.config.batch_size,
+                    self.config.lease,
+                )
                 .await?;
             let claimed = claim.messages.len();
             if claimed > 0 {
@@ -185,6 +233,8 @@ impl Worker {
                 } else {
                     // The sink dropped out mid-publish: back off even if its health check
                     // still passes, so a half-broken broker is not hammered.
+                    metrics::gauge!("outbox_sink_up", "worker" => self.config.worker_id.clone())
+                        .set(0.0);
                     sink_failures += 1;
                     let wait = self.config.backoff.delay(sink_failures);
                     tracing::warn!(worker = %self.config.worker_id, ?wait, "sink unavailable during publish; batch released");
@@ -202,7 +252,10 @@ impl Worker {
                     woken = self.storage.wait_for_work() => woken?,
                     _ = shutdown.cancelled() => return Ok(()),
                 }
-                sink_checked = false;
+                // After a truly idle spell the sink may have gone away unnoticed.
+                if claimed == 0 {
+                    sink_checked = false;
+                }
             }
         }
     }
@@ -211,8 +264,14 @@ impl Worker {
     /// turned out to be unavailable. Once shutdown is requested the batch gets
     /// `shutdown_timeout` to finish; after that its messages are released.
     async fn relay_batch(&self, claim: Claim, shutdown: &CancellationToken) -> Result<bool> {
+        let started = Instant::now();
         let token = claim.token;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
+        let topics: HashMap<Uuid, String> = claim
+            .messages
+            .iter()
+            .map(|m| (m.id, m.topic.clone()))
+            .collect();
         let publish = self.publish(claim.messages);
         tokio::pin!(publish);
         let settlement = tokio::select! {
@@ -227,6 +286,9 @@ impl Worker {
             }
         };
         self.record(&token, &settlement).await?;
+        settlement.count(&self.config.worker_id, &topics);
+        metrics::histogram!("outbox_batch_duration_seconds", "worker" => self.config.worker_id.clone())
+            .record(started.elapsed().as_secs_f64());
         Ok(!settlement.sink_unavailable)
     }
 
@@ -260,14 +322,23 @@ impl Worker {
                         ready.len()
                     ));
                     tracing::error!(worker = %self.config.worker_id, %error);
-                    ready.iter().map(|_| Outcome::Failed(Error::temporary(error.message()))).collect()
+                    ready
+                        .iter()
+                        .map(|_| Outcome::Failed(Error::temporary(error.message())))
+                        .collect()
                 }
                 Err(error) => {
                     let (kind, text) = (error.kind(), error.to_string());
-                    ready.iter().map(|_| Outcome::Failed(Error::new(kind, text.clone()))).collect()
+                    ready
+                        .iter()
+                        .map(|_| Outcome::Failed(Error::new(kind, text.clone())))
+                        .collect()
                 }
             };
-            tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), elapsed = ?started.elapsed(), "published");
+            let elapsed = started.elapsed();
+            metrics::histogram!("outbox_publish_duration_seconds", "worker" => self.config.worker_id.clone())
+                .record(elapsed.as_secs_f64());
+            tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), ?elapsed, "published");
             for (message, outcome) in ready.into_iter().zip(outcomes) {
                 match outcome {
                     Outcome::Delivered(receipt) => settlement.delivered.push(Delivery {
@@ -356,7 +427,7 @@ impl Worker {
 /// each key's messages in order across rounds. Messages without a key all go in the first.
 fn split_into_rounds(messages: Vec<Message>) -> Vec<Vec<Message>> {
     let mut rounds: Vec<Vec<Message>> = Vec::new();
-    let mut seen: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    let mut seen: HashMap<String, usize> = HashMap::new();
     for message in messages {
         let round = match &message.key {
             None => 0,

@@ -7,5 +7,5 @@ mod storage;
 mod table;
 
 pub use config::PostgresConfig;
-pub use storage::{DeadLetterRow, PgStorage};
+pub use storage::{DeadLetterFilter, DeadLetterRow, PgStorage, TopicStats};
 pub use table::OutboxTable;

@@ -20,6 +20,9 @@ use uuid::Uuid;
 use crate::error::db_error;
 use crate::{OutboxTable, PostgresConfig};
 
+/// How soon a relay whose last claim found messages claims again.
+const BUSY_POLL: Duration = Duration::from_millis(10);
+
 /// Columns of a message, in the order `message_from_row` reads them.
 const MESSAGE_COLUMNS: &str =
     "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at, attempts";
@@ -50,7 +53,10 @@ impl Statements {
         // The key is a number we computed from the validated names, so it is written inline.
         let (lock_cte, locked) = if per_key_order {
             (
-                format!("lock AS (SELECT pg_advisory_xact_lock_shared({})),", t.lock_key()),
+                format!(
+                    "lock AS (SELECT pg_advisory_xact_lock_shared({})),",
+                    t.lock_key()
+                ),
                 "AND EXISTS (SELECT 1 FROM lock)",
             )
         } else {
@@ -77,7 +83,11 @@ impl Statements {
                     available_at = now() + $4 * interval '1 millisecond'
              FROM due WHERE o.seq = due.seq
              RETURNING o.seq, {cols}",
-            cols = MESSAGE_COLUMNS.split(", ").map(|c| format!("o.{c}")).collect::<Vec<_>>().join(", ")
+            cols = MESSAGE_COLUMNS
+                .split(", ")
+                .map(|c| format!("o.{c}"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         let ack = if retention {
             format!(
@@ -174,14 +184,18 @@ pub struct PgStorage {
     sql: Statements,
     wakeup: Arc<Notify>,
     listener: OnceCell<tokio::task::JoinHandle<()>>,
-    /// Whether this storage told writers to notify (it went idle and has not drained a full
-    /// batch since).
+    /// Whether this storage told writers to notify (its last claim found nothing).
     armed: AtomicBool,
+    /// Whether the last claim found messages: then more are likely on their way, and the
+    /// relay polls again shortly instead of asking writers to notify.
+    busy: AtomicBool,
 }
 
 impl std::fmt::Debug for PgStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PgStorage").field("config", &self.config).finish_non_exhaustive()
+        f.debug_struct("PgStorage")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
     }
 }
 
@@ -214,8 +228,10 @@ impl PgStorage {
                     // acknowledgement means one redelivery), so they need not wait for the WAL
                     // flush. Custom plans keep the claim index-driven however small the table
                     // was when the statement was first prepared.
-                    conn.execute("SET synchronous_commit = off; SET plan_cache_mode = force_custom_plan")
-                        .await?;
+                    conn.execute(
+                        "SET synchronous_commit = off; SET plan_cache_mode = force_custom_plan",
+                    )
+                    .await?;
                     Ok(())
                 })
             })
@@ -230,6 +246,7 @@ impl PgStorage {
             wakeup: Arc::new(Notify::new()),
             listener: OnceCell::new(),
             armed: AtomicBool::new(false),
+            busy: AtomicBool::new(false),
         })
     }
 
@@ -251,14 +268,20 @@ impl PgStorage {
 
     /// Creates or upgrades the outbox tables.
     pub async fn migrate(&self) -> Result<()> {
-        let mut conn = self.pool.acquire().await.map_err(|e| db_error("cannot connect", e))?;
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| db_error("cannot connect", e))?;
         // Migrations must be durable whatever the relay's session settings say.
         sqlx::query("SET synchronous_commit = on")
             .execute(&mut *conn)
             .await
             .map_err(|e| db_error("migration failed", e))?;
         let result = self.table.migrate(&mut conn).await;
-        let _ = sqlx::query("SET synchronous_commit = off").execute(&mut *conn).await;
+        let _ = sqlx::query("SET synchronous_commit = off")
+            .execute(&mut *conn)
+            .await;
         result
     }
 
@@ -267,8 +290,15 @@ impl PgStorage {
     }
 
     /// Runs a settlement statement that returns a count.
-    async fn settle(&self, what: &str, query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>) -> Result<u64> {
-        let row = query.fetch_one(&self.pool).await.map_err(|e| db_error(what, e))?;
+    async fn settle(
+        &self,
+        what: &str,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<u64> {
+        let row = query
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error(what, e))?;
         let n: i64 = row.try_get(0).map_err(|e| db_error(what, e))?;
         Ok(n as u64)
     }
@@ -311,12 +341,28 @@ impl PgStorage {
 
     /// Dead-lettered messages, oldest first, at most `limit`.
     pub async fn dead_letters(&self, limit: i64) -> Result<Vec<DeadLetterRow>> {
+        self.find_dead_letters(&DeadLetterFilter::default(), limit)
+            .await
+    }
+
+    /// Dead-lettered messages that match `filter`, oldest first, at most `limit`.
+    pub async fn find_dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: i64,
+    ) -> Result<Vec<DeadLetterRow>> {
         let sql = format!(
-            "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {} ORDER BY seq LIMIT $1",
+            "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {}
+             WHERE ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::text IS NULL OR topic = $3)
+               AND ($4::text IS NULL OR partition_key = $4)
+             ORDER BY seq LIMIT $1",
             self.table.qualified("_dead_letters")
         );
         let rows = sqlx::query(&sql)
             .bind(limit)
+            .bind(filter.ids.as_deref())
+            .bind(filter.topic.as_deref())
+            .bind(filter.key.as_deref())
             .fetch_all(&self.pool)
             .await
             .map_err(|e| db_error("cannot list dead letters", e))?;
@@ -369,6 +415,55 @@ impl PgStorage {
         Ok(n as u64)
     }
 
+    /// Queue figures per topic, sorted by topic.
+    pub async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
+        let sql = format!(
+            "WITH live AS (
+                SELECT topic,
+                       count(*) FILTER (WHERE claim_token IS NULL OR available_at <= now()) AS pending,
+                       min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()) AS oldest,
+                       count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()) AS in_flight
+                FROM {outbox} GROUP BY topic),
+             dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic)
+             SELECT coalesce(live.topic, dead.topic) AS topic, coalesce(pending, 0) AS pending, oldest,
+                    coalesce(in_flight, 0) AS in_flight, coalesce(dead.dead, 0) AS dead
+             FROM live FULL JOIN dead ON live.topic = dead.topic ORDER BY 1",
+            outbox = self.table.qualified(""),
+            dead = self.table.qualified("_dead_letters"),
+        );
+        let fail = |e| db_error("cannot read topic figures", e);
+        let rows = sqlx::query(&sql)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(fail)?;
+        rows.iter()
+            .map(|row| {
+                let count = |name: &str| -> Result<u64> {
+                    Ok(row.try_get::<i64, _>(name).map_err(fail)?.max(0) as u64)
+                };
+                Ok(TopicStats {
+                    topic: row.try_get("topic").map_err(fail)?,
+                    pending: count("pending")?,
+                    oldest_pending: row.try_get("oldest").map_err(fail)?,
+                    in_flight: count("in_flight")?,
+                    dead_lettered: count("dead")?,
+                })
+            })
+            .collect()
+    }
+
+    /// Partition keys that are parked, with the dead letter that parked each.
+    pub async fn parked_keys(&self) -> Result<Vec<(String, Uuid)>> {
+        let sql = format!(
+            "SELECT partition_key, dead_letter_id FROM {} ORDER BY parked_at",
+            self.table.qualified("_parked_keys")
+        );
+        sqlx::query_as(&sql)
+            .fetch_all(&self.pool)
+            .await
+            .map_err(|e| db_error("cannot list parked keys", e))
+    }
+
     /// Lets a parked key's messages flow again without replaying its dead letter (which stays
     /// in the dead letters). Returns whether the key was parked.
     pub async fn release_parked_key(&self, key: &str) -> Result<bool> {
@@ -386,7 +481,10 @@ impl PgStorage {
 
     /// Deletes dead letters for good. Their keys stay parked until released.
     pub async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
-        let sql = format!("DELETE FROM {} WHERE id = ANY($1)", self.table.qualified("_dead_letters"));
+        let sql = format!(
+            "DELETE FROM {} WHERE id = ANY($1)",
+            self.table.qualified("_dead_letters")
+        );
         let done = sqlx::query(&sql)
             .bind(ids)
             .execute(&self.pool)
@@ -394,6 +492,32 @@ impl PgStorage {
             .map_err(|e| db_error("cannot purge dead letters", e))?;
         Ok(done.rows_affected())
     }
+}
+
+/// Which dead letters an operator command applies to; unset fields match everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    /// Only these ids.
+    pub ids: Option<Vec<Uuid>>,
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this partition key.
+    pub key: Option<String>,
+}
+
+/// Queue figures of one topic.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TopicStats {
+    /// The topic.
+    pub topic: String,
+    /// Messages waiting (including retries and parked ones).
+    pub pending: u64,
+    /// Creation time of the oldest pending message.
+    pub oldest_pending: Option<DateTime<Utc>>,
+    /// Messages claimed under a live lease.
+    pub in_flight: u64,
+    /// Messages in the dead letters.
+    pub dead_lettered: u64,
 }
 
 /// A dead-lettered message with why and when it was dead-lettered.
@@ -480,12 +604,20 @@ impl Storage for PgStorage {
         };
         let mut numbered = rows
             .iter()
-            .map(|row| Ok((row.try_get::<i64, _>("seq").map_err(fail)?, message_from_row(row)?)))
+            .map(|row| {
+                Ok((
+                    row.try_get::<i64, _>("seq").map_err(fail)?,
+                    message_from_row(row)?,
+                ))
+            })
             .collect::<Result<Vec<_>>>()?;
         numbered.sort_unstable_by_key(|(seq, _)| *seq);
         let messages: Vec<Message> = numbered.into_iter().map(|(_, m)| m).collect();
-        // Busy again: writers need not notify until this relay goes idle.
-        if messages.len() == limit && self.armed.swap(false, Ordering::SeqCst) {
+        // Idle to busy: writers need not notify until a claim comes back empty again. Any
+        // relay clears the flag (another relay may have set it); a no-op when already clear.
+        let was_busy = self.busy.swap(!messages.is_empty(), Ordering::SeqCst);
+        if !messages.is_empty() && !was_busy && self.config.wakeup {
+            self.armed.store(false, Ordering::SeqCst);
             sqlx::query(&self.sql.disarm_wakeup)
                 .execute(&self.pool)
                 .await
@@ -513,19 +645,28 @@ impl Storage for PgStorage {
         let ids: Vec<Uuid> = failed.iter().map(|f| f.id).collect();
         let delays: Vec<i64> = failed.iter().map(|f| millis(f.delay)).collect();
         let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
-        let query = sqlx::query(&self.sql.retry).bind(ids).bind(token.0).bind(delays).bind(errors);
+        let query = sqlx::query(&self.sql.retry)
+            .bind(ids)
+            .bind(token.0)
+            .bind(delays)
+            .bind(errors);
         self.settle("recording a retry failed", query).await
     }
 
     async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64> {
         let ids: Vec<Uuid> = dead.iter().map(|d| d.id).collect();
         let errors: Vec<&str> = dead.iter().map(|d| d.error.as_str()).collect();
-        let query = sqlx::query(&self.sql.dead_letter).bind(ids).bind(token.0).bind(errors);
+        let query = sqlx::query(&self.sql.dead_letter)
+            .bind(ids)
+            .bind(token.0)
+            .bind(errors);
         self.settle("dead-lettering failed", query).await
     }
 
     async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64> {
-        let query = sqlx::query(&self.sql.release).bind(ids.to_vec()).bind(token.0);
+        let query = sqlx::query(&self.sql.release)
+            .bind(ids.to_vec())
+            .bind(token.0);
         self.settle("release failed", query).await
     }
 
@@ -539,8 +680,12 @@ impl Storage for PgStorage {
 
     async fn stats(&self) -> Result<QueueStats> {
         let fail = |e| db_error("cannot read queue figures", e);
-        let row = sqlx::query(&self.sql.stats).fetch_one(&self.pool).await.map_err(fail)?;
-        let count = |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i).map_err(fail)?.max(0) as u64) };
+        let row = sqlx::query(&self.sql.stats)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(fail)?;
+        let count =
+            |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i).map_err(fail)?.max(0) as u64) };
         Ok(QueueStats {
             pending: count(0)?,
             oldest_pending: row.try_get(1).map_err(fail)?,
@@ -555,6 +700,12 @@ impl Storage for PgStorage {
     }
 
     async fn wait_for_work(&self) -> Result<()> {
+        if self.busy.load(Ordering::SeqCst) {
+            // The last claim found messages: under a steady load, look again soon rather
+            // than make every writer's commit notify.
+            tokio::time::sleep(BUSY_POLL).await;
+            return Ok(());
+        }
         if !self.config.wakeup || !self.ensure_listener().await {
             return std::future::pending().await;
         }
@@ -578,10 +729,12 @@ impl Storage for PgStorage {
                 .await
                 .map_err(|e| db_error("cannot purge delivered rows", e))?;
             if done.rows_affected() > 0 {
-                tracing::debug!(rows = done.rows_affected(), "purged delivered rows past retention");
+                tracing::debug!(
+                    rows = done.rows_affected(),
+                    "purged delivered rows past retention"
+                );
             }
         }
         Ok(())
     }
 }
-

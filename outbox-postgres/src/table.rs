@@ -24,7 +24,9 @@ pub struct OutboxTable {
 /// Checks that `name` is a plain lower-case identifier; `what` names the setting in errors.
 fn validate_name(what: &str, name: &str) -> Result<()> {
     let mut chars = name.chars();
-    let first_ok = chars.next().is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
     let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
     if !first_ok || !rest_ok || name.len() > MAX_NAME || name.starts_with("pg_") {
         return Err(Error::config(format!(
@@ -41,7 +43,8 @@ impl OutboxTable {
         validate_name("storage.schema", schema)?;
         validate_name("storage.table", table)?;
         let outbox = format!(r#""{schema}"."{table}""#);
-        let columns = "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+        let columns =
+            "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
         Ok(OutboxTable {
             schema: schema.to_string(),
             table: table.to_string(),
@@ -108,15 +111,27 @@ impl OutboxTable {
     }
 
     /// Enqueues many messages in one statement, in the order given.
-    pub async fn enqueue_many(&self, conn: &mut PgConnection, messages: &[NewMessage]) -> Result<()> {
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut PgConnection,
+        messages: &[NewMessage],
+    ) -> Result<()> {
         if messages.is_empty() {
             return Ok(());
         }
         let n = messages.len();
-        let (mut ids, mut topics, mut keys, mut payloads) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
-        let (mut headers, mut parents, mut states, mut created) =
-            (Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n), Vec::with_capacity(n));
+        let (mut ids, mut topics, mut keys, mut payloads) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
+        let (mut headers, mut parents, mut states, mut created) = (
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+            Vec::with_capacity(n),
+        );
         for m in messages {
             check_topic(m)?;
             let (traceparent, tracestate) = trace_columns(m);
@@ -175,12 +190,18 @@ impl OutboxTable {
                 continue;
             }
             tracing::info!(schema = %self.schema, table = %self.table, version, "applying outbox migration");
-            sqlx::raw_sql(&self.render(template)).execute(&mut *tx).await.map_err(fail)?;
-            sqlx::query(&format!("INSERT INTO {} (version) VALUES ($1)", self.qualified("_migrations")))
-                .bind(version)
+            sqlx::raw_sql(&self.render(template))
                 .execute(&mut *tx)
                 .await
                 .map_err(fail)?;
+            sqlx::query(&format!(
+                "INSERT INTO {} (version) VALUES ($1)",
+                self.qualified("_migrations")
+            ))
+            .bind(version)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
         }
         tx.commit().await.map_err(fail)?;
         Ok(())
@@ -314,23 +335,46 @@ mod tests {
     #[test]
     fn names_are_validated_not_spliced() {
         assert!(OutboxTable::new("app", "outbox_2").is_ok());
-        for bad in ["", "Outbox", "a-b", "x\"; DROP TABLE y; --", "pg_catalog", "1abc", &"a".repeat(41)] {
+        for bad in [
+            "",
+            "Outbox",
+            "a-b",
+            "x\"; DROP TABLE y; --",
+            "pg_catalog",
+            "1abc",
+            &"a".repeat(41),
+        ] {
             let err = OutboxTable::new(bad, "outbox").unwrap_err();
             assert!(err.to_string().contains("storage.schema"), "{err}");
         }
         let err = OutboxTable::new("app", "bad name").unwrap_err();
-        assert!(err.to_string().contains("storage.table `bad name`"), "{err}");
+        assert!(
+            err.to_string().contains("storage.table `bad name`"),
+            "{err}"
+        );
     }
 
     #[test]
     fn lock_key_is_stable_and_distinct() {
         let a = OutboxTable::new("app", "outbox").unwrap();
         let b = OutboxTable::new("app", "outbox2").unwrap();
-        assert_eq!(a.lock_key(), OutboxTable::new("app", "outbox").unwrap().lock_key());
+        assert_eq!(
+            a.lock_key(),
+            OutboxTable::new("app", "outbox").unwrap().lock_key()
+        );
         assert_ne!(a.lock_key(), b.lock_key());
         let sql = a.render(MIGRATIONS[0]);
-        for placeholder in ["{outbox}", "{dead_letters}", "{wakeup}", "{channel}", "{table}"] {
-            assert!(!sql.contains(placeholder), "{placeholder} left in the migration");
+        for placeholder in [
+            "{outbox}",
+            "{dead_letters}",
+            "{wakeup}",
+            "{channel}",
+            "{table}",
+        ] {
+            assert!(
+                !sql.contains(placeholder),
+                "{placeholder} left in the migration"
+            );
         }
     }
 }

@@ -4,6 +4,8 @@
 //! Every test talks to the real services. A server that is not there makes the test fail
 //! with a message naming it; nothing is skipped.
 
+pub mod conformance;
+
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -64,7 +66,9 @@ impl TestOutbox {
         adjust(&mut config);
         let storage = PgStorage::new(config).expect("valid test configuration");
         if let Err(error) = storage.migrate().await {
-            panic!("PostgreSQL must be running at {url} (start it with `cargo xtask services`): {error}");
+            panic!(
+                "PostgreSQL must be running at {url} (start it with `cargo xtask services`): {error}"
+            );
         }
         let pool = PgPoolOptions::new()
             .max_connections(20)
@@ -81,7 +85,10 @@ impl TestOutbox {
     /// Enqueues `messages` in one committed transaction.
     pub async fn enqueue(&self, messages: &[NewMessage]) {
         let mut tx = self.pool.begin().await.expect("begin");
-        self.table.enqueue_many(&mut tx, messages).await.expect("enqueue");
+        self.table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
         tx.commit().await.expect("commit");
     }
 
@@ -92,7 +99,8 @@ impl TestOutbox {
 
     /// Starts a relay with the given settings.
     pub fn relay_with(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
-        let worker = Worker::new(config, self.storage.clone(), sink).expect("valid worker configuration");
+        let worker =
+            Worker::new(config, self.storage.clone(), sink).expect("valid worker configuration");
         let shutdown = CancellationToken::new();
         let handle = tokio::spawn({
             let shutdown = shutdown.clone();
@@ -103,7 +111,9 @@ impl TestOutbox {
 
     /// Queue figures.
     pub async fn stats(&self) -> QueueStats {
-        outbox_core::Storage::stats(&*self.storage).await.expect("queue figures")
+        outbox_core::Storage::stats(&*self.storage)
+            .await
+            .expect("queue figures")
     }
 
     /// Waits until nothing is pending or in flight; panics with the figures on time-out.
@@ -139,9 +149,16 @@ impl Drop for TestOutbox {
         let url = postgres_url();
         // Drop runs inside the test's runtime: clean up from a thread with its own.
         let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().ok()?;
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
             runtime.block_on(async {
-                let pool = PgPoolOptions::new().max_connections(1).connect(&url).await.ok()?;
+                let pool = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .ok()?;
                 sqlx::query(&sql).execute(&pool).await.ok()
             })
         });
@@ -218,7 +235,10 @@ impl Proxy {
     /// Drops every live connection and closes new ones at once.
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
-        let old = std::mem::replace(&mut *self.connections.lock().expect("proxy lock"), CancellationToken::new());
+        let old = std::mem::replace(
+            &mut *self.connections.lock().expect("proxy lock"),
+            CancellationToken::new(),
+        );
         old.cancel();
     }
 

@@ -20,26 +20,39 @@ fn text(payload: &[u8]) -> String {
 fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
     let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
     for m in sink.published() {
-        keys.entry(m.key.clone().unwrap_or_default()).or_default().push(text(&m.payload));
+        keys.entry(m.key.clone().unwrap_or_default())
+            .or_default()
+            .push(text(&m.payload));
     }
     keys
 }
 
 async fn attempts_in_table(outbox: &TestOutbox) -> Vec<i32> {
-    sqlx::query_scalar(&format!("SELECT attempts FROM {} ORDER BY seq", outbox.table.qualified("")))
-        .fetch_all(&outbox.pool)
-        .await
-        .unwrap()
+    sqlx::query_scalar(&format!(
+        "SELECT attempts FROM {} ORDER BY seq",
+        outbox.table.qualified("")
+    ))
+    .fetch_all(&outbox.pool)
+    .await
+    .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_messages_are_never_delivered_committed_ones_are() {
     let outbox = TestOutbox::new().await;
     let mut tx = outbox.pool.begin().await.unwrap();
-    outbox.table.enqueue(&mut tx, &NewMessage::new("orders", "rolled back")).await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut tx, &NewMessage::new("orders", "rolled back"))
+        .await
+        .unwrap();
     tx.rollback().await.unwrap();
     let mut tx = outbox.pool.begin().await.unwrap();
-    outbox.table.enqueue(&mut tx, &NewMessage::new("orders", "committed")).await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut tx, &NewMessage::new("orders", "committed"))
+        .await
+        .unwrap();
     tx.commit().await.unwrap();
 
     let sink = Arc::new(MemorySink::new());
@@ -67,7 +80,11 @@ async fn message_fields_survive_storage_exactly() {
         NewMessage::new("empty", Vec::new()),
     ];
     outbox.enqueue(&messages).await;
-    let claim = outbox.storage.claim("w", 10, Duration::from_secs(30)).await.unwrap();
+    let claim = outbox
+        .storage
+        .claim("w", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(claim.messages.len(), 3);
     for (sent, got) in messages.iter().zip(&claim.messages) {
         assert_eq!(got.id, sent.id);
@@ -77,7 +94,10 @@ async fn message_fields_survive_storage_exactly() {
         assert_eq!(got.headers, sent.headers);
         assert_eq!(got.trace_context, sent.trace_context);
         assert_eq!(got.attempts, 0);
-        assert_eq!(got.created_at.timestamp_micros(), sent.created_at.timestamp_micros());
+        assert_eq!(
+            got.created_at.timestamp_micros(),
+            sent.created_at.timestamp_micros()
+        );
     }
 }
 
@@ -100,7 +120,15 @@ async fn four_relays_deliver_every_message_once_in_key_order() {
     }
     let sink = Arc::new(MemorySink::new());
     let relays: Vec<_> = (0..4)
-        .map(|i| outbox.relay_with(WorkerConfig { batch_size: 250, ..test_worker_config(&format!("w{i}")) }, sink.clone()))
+        .map(|i| {
+            outbox.relay_with(
+                WorkerConfig {
+                    batch_size: 250,
+                    ..test_worker_config(&format!("w{i}"))
+                },
+                sink.clone(),
+            )
+        })
         .collect();
     outbox.wait_until_drained(Duration::from_secs(120)).await;
     for relay in relays {
@@ -112,7 +140,10 @@ async fn four_relays_deliver_every_message_once_in_key_order() {
     for m in &published {
         *seen.entry(m.id).or_insert(0) += 1;
     }
-    assert!(seen.values().all(|&n| n == 1), "a message was delivered twice");
+    assert!(
+        seen.values().all(|&n| n == 1),
+        "a message was delivered twice"
+    );
     for (key, payloads) in by_key(&sink) {
         let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
         assert_eq!(payloads, expected, "order broken for key {key}");
@@ -122,7 +153,9 @@ async fn four_relays_deliver_every_message_once_in_key_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_without_key_order_deliver_everything_once() {
     let outbox = TestOutbox::with_config(|c| c.per_key_order = false).await;
-    let messages: Vec<NewMessage> = (0..3000).map(|i| NewMessage::new("t", i.to_string()).key("same")).collect();
+    let messages: Vec<NewMessage> = (0..3000)
+        .map(|i| NewMessage::new("t", i.to_string()).key("same"))
+        .collect();
     outbox.enqueue(&messages).await;
     let sink = Arc::new(MemorySink::new());
     let a = outbox.relay("a", sink.clone());
@@ -144,9 +177,17 @@ async fn writers_committing_out_of_order_lose_nothing() {
     let relay = outbox.relay("w", sink.clone());
     // The first writer takes the lower sequence number but commits last.
     let mut early = outbox.pool.begin().await.unwrap();
-    outbox.table.enqueue(&mut early, &NewMessage::new("t", "early-seq")).await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut early, &NewMessage::new("t", "early-seq"))
+        .await
+        .unwrap();
     let mut late = outbox.pool.begin().await.unwrap();
-    outbox.table.enqueue(&mut late, &NewMessage::new("t", "late-seq")).await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut late, &NewMessage::new("t", "late-seq"))
+        .await
+        .unwrap();
     late.commit().await.unwrap();
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     assert_eq!(sink.published().len(), 1);
@@ -157,7 +198,10 @@ async fn writers_committing_out_of_order_lose_nothing() {
         let (pool, table) = (outbox.pool.clone(), outbox.table.clone());
         writers.push(tokio::spawn(async move {
             let mut tx = pool.begin().await.unwrap();
-            table.enqueue(&mut tx, &NewMessage::new("t", format!("w{i}"))).await.unwrap();
+            table
+                .enqueue(&mut tx, &NewMessage::new("t", format!("w{i}")))
+                .await
+                .unwrap();
             tokio::time::sleep(Duration::from_millis(fastrand::u64(0..200))).await;
             tx.commit().await.unwrap();
         }));
@@ -173,65 +217,150 @@ async fn writers_committing_out_of_order_lose_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_relays_late_writes_are_refused() {
     let outbox = TestOutbox::new().await;
-    let messages: Vec<NewMessage> = (0..5).map(|i| NewMessage::new("t", format!("m{i}")).key("k")).collect();
+    let messages: Vec<NewMessage> = (0..5)
+        .map(|i| NewMessage::new("t", format!("m{i}")).key("k"))
+        .collect();
     outbox.enqueue(&messages).await;
     // A relay claims, then stalls (or dies) past its lease without acknowledging.
-    let stale = outbox.storage.claim("stalled", 10, Duration::from_secs(1)).await.unwrap();
+    let stale = outbox
+        .storage
+        .claim("stalled", 10, Duration::from_secs(1))
+        .await
+        .unwrap();
     assert_eq!(stale.messages.len(), 5);
     let sink = Arc::new(MemorySink::new());
     let relay = outbox.relay("healthy", sink.clone());
     tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(sink.published().is_empty(), "claimed messages were taken before the lease ran out");
+    assert!(
+        sink.published().is_empty(),
+        "claimed messages were taken before the lease ran out"
+    );
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     relay.stop().await;
     assert_eq!(sink.published().len(), 5);
 
     // The stalled relay wakes up: none of its writes may touch the rows any more.
-    let deliveries: Vec<Delivery> = stale.messages.iter().map(|m| Delivery { id: m.id, receipt: Receipt::new("late") }).collect();
-    assert_eq!(outbox.storage.ack(&stale.token, &deliveries).await.unwrap(), 0);
-    let retries: Vec<Retry> = stale.messages.iter().map(|m| Retry { id: m.id, delay: Duration::ZERO, error: "late".into() }).collect();
-    assert_eq!(outbox.storage.retry(&stale.token, &retries).await.unwrap(), 0);
+    let deliveries: Vec<Delivery> = stale
+        .messages
+        .iter()
+        .map(|m| Delivery {
+            id: m.id,
+            receipt: Receipt::new("late"),
+        })
+        .collect();
+    assert_eq!(
+        outbox.storage.ack(&stale.token, &deliveries).await.unwrap(),
+        0
+    );
+    let retries: Vec<Retry> = stale
+        .messages
+        .iter()
+        .map(|m| Retry {
+            id: m.id,
+            delay: Duration::ZERO,
+            error: "late".into(),
+        })
+        .collect();
+    assert_eq!(
+        outbox.storage.retry(&stale.token, &retries).await.unwrap(),
+        0
+    );
 
     // While a newer claim holds a row, the stale token cannot complete it either.
     outbox.enqueue(&[NewMessage::new("t", "again")]).await;
-    let first = outbox.storage.claim("a", 10, Duration::from_millis(1)).await.unwrap();
+    let first = outbox
+        .storage
+        .claim("a", 10, Duration::from_millis(1))
+        .await
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let second = outbox.storage.claim("b", 10, Duration::from_secs(30)).await.unwrap();
+    let second = outbox
+        .storage
+        .claim("b", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(second.messages.len(), 1);
-    let late_ack = [Delivery { id: first.messages[0].id, receipt: Receipt::new("x") }];
-    assert_eq!(outbox.storage.ack(&first.token, &late_ack).await.unwrap(), 0, "stale ack accepted");
-    assert_eq!(outbox.storage.release(&first.token, &[first.messages[0].id]).await.unwrap(), 0);
+    let late_ack = [Delivery {
+        id: first.messages[0].id,
+        receipt: Receipt::new("x"),
+    }];
+    assert_eq!(
+        outbox.storage.ack(&first.token, &late_ack).await.unwrap(),
+        0,
+        "stale ack accepted"
+    );
+    assert_eq!(
+        outbox
+            .storage
+            .release(&first.token, &[first.messages[0].id])
+            .await
+            .unwrap(),
+        0
+    );
     assert_eq!(outbox.stats().await.in_flight, 1);
-    assert_eq!(outbox.storage.ack(&second.token, &late_ack).await.unwrap(), 1);
+    assert_eq!(
+        outbox.storage.ack(&second.token, &late_ack).await.unwrap(),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
     let outbox = TestOutbox::new().await;
-    outbox.enqueue(&[NewMessage::new("t", "k1").key("k"), NewMessage::new("t", "free"), NewMessage::new("t", "k2").key("k")]).await;
-    let first = outbox.storage.claim("a", 1, Duration::from_secs(30)).await.unwrap();
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "k1").key("k"),
+            NewMessage::new("t", "free"),
+            NewMessage::new("t", "k2").key("k"),
+        ])
+        .await;
+    let first = outbox
+        .storage
+        .claim("a", 1, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(first.messages.len(), 1);
-    let second = outbox.storage.claim("b", 10, Duration::from_secs(30)).await.unwrap();
+    let second = outbox
+        .storage
+        .claim("b", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
     let got: Vec<String> = second.messages.iter().map(|m| text(&m.payload)).collect();
     assert_eq!(got, ["free"], "k2 must wait while k1 is in flight");
     // After a retry is scheduled, k2 still waits for k1.
-    let retry = [Retry { id: first.messages[0].id, delay: Duration::from_secs(60), error: "nack".into() }];
+    let retry = [Retry {
+        id: first.messages[0].id,
+        delay: Duration::from_secs(60),
+        error: "nack".into(),
+    }];
     assert_eq!(outbox.storage.retry(&first.token, &retry).await.unwrap(), 1);
-    let third = outbox.storage.claim("c", 10, Duration::from_secs(30)).await.unwrap();
-    assert!(third.messages.is_empty(), "k2 overtook a message waiting to retry");
+    let third = outbox
+        .storage
+        .claim("c", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert!(
+        third.messages.is_empty(),
+        "k2 overtook a message waiting to retry"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_down_sink_charges_no_attempts_and_everything_arrives_later() {
     let outbox = TestOutbox::new().await;
-    let messages: Vec<NewMessage> = (0..50).map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 5))).collect();
+    let messages: Vec<NewMessage> = (0..50)
+        .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 5)))
+        .collect();
     outbox.enqueue(&messages).await;
     let sink = Arc::new(MemorySink::new());
     sink.set_up(false);
     let relay = outbox.relay("w", sink.clone());
     tokio::time::sleep(Duration::from_secs(2)).await;
     let stats = outbox.stats().await;
-    assert_eq!((stats.pending, stats.in_flight, stats.dead_lettered), (50, 0, 0));
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.dead_lettered),
+        (50, 0, 0)
+    );
     assert!(attempts_in_table(&outbox).await.iter().all(|&a| a == 0));
     sink.set_up(true);
     outbox.wait_until_drained(Duration::from_secs(10)).await;
@@ -255,31 +384,56 @@ async fn a_poison_message_is_dead_lettered_and_parks_its_key_until_replayed() {
 
     let sink = Arc::new(MemorySink::new());
     sink.fail_when(|m| (m.payload == b"poison").then(|| Error::temporary("broker rejected it")));
-    let config = WorkerConfig { max_attempts: 3, ..test_worker_config("w") };
+    let config = WorkerConfig {
+        max_attempts: 3,
+        ..test_worker_config("w")
+    };
     let relay = outbox.relay_with(config, sink.clone());
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     while outbox.dead_letters().await.is_empty() {
-        assert!(tokio::time::Instant::now() < deadline, "never dead-lettered");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(300)).await;
     let dead = outbox.dead_letters().await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0, poison_id);
-    assert!(dead[0].1.contains("gave up after 3 attempts") && dead[0].1.contains("broker rejected it"), "{}", dead[0].1);
+    assert!(
+        dead[0].1.contains("gave up after 3 attempts") && dead[0].1.contains("broker rejected it"),
+        "{}",
+        dead[0].1
+    );
     let keys = by_key(&sink);
     assert_eq!(keys["k2"].len(), 10, "other keys keep flowing");
-    assert!(!keys.contains_key("k1"), "k1's later messages must stay parked");
+    assert!(
+        !keys.contains_key("k1"),
+        "k1's later messages must stay parked"
+    );
     let stats = outbox.stats().await;
-    assert_eq!((stats.parked_keys, stats.pending, stats.dead_lettered), (1, 2, 1));
+    assert_eq!(
+        (stats.parked_keys, stats.pending, stats.dead_lettered),
+        (1, 2, 1)
+    );
 
     // Messages enqueued for a parked key wait too.
-    outbox.enqueue(&[NewMessage::new("t", "k1-c").key("k1")]).await;
+    outbox
+        .enqueue(&[NewMessage::new("t", "k1-c").key("k1")])
+        .await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!by_key(&sink).contains_key("k1"));
 
     sink.fail_when(|_| None);
-    assert_eq!(outbox.storage.replay_dead_letters(&[poison_id]).await.unwrap(), 1);
+    assert_eq!(
+        outbox
+            .storage
+            .replay_dead_letters(&[poison_id])
+            .await
+            .unwrap(),
+        1
+    );
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     relay.stop().await;
     assert_eq!(by_key(&sink)["k1"], ["poison", "k1-a", "k1-b", "k1-c"]);
@@ -290,7 +444,10 @@ async fn a_poison_message_is_dead_lettered_and_parks_its_key_until_replayed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_permanent_failure_is_dead_lettered_at_once_and_release_unparks() {
     let outbox = TestOutbox::new().await;
-    let messages = [NewMessage::new("t", "too big").key("k"), NewMessage::new("t", "next").key("k")];
+    let messages = [
+        NewMessage::new("t", "too big").key("k"),
+        NewMessage::new("t", "next").key("k"),
+    ];
     outbox.enqueue(&messages).await;
     let sink = Arc::new(MemorySink::new());
     sink.fail_when(|m| (m.payload == b"too big").then(|| Error::permanent("message too large")));
@@ -302,26 +459,44 @@ async fn a_permanent_failure_is_dead_lettered_at_once_and_release_unparks() {
     }
     let dead = outbox.storage.dead_letters(10).await.unwrap();
     assert_eq!(dead[0].message.attempts, 1);
-    assert_eq!(dead[0].last_error, Error::permanent("message too large").to_string());
+    assert_eq!(
+        dead[0].last_error,
+        Error::permanent("message too large").to_string()
+    );
     assert!(outbox.storage.release_parked_key("k").await.unwrap());
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     relay.stop().await;
     assert_eq!(by_key(&sink)["k"], ["next"]);
-    assert_eq!(outbox.storage.purge_dead_letters(&[messages[0].id]).await.unwrap(), 1);
+    assert_eq!(
+        outbox
+            .storage
+            .purge_dead_letters(&[messages[0].id])
+            .await
+            .unwrap(),
+        1
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wake_up_delivers_well_before_the_poll_interval() {
     let outbox = TestOutbox::new().await;
     let sink = Arc::new(MemorySink::new());
-    let config = WorkerConfig { poll_interval: Duration::from_secs(30), ..test_worker_config("w") };
+    let config = WorkerConfig {
+        poll_interval: Duration::from_secs(30),
+        ..test_worker_config("w")
+    };
     let relay = outbox.relay_with(config, sink.clone());
     tokio::time::sleep(Duration::from_millis(500)).await; // let it go idle and arm
     for round in 0..3 {
         let started = tokio::time::Instant::now();
-        outbox.enqueue(&[NewMessage::new("t", format!("r{round}"))]).await;
+        outbox
+            .enqueue(&[NewMessage::new("t", format!("r{round}"))])
+            .await;
         while sink.published().len() <= round {
-            assert!(started.elapsed() < Duration::from_secs(10), "no wake-up: waited for the poll interval");
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "no wake-up: waited for the poll interval"
+            );
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
     }
@@ -332,59 +507,112 @@ async fn the_wake_up_delivers_well_before_the_poll_interval() {
 async fn writers_do_not_notify_while_the_relay_is_busy() {
     let outbox = TestOutbox::new().await;
     let idle = || async {
-        sqlx::query_scalar::<_, bool>(&format!("SELECT relay_idle FROM {}", outbox.table.qualified("_wakeup")))
-            .fetch_one(&outbox.pool)
-            .await
-            .unwrap()
+        sqlx::query_scalar::<_, bool>(&format!(
+            "SELECT relay_idle FROM {}",
+            outbox.table.qualified("_wakeup")
+        ))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap()
     };
     assert!(!idle().await);
     let sink = Arc::new(MemorySink::new());
-    let config = WorkerConfig { batch_size: 10, ..test_worker_config("w") };
+    let config = WorkerConfig {
+        batch_size: 10,
+        ..test_worker_config("w")
+    };
     let relay = outbox.relay_with(config, sink.clone());
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(idle().await, "an idle relay asks writers to notify");
     // A full batch means the relay is busy: it tells writers to stop notifying.
-    outbox.enqueue(&(0..500).map(|i| NewMessage::new("t", i.to_string())).collect::<Vec<_>>()).await;
+    outbox
+        .enqueue(
+            &(0..500)
+                .map(|i| NewMessage::new("t", i.to_string()))
+                .collect::<Vec<_>>(),
+        )
+        .await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut saw_busy = false;
     while sink.published().len() < 500 {
         saw_busy |= !idle().await;
         assert!(tokio::time::Instant::now() < deadline);
     }
-    assert!(saw_busy, "writers were asked to notify throughout a busy drain");
+    assert!(
+        saw_busy,
+        "writers were asked to notify throughout a busy drain"
+    );
     relay.stop().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delivered_rows_can_be_kept_with_their_receipt_then_purged() {
     let outbox = TestOutbox::with_config(|c| c.retention = Some(Duration::from_millis(500))).await;
-    outbox.enqueue(&[NewMessage::new("t", "a").key("k"), NewMessage::new("t", "b")]).await;
-    let claim = outbox.storage.claim("w", 10, Duration::from_secs(30)).await.unwrap();
-    let deliveries: Vec<Delivery> = claim.messages.iter().enumerate().map(|(i, m)| Delivery { id: m.id, receipt: Receipt::new(format!("1-{i}")) }).collect();
-    assert_eq!(outbox.storage.ack(&claim.token, &deliveries).await.unwrap(), 2);
-    let delivered = outbox.table.qualified("_delivered");
-    let receipts: Vec<String> = sqlx::query_scalar(&format!("SELECT receipt FROM {delivered} ORDER BY seq"))
-        .fetch_all(&outbox.pool)
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "a").key("k"),
+            NewMessage::new("t", "b"),
+        ])
+        .await;
+    let claim = outbox
+        .storage
+        .claim("w", 10, Duration::from_secs(30))
         .await
         .unwrap();
+    let deliveries: Vec<Delivery> = claim
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| Delivery {
+            id: m.id,
+            receipt: Receipt::new(format!("1-{i}")),
+        })
+        .collect();
+    assert_eq!(
+        outbox.storage.ack(&claim.token, &deliveries).await.unwrap(),
+        2
+    );
+    let delivered = outbox.table.qualified("_delivered");
+    let receipts: Vec<String> =
+        sqlx::query_scalar(&format!("SELECT receipt FROM {delivered} ORDER BY seq"))
+            .fetch_all(&outbox.pool)
+            .await
+            .unwrap();
     assert_eq!(receipts, ["1-0", "1-1"]);
     assert_eq!(outbox.stats().await.pending, 0);
     tokio::time::sleep(Duration::from_millis(600)).await;
     outbox.storage.maintain().await.unwrap();
-    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {delivered}")).fetch_one(&outbox.pool).await.unwrap();
+    let left: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {delivered}"))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
     assert_eq!(left, 0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_figures_match_the_table() {
     let outbox = TestOutbox::new().await;
-    outbox.enqueue(&(0..7).map(|i| NewMessage::new("t", i.to_string())).collect::<Vec<_>>()).await;
-    let claim = outbox.storage.claim("w", 3, Duration::from_secs(30)).await.unwrap();
+    outbox
+        .enqueue(
+            &(0..7)
+                .map(|i| NewMessage::new("t", i.to_string()))
+                .collect::<Vec<_>>(),
+        )
+        .await;
+    let claim = outbox
+        .storage
+        .claim("w", 3, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(claim.messages.len(), 3);
     let stats = outbox.stats().await;
     assert_eq!((stats.pending, stats.in_flight), (4, 3));
     assert!(stats.oldest_pending.is_some());
-    outbox.storage.release(&claim.token, &[claim.messages[0].id]).await.unwrap();
+    outbox
+        .storage
+        .release(&claim.token, &[claim.messages[0].id])
+        .await
+        .unwrap();
     let stats = outbox.stats().await;
     assert_eq!((stats.pending, stats.in_flight), (5, 2));
 }
@@ -392,16 +620,26 @@ async fn queue_figures_match_the_table() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn relay_sessions_plan_every_claim_for_the_real_table() {
     let outbox = TestOutbox::new().await;
-    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode").fetch_one(outbox.storage.pool()).await.unwrap();
-    assert_eq!(mode, "force_custom_plan");
-    let commit: String = sqlx::query_scalar("SHOW synchronous_commit").fetch_one(outbox.storage.pool()).await.unwrap();
-    assert_eq!(commit, "off");
-    let options: Vec<String> = sqlx::query_scalar("SELECT unnest(reloptions) FROM pg_class WHERE oid = $1::regclass")
-        .bind(outbox.table.qualified(""))
-        .fetch_all(&outbox.pool)
+    let mode: String = sqlx::query_scalar("SHOW plan_cache_mode")
+        .fetch_one(outbox.storage.pool())
         .await
         .unwrap();
-    assert!(options.contains(&"autovacuum_vacuum_scale_factor=0".to_string()), "{options:?}");
+    assert_eq!(mode, "force_custom_plan");
+    let commit: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(outbox.storage.pool())
+        .await
+        .unwrap();
+    assert_eq!(commit, "off");
+    let options: Vec<String> =
+        sqlx::query_scalar("SELECT unnest(reloptions) FROM pg_class WHERE oid = $1::regclass")
+            .bind(outbox.table.qualified(""))
+            .fetch_all(&outbox.pool)
+            .await
+            .unwrap();
+    assert!(
+        options.contains(&"autovacuum_vacuum_scale_factor=0".to_string()),
+        "{options:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -413,20 +651,41 @@ async fn migrations_are_idempotent_and_a_plain_insert_is_enough_to_enqueue() {
         .execute(&outbox.pool)
         .await
         .unwrap();
-    let claim = outbox.storage.claim("w", 10, Duration::from_secs(30)).await.unwrap();
+    let claim = outbox
+        .storage
+        .claim("w", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
     assert_eq!(claim.messages[0].payload, b"hi");
     assert_eq!(claim.messages[0].headers["n"], "1");
 }
 
 #[tokio::test]
 async fn bad_configuration_is_refused_with_the_key_named() {
-    let bad_schema = PgStorage::new(PostgresConfig::new(postgres_url()).table("Robert'); DROP TABLE x;--", "outbox")).unwrap_err();
+    let bad_schema = PgStorage::new(
+        PostgresConfig::new(postgres_url()).table("Robert'); DROP TABLE x;--", "outbox"),
+    )
+    .unwrap_err();
     assert_eq!(bad_schema.kind(), ErrorKind::Config);
-    assert!(bad_schema.to_string().contains("storage.schema"), "{bad_schema}");
+    assert!(
+        bad_schema.to_string().contains("storage.schema"),
+        "{bad_schema}"
+    );
     let bad_url = PgStorage::new(PostgresConfig::new("mysql://root:hunter2@db/x")).unwrap_err();
-    assert!(bad_url.to_string().contains("storage.url") && !bad_url.to_string().contains("hunter2"), "{bad_url}");
-    let config = PostgresConfig { max_connections: 1, ..PostgresConfig::new(postgres_url()) };
-    assert!(PgStorage::new(config).unwrap_err().to_string().contains("storage.max_connections"));
+    assert!(
+        bad_url.to_string().contains("storage.url") && !bad_url.to_string().contains("hunter2"),
+        "{bad_url}"
+    );
+    let config = PostgresConfig {
+        max_connections: 1,
+        ..PostgresConfig::new(postgres_url())
+    };
+    assert!(
+        PgStorage::new(config)
+            .unwrap_err()
+            .to_string()
+            .contains("storage.max_connections")
+    );
     assert!(OutboxTable::new("ok", "").is_err());
     let debug = format!("{:?}", PostgresConfig::new("postgres://app:hunter2@db/x"));
     assert!(!debug.contains("hunter2"), "{debug}");
@@ -434,10 +693,16 @@ async fn bad_configuration_is_refused_with_the_key_named() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_database_that_is_down_is_unavailable_not_a_crash() {
-    let config = PostgresConfig { connect_timeout: Duration::from_secs(1), ..PostgresConfig::new("postgres://postgres@127.0.0.1:1/test") };
+    let config = PostgresConfig {
+        connect_timeout: Duration::from_secs(1),
+        ..PostgresConfig::new("postgres://postgres@127.0.0.1:1/test")
+    };
     let storage = PgStorage::new(config).unwrap();
     let err = storage.health().await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    let err = storage.claim("w", 10, Duration::from_secs(30)).await.unwrap_err();
+    let err = storage
+        .claim("w", 10, Duration::from_secs(30))
+        .await
+        .unwrap_err();
     assert!(err.is_retryable());
 }

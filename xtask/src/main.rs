@@ -1,1 +1,280 @@
-fn main() {}
+//! `cargo xtask <task>`: the project's chores in one place.
+//!
+//! - `services`: make sure every server the tests need is up, starting (and, when missing,
+//!   installing) each one: PostgreSQL, Redis, RabbitMQ, NATS, and tansu as the Kafka broker.
+//! - `test`: `services`, then the whole test suite against them.
+//! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
+
+use std::net::{SocketAddr, TcpStream};
+use std::path::PathBuf;
+use std::process::{Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+type Result<T = ()> = std::result::Result<T, String>;
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let result = match args.first().map(String::as_str) {
+        Some("services") => services(),
+        Some("test") => services().and_then(|()| test(&args[1..])),
+        Some("bench") => services().and_then(|()| bench(&args[1..])),
+        _ => Err("usage: cargo xtask <services | test [cargo test args] | bench [--quick]>".into()),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: {error}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// A server the tests need: where it listens, how to start it, how to install it.
+struct Service {
+    name: &'static str,
+    port: u16,
+    start: fn() -> Result,
+    /// Debian package that provides it, when it is missing.
+    package: Option<&'static str>,
+    /// Program whose absence means the service must be installed first.
+    program: &'static str,
+    startup: Duration,
+}
+
+const SERVICES: &[Service] = &[
+    Service {
+        name: "PostgreSQL",
+        port: 5432,
+        start: start_postgres,
+        package: Some("postgresql"),
+        program: "pg_ctlcluster",
+        startup: Duration::from_secs(30),
+    },
+    Service {
+        name: "Redis",
+        port: 6379,
+        start: start_redis,
+        package: Some("redis-server"),
+        program: "redis-server",
+        startup: Duration::from_secs(15),
+    },
+    Service {
+        name: "RabbitMQ",
+        port: 5672,
+        start: start_rabbitmq,
+        package: Some("rabbitmq-server"),
+        program: "rabbitmq-server",
+        startup: Duration::from_secs(90),
+    },
+    Service {
+        name: "NATS",
+        port: 4222,
+        start: start_nats,
+        package: Some("nats-server"),
+        program: "nats-server",
+        startup: Duration::from_secs(15),
+    },
+    Service {
+        name: "Kafka (tansu)",
+        port: 9092,
+        start: start_tansu,
+        package: None,
+        program: "",
+        startup: Duration::from_secs(30),
+    },
+];
+
+fn services() -> Result {
+    for service in SERVICES {
+        if is_listening(service.port) {
+            println!(
+                "xtask: {} is up on 127.0.0.1:{}",
+                service.name, service.port
+            );
+            continue;
+        }
+        println!(
+            "xtask: {} is down on 127.0.0.1:{}; starting it",
+            service.name, service.port
+        );
+        if let Some(package) = service.package {
+            if !has_program(service.program) {
+                println!(
+                    "xtask: {} is not installed; installing Debian package {package}",
+                    service.name
+                );
+                run(Command::new("apt-get").args([
+                    "install",
+                    "-y",
+                    "--no-install-recommends",
+                    package,
+                ]))?;
+            }
+        }
+        (service.start)()?;
+        wait_for(service)?;
+    }
+    Ok(())
+}
+
+fn is_listening(port: u16) -> bool {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
+}
+
+fn wait_for(service: &Service) -> Result {
+    let deadline = Instant::now() + service.startup;
+    while Instant::now() < deadline {
+        if is_listening(service.port) {
+            println!("xtask: {} is up", service.name);
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    Err(format!(
+        "{} did not come up on 127.0.0.1:{} within {:?}",
+        service.name, service.port, service.startup
+    ))
+}
+
+fn has_program(program: &str) -> bool {
+    let found = |dir: &std::path::Path| dir.join(program).is_file();
+    std::env::var_os("PATH")
+        .map(|paths| std::env::split_paths(&paths).any(|d| found(&d)))
+        .unwrap_or(false)
+        || ["/usr/sbin", "/usr/lib/rabbitmq/bin"]
+            .iter()
+            .any(|d| found(std::path::Path::new(d)))
+}
+
+fn run(command: &mut Command) -> Result {
+    let status = command
+        .status()
+        .map_err(|e| format!("cannot run {command:?}: {e}"))?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("{command:?} failed with {status}"))
+    }
+}
+
+fn start_postgres() -> Result {
+    let versions = std::fs::read_dir("/etc/postgresql")
+        .map_err(|e| format!("no PostgreSQL cluster under /etc/postgresql: {e}"))?;
+    for version in versions.flatten() {
+        let version = version.file_name().to_string_lossy().to_string();
+        run(Command::new("pg_ctlcluster").args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            "start",
+        ]))?;
+    }
+    Ok(())
+}
+
+fn start_redis() -> Result {
+    std::fs::create_dir_all("/var/log/redis").ok();
+    std::fs::create_dir_all("/var/lib/redis").ok();
+    run(Command::new("redis-server").args([
+        "--daemonize",
+        "yes",
+        "--bind",
+        "127.0.0.1",
+        "-::1",
+        "--port",
+        "6379",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+        "--dir",
+        "/var/lib/redis",
+        "--logfile",
+        "/var/log/redis/ci.log",
+    ]))
+}
+
+fn start_rabbitmq() -> Result {
+    run(Command::new("rabbitmq-server").arg("-detached"))
+}
+
+fn start_nats() -> Result {
+    std::fs::create_dir_all("/var/lib/nats-server").ok();
+    run(Command::new("start-stop-daemon").args([
+        "--start",
+        "--oknodo",
+        "--background",
+        "--exec",
+        "/usr/sbin/nats-server",
+        "--",
+        "-a",
+        "127.0.0.1",
+        "-p",
+        "4222",
+        "-js",
+        "-sd",
+        "/var/lib/nats-server",
+        "-l",
+        "/var/log/nats-server.log",
+    ]))
+}
+
+/// tansu, a Kafka-protocol broker from crates.io, cached in ~/.cargo/bin once built.
+fn start_tansu() -> Result {
+    let home = std::env::var("CARGO_HOME")
+        .map(PathBuf::from)
+        .or_else(|_| std::env::var("HOME").map(|h| PathBuf::from(h).join(".cargo")))
+        .map_err(|_| "neither CARGO_HOME nor HOME is set".to_string())?;
+    let tansu = home.join("bin").join("tansu");
+    if !tansu.is_file() {
+        println!(
+            "xtask: installing tansu 0.6.0 (about 14 minutes on the first build; cached afterwards)"
+        );
+        run(Command::new("cargo").args([
+            "install",
+            "tansu",
+            "--version",
+            "0.6.0",
+            "--locked",
+            "--no-default-features",
+            "--features",
+            "dynostore",
+        ]))?;
+    }
+    let log = std::fs::File::create(std::env::temp_dir().join("outbox-tansu.log"))
+        .map_err(|e| format!("cannot create the tansu log: {e}"))?;
+    Command::new("setsid")
+        .arg(&tansu)
+        .args([
+            "broker",
+            "--listener-url",
+            "tcp://127.0.0.1:9092",
+            "--advertised-listener-url",
+            "tcp://127.0.0.1:9092",
+            "--storage-engine",
+            "memory://tansu/",
+        ])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start tansu: {e}"))?;
+    Ok(())
+}
+
+fn cargo() -> Command {
+    Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+}
+
+fn test(extra: &[String]) -> Result {
+    run(cargo()
+        .args(["test", "--workspace", "--all-features", "--no-fail-fast"])
+        .args(extra))
+}
+
+fn bench(extra: &[String]) -> Result {
+    run(cargo()
+        .args(["run", "--release", "--package", "outbox-bench", "--"])
+        .args(extra))
+}

@@ -33,7 +33,10 @@ fn start(
     (shutdown, handle)
 }
 
-fn times_of_attempts(sink: &MemorySink, fail: impl Fn(&Message) -> bool + Send + Sync + 'static) -> Arc<Mutex<Vec<Duration>>> {
+fn times_of_attempts(
+    sink: &MemorySink,
+    fail: impl Fn(&Message) -> bool + Send + Sync + 'static,
+) -> Arc<Mutex<Vec<Duration>>> {
     let start = Instant::now();
     let times = Arc::new(Mutex::new(Vec::new()));
     let seen = times.clone();
@@ -69,7 +72,11 @@ async fn retries_follow_the_backoff_then_dead_letter() {
     assert_eq!(secs, [0, 1, 3, 7, 15]);
     let dead = storage.dead_letters();
     assert_eq!(dead.len(), 1);
-    assert!(dead[0].1.contains("gave up after 5 attempts"), "{}", dead[0].1);
+    assert!(
+        dead[0].1.contains("gave up after 5 attempts"),
+        "{}",
+        dead[0].1
+    );
     assert!(dead[0].1.contains("broker said no"));
     assert_eq!(dead[0].0.attempts, 5);
 }
@@ -122,7 +129,13 @@ async fn failed_runs_restart_after_doubling_waits() {
         async move { worker.run(shutdown).await }
     });
     sleep(Duration::from_millis(7500)).await;
-    let calls: Vec<u64> = storage.calls.lock().unwrap().iter().map(|d| d.as_secs()).collect();
+    let calls: Vec<u64> = storage
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_secs())
+        .collect();
     // Waits of 1 + 2 + 4 s between runs.
     assert_eq!(calls, [0, 1, 3, 7]);
     // Shutdown during a restart wait returns at once.
@@ -160,7 +173,10 @@ async fn sink_outage_charges_nothing_and_claims_nothing() {
     let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(120)).await;
     assert_eq!(sink.publish_calls(), 0, "claimed while the sink was down");
-    assert!(sink.health_calls() >= 3, "health gate did not keep checking");
+    assert!(
+        sink.health_calls() >= 3,
+        "health gate did not keep checking"
+    );
     assert!(storage.pending().iter().all(|m| m.attempts == 0));
 
     sink.set_up(true);
@@ -243,18 +259,36 @@ async fn a_failing_head_holds_back_its_key_but_not_others() {
     }
     let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_millis(500)).await;
-    let published: Vec<String> = sink.published().iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect();
-    assert_eq!(published, ["b0", "b1", "b2"], "key a must wait for its head");
+    let published: Vec<String> = sink
+        .published()
+        .iter()
+        .map(|m| String::from_utf8(m.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        published,
+        ["b0", "b1", "b2"],
+        "key a must wait for its head"
+    );
     // a1 and a2 were released uncharged; a0 was charged.
     let pending = storage.pending();
-    let attempts: Vec<(String, u32)> = pending.iter().map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts)).collect();
-    assert_eq!(attempts, [("a0".into(), 1), ("a1".into(), 0), ("a2".into(), 0)]);
+    let attempts: Vec<(String, u32)> = pending
+        .iter()
+        .map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts))
+        .collect();
+    assert_eq!(
+        attempts,
+        [("a0".into(), 1), ("a1".into(), 0), ("a2".into(), 0)]
+    );
 
     sink.fail_when(|_| None);
     sleep(Duration::from_secs(3)).await;
     shutdown.cancel();
     handle.await.unwrap();
-    let published: Vec<String> = sink.published().iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect();
+    let published: Vec<String> = sink
+        .published()
+        .iter()
+        .map(|m| String::from_utf8(m.payload.clone()).unwrap())
+        .collect();
     assert_eq!(published, ["b0", "b1", "b2", "a0", "a1", "a2"]);
 }
 
@@ -275,7 +309,11 @@ async fn permanent_failure_dead_letters_at_once_and_parks_its_key() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0.payload, b"a0");
     assert!(dead[0].1.contains("message too large"));
-    assert_eq!(sink.published().len(), 1, "only the keyless message may pass");
+    assert_eq!(
+        sink.published().len(),
+        1,
+        "only the keyless message may pass"
+    );
     assert_eq!(storage.pending().len(), 2, "a1 and a2 stay parked");
     assert_eq!(storage.stats().await.unwrap().parked_keys, 1);
 }
@@ -331,9 +369,16 @@ fn rounds_hold_one_message_per_key_in_order() {
     let rounds = split_into_rounds(msgs);
     let payloads: Vec<Vec<String>> = rounds
         .iter()
-        .map(|r| r.iter().map(|m| String::from_utf8(m.payload.clone()).unwrap()).collect())
+        .map(|r| {
+            r.iter()
+                .map(|m| String::from_utf8(m.payload.clone()).unwrap())
+                .collect()
+        })
         .collect();
-    assert_eq!(payloads, [vec!["0", "1", "4", "free"], vec!["2", "5"], vec!["3"]]);
+    assert_eq!(
+        payloads,
+        [vec!["0", "1", "4", "free"], vec!["2", "5"], vec!["3"]]
+    );
 }
 
 #[test]
@@ -342,9 +387,13 @@ fn config_validation_names_the_setting() {
         batch_size: 0,
         ..config()
     };
-    let err = Worker::new(bad, Arc::new(MemoryStorage::new(true)), Arc::new(MemorySink::new()))
-        .err()
-        .unwrap();
+    let err = Worker::new(
+        bad,
+        Arc::new(MemoryStorage::new(true)),
+        Arc::new(MemorySink::new()),
+    )
+    .err()
+    .unwrap();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("batch_size"));
 }

@@ -1,0 +1,134 @@
+//! The run-time registry of sink types: configuration names a type, the registry builds it.
+//! Each sink crate exports its type name and a `register` function, so a third-party crate
+//! plugs in without editing ours.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::{Error, Result, Sink};
+
+/// A boxed future, as returned by a [`SinkFactory`].
+pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
+
+/// Builds a sink from its configuration (the `[sink]` table of the relay's configuration,
+/// without `type`, as JSON). Must validate the configuration and return a `Config` error
+/// that names the bad key.
+pub type SinkFactory =
+    Arc<dyn Fn(serde_json::Value) -> BoxFuture<Result<Arc<dyn Sink>>> + Send + Sync>;
+
+/// Sink types known to this process, by name.
+#[derive(Clone, Default)]
+pub struct SinkRegistry {
+    factories: BTreeMap<String, SinkFactory>,
+    /// Types that exist but were not compiled in, with the cargo feature that adds each.
+    missing: BTreeMap<String, String>,
+}
+
+impl std::fmt::Debug for SinkRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SinkRegistry")
+            .field("types", &self.names())
+            .field("not_compiled_in", &self.missing)
+            .finish()
+    }
+}
+
+impl SinkRegistry {
+    /// An empty registry.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers `factory` under `name`, replacing any earlier one.
+    pub fn register<F, Fut>(&mut self, name: &str, factory: F)
+    where
+        F: Fn(serde_json::Value) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Arc<dyn Sink>>> + Send + 'static,
+    {
+        self.missing.remove(name);
+        self.factories.insert(
+            name.to_string(),
+            Arc::new(move |config| Box::pin(factory(config))),
+        );
+    }
+
+    /// Records that sink type `name` exists but this build lacks it, and which cargo feature
+    /// adds it, so the error for it can say so.
+    pub fn note_missing(&mut self, name: &str, feature: &str) {
+        if !self.factories.contains_key(name) {
+            self.missing.insert(name.to_string(), feature.to_string());
+        }
+    }
+
+    /// The registered type names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        self.factories.keys().map(String::as_str).collect()
+    }
+
+    /// Builds the sink of type `name` from `config`. An unknown type is a `Config` error that
+    /// lists the registered ones (and the feature that adds a known but missing one).
+    pub async fn build(&self, name: &str, config: serde_json::Value) -> Result<Arc<dyn Sink>> {
+        match self.factories.get(name) {
+            Some(factory) => factory(config).await,
+            None => Err(Error::config(match self.missing.get(name) {
+                Some(feature) => format!(
+                    "sink.type `{name}` is not compiled into this build; it has: {}. Rebuild with \
+                     cargo feature `{feature}` to add it",
+                    self.list()
+                ),
+                None => format!(
+                    "sink.type `{name}` is unknown; this build has: {}",
+                    self.list()
+                ),
+            })),
+        }
+    }
+
+    fn list(&self) -> String {
+        match self.names() {
+            names if names.is_empty() => "no sinks".to_string(),
+            names => names.join(", "),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemorySink;
+
+    #[tokio::test]
+    async fn builds_registered_types_and_names_the_others() {
+        let mut registry = SinkRegistry::new();
+        registry.register("memory", |_config| async {
+            Ok(Arc::new(MemorySink::new()) as Arc<dyn Sink>)
+        });
+        registry.note_missing("kafka", "kafka");
+        assert!(
+            registry
+                .build("memory", serde_json::json!({}))
+                .await
+                .is_ok()
+        );
+        let unknown = registry
+            .build("mqtt", serde_json::Value::Null)
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(
+            unknown.to_string(),
+            "configuration error: sink.type `mqtt` is unknown; this build has: memory"
+        );
+        let missing = registry
+            .build("kafka", serde_json::Value::Null)
+            .await
+            .err()
+            .unwrap();
+        assert!(
+            missing.to_string().contains("cargo feature `kafka`"),
+            "{missing}"
+        );
+    }
+}

@@ -1,0 +1,433 @@
+//! The operator commands: migrate, check, status, dead-letters, enqueue.
+
+use std::io::BufRead;
+use std::time::Duration;
+
+use base64::Engine;
+use clap::Args;
+use outbox::{NewMessage, Storage};
+use outbox_postgres::{DeadLetterFilter, OutboxTable, PgStorage};
+use uuid::Uuid;
+
+use crate::config::{Config, RelayDef};
+use crate::{DeadLetterCommand, Failure};
+
+/// Picks the relay named `name`, or the only one.
+fn pick<'a>(config: &'a Config, name: Option<&str>) -> Result<&'a RelayDef, Failure> {
+    match (name, config.relays.as_slice()) {
+        (None, [only]) => Ok(only),
+        (None, relays) => Err(Failure::Config(format!(
+            "the configuration has {} relays; choose one with --relay ({})",
+            relays.len(),
+            relays
+                .iter()
+                .map(|r| r.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+        (Some(name), relays) => relays.iter().find(|r| r.name == name).ok_or_else(|| {
+            Failure::Config(format!(
+                "--relay `{name}` is not in the configuration; it has: {}",
+                relays
+                    .iter()
+                    .map(|r| r.name.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        }),
+    }
+}
+
+fn storage(def: &RelayDef) -> Result<PgStorage, Failure> {
+    Ok(PgStorage::new(def.storage.clone())?)
+}
+
+pub async fn migrate(config: &Config) -> Result<(), Failure> {
+    for def in &config.relays {
+        storage(def)?.migrate().await?;
+        println!(
+            "relay {}: {}.{} is up to date",
+            def.name, def.storage.schema, def.storage.table
+        );
+    }
+    Ok(())
+}
+
+pub async fn check(config: &Config) -> Result<(), Failure> {
+    let relays = crate::relay::build(config).await?;
+    let mut failed = false;
+    for relay in &relays {
+        println!(
+            "relay {}: storage {} ({}.{}), sink {}",
+            relay.name,
+            relay.def.safe_url(),
+            relay.def.storage.schema,
+            relay.def.storage.table,
+            relay.def.sink_type
+        );
+        let storage = match relay.storage.stats().await {
+            Ok(stats) => format!(
+                "ok ({} pending, {} dead-lettered)",
+                stats.pending, stats.dead_lettered
+            ),
+            Err(e) => {
+                failed = true;
+                format!("FAILED: {e}")
+            }
+        };
+        println!("  storage: {storage}");
+        let sink = match relay.sink.health().await {
+            Ok(()) => "ok".to_string(),
+            Err(e) => {
+                failed = true;
+                format!("FAILED: {e}")
+            }
+        };
+        println!("  sink:    {sink}");
+    }
+    if failed {
+        Err(Failure::Runtime("check failed".into()))
+    } else {
+        println!("configuration valid; storage and sink answer");
+        Ok(())
+    }
+}
+
+pub async fn status(
+    config: &Config,
+    relay: Option<&str>,
+    watch: Option<Duration>,
+) -> Result<(), Failure> {
+    let defs: Vec<&RelayDef> = match relay {
+        Some(_) => vec![pick(config, relay)?],
+        None => config.relays.iter().collect(),
+    };
+    let storages = defs
+        .iter()
+        .map(|d| storage(d))
+        .collect::<Result<Vec<_>, _>>()?;
+    loop {
+        for (def, storage) in defs.iter().zip(&storages) {
+            print_status(def, storage).await?;
+        }
+        match watch {
+            Some(every) => tokio::select! {
+                _ = tokio::time::sleep(every) => println!(),
+                _ = tokio::signal::ctrl_c() => return Ok(()),
+            },
+            None => return Ok(()),
+        }
+    }
+}
+
+async fn print_status(def: &RelayDef, storage: &PgStorage) -> Result<(), Failure> {
+    let stats = storage.stats().await?;
+    let now = chrono_like_now();
+    let age = |t: Option<chrono::DateTime<chrono::Utc>>| match t {
+        Some(t) => format!(
+            "{:.1}s",
+            (now - t.timestamp_millis()).max(0) as f64 / 1000.0
+        ),
+        None => "-".into(),
+    };
+    println!(
+        "relay {} ({}.{})",
+        def.name, def.storage.schema, def.storage.table
+    );
+    println!(
+        "  pending {}  oldest pending age {}  in flight {}  dead-lettered {}  parked keys {}",
+        stats.pending,
+        age(stats.oldest_pending),
+        stats.in_flight,
+        stats.dead_lettered,
+        stats.parked_keys
+    );
+    let topics = storage.topic_stats().await?;
+    if !topics.is_empty() {
+        println!(
+            "  {:<32} {:>10} {:>12} {:>10} {:>14}",
+            "topic", "pending", "oldest age", "in flight", "dead-lettered"
+        );
+        for t in topics {
+            println!(
+                "  {:<32} {:>10} {:>12} {:>10} {:>14}",
+                t.topic,
+                t.pending,
+                age(t.oldest_pending),
+                t.in_flight,
+                t.dead_lettered
+            );
+        }
+    }
+    for (key, dead_letter) in storage.parked_keys().await? {
+        println!("  parked key {key:?} behind dead letter {dead_letter}");
+    }
+    Ok(())
+}
+
+fn chrono_like_now() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// Which dead letters a command applies to.
+#[derive(Args, Clone, Default)]
+pub struct FilterArgs {
+    /// Dead letter ids.
+    ids: Vec<Uuid>,
+    /// Every dead letter.
+    #[arg(long, conflicts_with = "ids")]
+    all: bool,
+    /// Only this topic.
+    #[arg(long)]
+    topic: Option<String>,
+    /// Only this partition key.
+    #[arg(long)]
+    key: Option<String>,
+    /// Which [[relay]] block, when there are several.
+    #[arg(long)]
+    relay: Option<String>,
+}
+
+impl FilterArgs {
+    fn filter(&self, destructive: bool) -> Result<DeadLetterFilter, Failure> {
+        if destructive
+            && self.ids.is_empty()
+            && !self.all
+            && self.topic.is_none()
+            && self.key.is_none()
+        {
+            return Err(Failure::Config(
+                "say which dead letters: give ids, or --all, --topic or --key".into(),
+            ));
+        }
+        Ok(DeadLetterFilter {
+            ids: (!self.ids.is_empty()).then(|| self.ids.clone()),
+            topic: self.topic.clone(),
+            key: self.key.clone(),
+        })
+    }
+}
+
+pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result<(), Failure> {
+    match command {
+        DeadLetterCommand::List { filter, limit } => {
+            let storage = storage(pick(config, filter.relay.as_deref())?)?;
+            let rows = storage
+                .find_dead_letters(&filter.filter(false)?, limit)
+                .await?;
+            println!(
+                "{:<36}  {:<24} {:<16} {:>8}  {}",
+                "id", "topic", "key", "attempts", "last error"
+            );
+            for row in &rows {
+                let m = &row.message;
+                println!(
+                    "{:<36}  {:<24} {:<16} {:>8}  {}",
+                    m.id,
+                    m.topic,
+                    m.key.as_deref().unwrap_or("-"),
+                    m.attempts,
+                    row.last_error.lines().next().unwrap_or("")
+                );
+            }
+            println!("{} dead letter(s)", rows.len());
+        }
+        DeadLetterCommand::Show { id, relay } => {
+            let storage = storage(pick(config, relay.relay.as_deref())?)?;
+            let filter = DeadLetterFilter {
+                ids: Some(vec![id]),
+                ..Default::default()
+            };
+            let Some(row) = storage.find_dead_letters(&filter, 1).await?.pop() else {
+                return Err(Failure::Runtime(format!("no dead letter with id {id}")));
+            };
+            let m = &row.message;
+            println!("id:              {}", m.id);
+            println!("topic:           {}", m.topic);
+            println!("key:             {}", m.key.as_deref().unwrap_or("-"));
+            println!("created at:      {}", m.created_at);
+            println!("dead-lettered:   {}", row.dead_lettered_at);
+            println!("attempts:        {}", m.attempts);
+            println!("last error:      {}", row.last_error);
+            for (name, value) in &m.headers {
+                println!("header:          {name}: {value}");
+            }
+            match std::str::from_utf8(&m.payload) {
+                Ok(text) => println!("payload:         {text}"),
+                Err(_) => println!(
+                    "payload (base64): {}",
+                    base64::engine::general_purpose::STANDARD.encode(&m.payload)
+                ),
+            }
+        }
+        DeadLetterCommand::Replay { filter } => {
+            let storage = storage(pick(config, filter.relay.as_deref())?)?;
+            let ids = matching_ids(&storage, &filter.filter(true)?).await?;
+            let n = storage.replay_dead_letters(&ids).await?;
+            println!("replayed {n} dead letter(s)");
+        }
+        DeadLetterCommand::Purge { filter } => {
+            let storage = storage(pick(config, filter.relay.as_deref())?)?;
+            let ids = matching_ids(&storage, &filter.filter(true)?).await?;
+            let n = storage.purge_dead_letters(&ids).await?;
+            println!("purged {n} dead letter(s)");
+        }
+        DeadLetterCommand::Release { key, relay } => {
+            let storage = storage(pick(config, relay.relay.as_deref())?)?;
+            if storage.release_parked_key(&key).await? {
+                println!("released key {key:?}");
+            } else {
+                println!("key {key:?} was not parked");
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn matching_ids(
+    storage: &PgStorage,
+    filter: &DeadLetterFilter,
+) -> Result<Vec<Uuid>, Failure> {
+    Ok(storage
+        .find_dead_letters(filter, i64::MAX)
+        .await?
+        .into_iter()
+        .map(|d| d.message.id)
+        .collect())
+}
+
+/// `outbox enqueue`: one message from the arguments, or JSON lines from standard input:
+/// `{"topic": "t", "key": "k", "payload": …, "headers": {"h": "v"}}`, where a string payload
+/// is sent as its UTF-8 bytes, any other JSON value as JSON (content-type application/json),
+/// and `payload_base64` gives raw bytes.
+#[derive(Args)]
+pub struct EnqueueArgs {
+    /// Topic of the message.
+    #[arg(long, required_unless_present = "stdin")]
+    topic: Option<String>,
+    /// Partition key.
+    #[arg(long)]
+    key: Option<String>,
+    /// Header as name=value (repeatable).
+    #[arg(long = "header", value_parser = parse_header)]
+    headers: Vec<(String, String)>,
+    /// Payload text.
+    payload: Option<String>,
+    /// Read JSON lines from standard input instead.
+    #[arg(long, conflicts_with_all = ["topic", "payload"])]
+    stdin: bool,
+    /// Which [[relay]] block, when there are several.
+    #[arg(long)]
+    relay: Option<String>,
+}
+
+fn parse_header(text: &str) -> Result<(String, String), String> {
+    text.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("header `{text}` is not name=value"))
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Line {
+    topic: String,
+    key: Option<String>,
+    payload: Option<serde_json::Value>,
+    payload_base64: Option<String>,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
+}
+
+fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
+    let bad = |why: String| Failure::Config(format!("standard input line {number}: {why}"));
+    let line: Line = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
+    let mut message = match (line.payload, line.payload_base64) {
+        (Some(_), Some(_)) => return Err(bad("give payload or payload_base64, not both".into())),
+        (Some(serde_json::Value::String(s)), None) => NewMessage::new(line.topic, s.into_bytes()),
+        (Some(value), None) => {
+            NewMessage::json(line.topic, &value).map_err(|e| bad(e.to_string()))?
+        }
+        (None, Some(b64)) => NewMessage::new(
+            line.topic,
+            base64::engine::general_purpose::STANDARD
+                .decode(b64)
+                .map_err(|e| bad(format!("payload_base64: {e}")))?,
+        ),
+        (None, None) => NewMessage::new(line.topic, Vec::new()),
+    };
+    if message.topic.is_empty() {
+        return Err(bad("topic is empty".into()));
+    }
+    message.key = line.key;
+    message.headers.extend(line.headers);
+    Ok(message)
+}
+
+pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> {
+    let def = pick(config, args.relay.as_deref())?;
+    let table = OutboxTable::new(&def.storage.schema, &def.storage.table)?;
+    // Enqueue on a connection of its own: the relay's sessions do not wait for durable commits.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(def.storage.connect_timeout)
+        .connect(&def.storage.url)
+        .await
+        .map_err(|e| Failure::Runtime(format!("cannot connect to {}: {e}", def.safe_url())))?;
+    let messages = if args.stdin {
+        let mut messages = Vec::new();
+        for (i, line) in std::io::stdin().lock().lines().enumerate() {
+            let line =
+                line.map_err(|e| Failure::Runtime(format!("cannot read standard input: {e}")))?;
+            if !line.trim().is_empty() {
+                messages.push(message_from_line(i + 1, &line)?);
+            }
+        }
+        messages
+    } else {
+        let topic = args.topic.unwrap_or_default();
+        let mut message = NewMessage::new(topic, args.payload.unwrap_or_default().into_bytes());
+        message.key = args.key;
+        message.headers.extend(args.headers);
+        vec![message]
+    };
+    let db = |e: sqlx::Error| Failure::Runtime(format!("enqueue failed: {e}"));
+    for chunk in messages.chunks(1000) {
+        let mut tx = pool.begin().await.map_err(db)?;
+        table.enqueue_many(&mut tx, chunk).await?;
+        tx.commit().await.map_err(db)?;
+    }
+    for m in &messages {
+        println!("{}", m.id);
+    }
+    eprintln!("enqueued {} message(s)", messages.len());
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_lines_become_messages() {
+        let m = message_from_line(
+            1,
+            r#"{"topic":"t","key":"k","payload":{"a":1},"headers":{"h":"v"}}"#,
+        )
+        .ok()
+        .unwrap();
+        assert_eq!(
+            (m.topic.as_str(), m.key.as_deref(), m.payload.as_slice()),
+            ("t", Some("k"), br#"{"a":1}"#.as_slice())
+        );
+        assert_eq!(m.headers["h"], "v");
+        assert_eq!(m.headers["content-type"], "application/json");
+        let m = message_from_line(2, r#"{"topic":"t","payload_base64":"AP8="}"#)
+            .ok()
+            .unwrap();
+        assert_eq!(m.payload, vec![0, 255]);
+        match message_from_line(7, r#"{"topic":"t","paylod":"x"}"#) {
+            Err(Failure::Config(e)) => assert!(e.contains("line 7") && e.contains("paylod"), "{e}"),
+            _ => panic!("unknown field accepted"),
+        }
+    }
+}

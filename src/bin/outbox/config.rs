@@ -1,0 +1,504 @@
+//! The relay's configuration file (TOML), environment overrides and start-up validation.
+//!
+//! Single relay:
+//!
+//! ```toml
+//! [storage]        # url, schema, table, max_connections, connect_timeout
+//! [relay]          # batch_size, poll_interval, lease, max_attempts, backoff, per_key_order, ...
+//! [sink]           # type = "redis" | "amqp" | "kafka" | ..., and that sink's options
+//! [observability]  # listen, log_format, log_level, summary_interval
+//! ```
+//!
+//! Several relays: `[[relay]]` blocks, each with `name`, the relay settings, and its own
+//! `[relay.storage]` and `[relay.sink]`; top-level `[storage]` and `[sink]` give defaults.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use outbox::{Backoff, WorkerConfig, redact_url};
+use outbox_postgres::PostgresConfig;
+use serde::Deserialize;
+use toml::{Table, Value};
+
+/// A configuration error: names the key, the bad value and what is allowed.
+#[derive(Debug)]
+pub struct ConfigError(pub String);
+
+impl std::fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+fn err(message: impl Into<String>) -> ConfigError {
+    ConfigError(message.into())
+}
+
+/// Everything the relay needs, validated.
+#[derive(Debug)]
+pub struct Config {
+    pub relays: Vec<RelayDef>,
+    pub observability: Observability,
+}
+
+/// One relay: its storage, its worker settings and its sink.
+#[derive(Debug)]
+pub struct RelayDef {
+    pub name: String,
+    pub storage: PostgresConfig,
+    pub worker: WorkerConfig,
+    pub sink_type: String,
+    /// The sink's options (the `[sink]` table without `type`), for the registry.
+    pub sink: serde_json::Value,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Observability {
+    /// Address of the HTTP listener for /metrics and /health (none: no listener).
+    pub listen: Option<SocketAddr>,
+    #[serde(default)]
+    pub log_format: LogFormat,
+    #[serde(default = "default_log_level")]
+    pub log_level: String,
+    #[serde(default = "default_summary", with = "humantime_serde")]
+    pub summary_interval: Duration,
+}
+
+impl Default for Observability {
+    fn default() -> Self {
+        Observability {
+            listen: None,
+            log_format: LogFormat::Text,
+            log_level: default_log_level(),
+            summary_interval: default_summary(),
+        }
+    }
+}
+
+fn default_log_level() -> String {
+    "info".into()
+}
+
+fn default_summary() -> Duration {
+    Duration::from_secs(60)
+}
+
+#[derive(Debug, Default, Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StorageSection {
+    url: Option<String>,
+    schema: Option<String>,
+    table: Option<String>,
+    max_connections: Option<u32>,
+    #[serde(default, with = "humantime_serde")]
+    connect_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RelaySettings {
+    batch_size: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    lease: Option<Duration>,
+    max_attempts: Option<u32>,
+    backoff: Option<BackoffSettings>,
+    #[serde(default, with = "humantime_serde")]
+    shutdown_timeout: Option<Duration>,
+    per_key_order: Option<bool>,
+    wakeup: Option<bool>,
+    #[serde(default, with = "humantime_serde")]
+    retention: Option<Duration>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BackoffSettings {
+    #[serde(default, with = "humantime_serde")]
+    initial: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    max: Option<Duration>,
+    multiplier: Option<f64>,
+    jitter: Option<f64>,
+}
+
+/// Reads, overrides from the environment and validates the configuration in `path`.
+pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        err(format!(
+            "cannot read configuration file {}: {e}",
+            path.display()
+        ))
+    })?;
+    let mut table: Table = text
+        .parse()
+        .map_err(|e: toml::de::Error| err(format!("{} is not valid TOML: {e}", path.display())))?;
+    apply_env(&mut table, std::env::vars())?;
+    parse(table)
+}
+
+/// Applies `OUTBOX_<SECTION>__<KEY>[__<KEY>…]=value` overrides, e.g.
+/// `OUTBOX_STORAGE__URL`, `OUTBOX_RELAY__BATCH_SIZE=500`, `OUTBOX_RELAY__BACKOFF__MAX=30s`,
+/// `OUTBOX_RELAY__0__SINK__URL` (a `[[relay]]` block by index). A value that parses as a TOML
+/// value (number, boolean) is taken as such; anything else as a string.
+pub fn apply_env(
+    table: &mut Table,
+    vars: impl Iterator<Item = (String, String)>,
+) -> Result<(), ConfigError> {
+    for (name, raw) in vars {
+        let Some(path) = name.strip_prefix("OUTBOX_") else {
+            continue;
+        };
+        if path.is_empty() || name == "OUTBOX_CONFIG" {
+            continue;
+        }
+        let keys: Vec<String> = path.split("__").map(|k| k.to_ascii_lowercase()).collect();
+        let value = parse_env_value(&raw);
+        set_path(table, &keys, value)
+            .map_err(|why| err(format!("environment variable {name}: {why}")))?;
+    }
+    Ok(())
+}
+
+fn parse_env_value(raw: &str) -> Value {
+    match format!("v = {raw}").parse::<Table>() {
+        Ok(mut t) => match t.remove("v") {
+            Some(v @ (Value::Integer(_) | Value::Float(_) | Value::Boolean(_))) => v,
+            _ => Value::String(raw.to_string()),
+        },
+        Err(_) => Value::String(raw.to_string()),
+    }
+}
+
+fn set_path(table: &mut Table, keys: &[String], value: Value) -> Result<(), String> {
+    let (first, rest) = keys.split_first().ok_or("empty key")?;
+    if rest.is_empty() {
+        table.insert(first.clone(), value);
+        return Ok(());
+    }
+    let entry = table
+        .entry(first.clone())
+        .or_insert_with(|| Value::Table(Table::new()));
+    match entry {
+        Value::Table(inner) => set_path(inner, rest, value),
+        Value::Array(blocks) => {
+            let index: usize = rest[0]
+                .parse()
+                .map_err(|_| format!("`{first}` is a list: give an index after it"))?;
+            match blocks.get_mut(index) {
+                Some(Value::Table(inner)) if rest.len() > 1 => set_path(inner, &rest[1..], value),
+                _ => Err(format!("`{first}` has no block {index}")),
+            }
+        }
+        _ => Err(format!("`{first}` is not a table")),
+    }
+}
+
+/// Deserialises `value` as `T`, naming the key path of any error.
+fn typed<T: serde::de::DeserializeOwned>(what: &str, value: Value) -> Result<T, ConfigError> {
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let path = e.path().to_string();
+        let key = if path == "." {
+            what.to_string()
+        } else {
+            format!("{what}.{path}")
+        };
+        err(format!("{key}: {}", e.into_inner()))
+    })
+}
+
+/// Builds the validated configuration from a parsed TOML table.
+pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
+    const KNOWN: [&str; 4] = ["storage", "relay", "sink", "observability"];
+    if let Some(unknown) = table.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+        return Err(err(format!(
+            "unknown section `{unknown}`; the sections are: {}",
+            KNOWN.join(", ")
+        )));
+    }
+    let observability: Observability = match table.remove("observability") {
+        Some(v) => typed("observability", v)?,
+        None => Observability::default(),
+    };
+    let storage_defaults = table
+        .remove("storage")
+        .unwrap_or_else(|| Value::Table(Table::new()));
+    let sink_default = table.remove("sink");
+    let blocks: Vec<(String, Value)> = match table.remove("relay") {
+        None => vec![("default".into(), Value::Table(Table::new()))],
+        Some(Value::Table(settings)) => vec![("default".into(), Value::Table(settings))],
+        Some(Value::Array(blocks)) => {
+            let mut named = Vec::new();
+            for (i, block) in blocks.into_iter().enumerate() {
+                let Value::Table(mut block) = block else {
+                    return Err(err(format!("relay[{i}] must be a table ([[relay]] block)")));
+                };
+                let name = match block.remove("name") {
+                    Some(Value::String(name)) if !name.trim().is_empty() => name,
+                    _ => {
+                        return Err(err(format!(
+                            "relay[{i}].name is missing: give each [[relay]] block a name"
+                        )));
+                    }
+                };
+                named.push((name, Value::Table(block)));
+            }
+            if named.is_empty() {
+                return Err(err("relay: no [[relay]] blocks"));
+            }
+            named
+        }
+        Some(other) => {
+            return Err(err(format!(
+                "relay must be a table or [[relay]] blocks, not {}",
+                other.type_str()
+            )));
+        }
+    };
+    let mut names = BTreeSet::new();
+    let mut relays = Vec::new();
+    for (name, block) in blocks {
+        if !names.insert(name.clone()) {
+            return Err(err(format!(
+                "relay name `{name}` is used twice; names must be unique"
+            )));
+        }
+        let key = if name == "default" {
+            "relay".to_string()
+        } else {
+            format!("relay[{name}]")
+        };
+        let Value::Table(mut block) = block else {
+            unreachable!("blocks are tables")
+        };
+        let storage = merge(storage_defaults.clone(), block.remove("storage"));
+        let sink = block.remove("sink").or_else(|| sink_default.clone());
+        let settings: RelaySettings = typed(&key, Value::Table(block))?;
+        let storage_key = if name == "default" {
+            "storage".to_string()
+        } else {
+            format!("{key}.storage")
+        };
+        let storage: StorageSection = typed(&storage_key, storage)?;
+        relays.push(relay_def(
+            &name,
+            &key,
+            &storage_key,
+            storage,
+            settings,
+            sink,
+        )?);
+    }
+    Ok(Config {
+        relays,
+        observability,
+    })
+}
+
+/// Overlays `over` on `base`, key by key.
+fn merge(base: Value, over: Option<Value>) -> Value {
+    match (base, over) {
+        (Value::Table(mut base), Some(Value::Table(over))) => {
+            base.extend(over);
+            Value::Table(base)
+        }
+        (base, None) => base,
+        (_, Some(over)) => over,
+    }
+}
+
+fn relay_def(
+    name: &str,
+    key: &str,
+    storage_key: &str,
+    storage: StorageSection,
+    settings: RelaySettings,
+    sink: Option<Value>,
+) -> Result<RelayDef, ConfigError> {
+    let url = storage
+        .url
+        .ok_or_else(|| err(format!("{storage_key}.url is missing: give the PostgreSQL URL, e.g. postgres://user@127.0.0.1:5432/app")))?;
+    let mut postgres = PostgresConfig::new(url);
+    postgres.schema = storage.schema.unwrap_or(postgres.schema);
+    postgres.table = storage.table.unwrap_or(postgres.table);
+    postgres.max_connections = storage.max_connections.unwrap_or(postgres.max_connections);
+    postgres.connect_timeout = storage.connect_timeout.unwrap_or(postgres.connect_timeout);
+    postgres.per_key_order = settings.per_key_order.unwrap_or(postgres.per_key_order);
+    postgres.wakeup = settings.wakeup.unwrap_or(postgres.wakeup);
+    postgres.retention = settings.retention;
+    postgres.validate().map_err(|e| {
+        err(format!(
+            "{}",
+            e.message().replace("storage.", &format!("{storage_key}."))
+        ))
+    })?;
+
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
+    let mut worker = WorkerConfig::new(format!("{name}@{host}:{}", std::process::id()));
+    worker.batch_size = settings.batch_size.unwrap_or(worker.batch_size);
+    worker.poll_interval = settings.poll_interval.unwrap_or(worker.poll_interval);
+    worker.lease = settings.lease.unwrap_or(worker.lease);
+    worker.max_attempts = settings.max_attempts.unwrap_or(worker.max_attempts);
+    worker.shutdown_timeout = settings.shutdown_timeout.unwrap_or(worker.shutdown_timeout);
+    if let Some(b) = settings.backoff {
+        let d = Backoff::default();
+        worker.backoff = Backoff {
+            initial: b.initial.unwrap_or(d.initial),
+            max: b.max.unwrap_or(d.max),
+            multiplier: b.multiplier.unwrap_or(d.multiplier),
+            jitter: b.jitter.unwrap_or(d.jitter),
+        };
+    }
+    worker
+        .validate()
+        .map_err(|e| err(format!("{key}.{}", e.message())))?;
+
+    let Some(Value::Table(mut sink)) = sink else {
+        return Err(err(format!(
+            "{}: the sink section is missing; add [sink] with type = \"redis\", \"amqp\", \"kafka\" or \"nats\"",
+            if name == "default" {
+                "sink".to_string()
+            } else {
+                format!("{key}.sink")
+            }
+        )));
+    };
+    let sink_type = match sink.remove("type") {
+        Some(Value::String(t)) => t,
+        _ => {
+            return Err(err(
+                "sink.type is missing: set it to \"redis\", \"amqp\", \"kafka\" or \"nats\"",
+            ));
+        }
+    };
+    let sink = serde_json::to_value(Value::Table(sink)).map_err(|e| err(format!("sink: {e}")))?;
+    Ok(RelayDef {
+        name: name.to_string(),
+        storage: postgres,
+        worker,
+        sink_type,
+        sink,
+    })
+}
+
+impl RelayDef {
+    /// The storage URL with its password hidden.
+    pub fn safe_url(&self) -> String {
+        redact_url(&self.storage.url)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_str(text: &str) -> Result<Config, ConfigError> {
+        parse(text.parse().unwrap())
+    }
+
+    const MINIMAL: &str =
+        "[storage]\nurl = \"postgres://u:secret@h/db\"\n[sink]\ntype = \"redis\"\n";
+
+    #[test]
+    fn minimal_configuration_gets_the_defaults() {
+        let config = parse_str(MINIMAL).unwrap();
+        assert_eq!(config.relays.len(), 1);
+        let relay = &config.relays[0];
+        assert_eq!(relay.worker.batch_size, 100);
+        assert_eq!(relay.storage.schema, "outbox");
+        assert_eq!(relay.sink_type, "redis");
+        assert_eq!(relay.safe_url(), "postgres://u:***@h/db");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let cases = [
+            (format!("{MINIMAL}[relay]\nbatch_size = 0\n"), "relay.batch_size"),
+            (format!("{MINIMAL}[relay]\nbatchsize = 5\n"), "unknown field `batchsize`"),
+            (format!("{MINIMAL}[relay]\npoll_interval = \"soon\"\n"), "relay.poll_interval"),
+            ("[sink]\ntype = \"redis\"\n".to_string(), "storage.url is missing"),
+            ("[storage]\nurl = \"postgres://h/db\"\nschema = \"Bad-Name\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema `Bad-Name`"),
+            ("[storage]\nurl = \"postgres://h/db\"\n".to_string(), "sink section is missing"),
+            (format!("{MINIMAL}[observability]\nlog_format = \"xml\"\n"), "observability.log_format"),
+            (format!("{MINIMAL}[extra]\n"), "unknown section `extra`"),
+        ];
+        for (text, expected) in cases {
+            let error = parse_str(&text).unwrap_err().0;
+            assert!(
+                error.contains(expected),
+                "expected `{expected}` in: {error}"
+            );
+            assert!(!error.contains("secret"), "password leaked: {error}");
+        }
+    }
+
+    #[test]
+    fn several_relays_share_defaults_and_override_them() {
+        let text = r#"
+            [storage]
+            url = "postgres://h/db"
+            [sink]
+            type = "redis"
+            [[relay]]
+            name = "orders"
+            batch_size = 500
+            storage = { schema = "orders" }
+            [[relay]]
+            name = "billing"
+            storage = { schema = "billing", table = "events" }
+            sink = { type = "amqp", uri = "amqp://h" }
+        "#;
+        let config = parse_str(text).unwrap();
+        let [orders, billing] = &config.relays[..] else {
+            panic!("two relays")
+        };
+        assert_eq!(
+            (
+                orders.storage.schema.as_str(),
+                orders.worker.batch_size,
+                orders.sink_type.as_str()
+            ),
+            ("orders", 500, "redis")
+        );
+        assert_eq!(
+            (billing.storage.table.as_str(), billing.sink_type.as_str()),
+            ("events", "amqp")
+        );
+        assert_eq!(billing.sink["uri"], "amqp://h");
+        let dup = text.replace("\"billing\"", "\"orders\"");
+        assert!(parse_str(&dup).unwrap_err().0.contains("used twice"));
+    }
+
+    #[test]
+    fn environment_overrides_keys() {
+        let mut table: Table = MINIMAL.parse().unwrap();
+        let vars = [
+            ("OUTBOX_RELAY__BATCH_SIZE", "250"),
+            ("OUTBOX_STORAGE__URL", "postgres://other/db"),
+            ("OUTBOX_RELAY__BACKOFF__MAX", "30s"),
+            ("PATH", "/bin"),
+        ];
+        apply_env(
+            &mut table,
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+        .unwrap();
+        let config = parse(table).unwrap();
+        assert_eq!(config.relays[0].worker.batch_size, 250);
+        assert_eq!(config.relays[0].storage.url, "postgres://other/db");
+        assert_eq!(config.relays[0].worker.backoff.max, Duration::from_secs(30));
+    }
+}

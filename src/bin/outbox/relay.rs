@@ -1,0 +1,186 @@
+//! `outbox relay`: runs every configured relay until SIGTERM or SIGINT.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox::{CancellationToken, Sink, Storage, Worker};
+use outbox_postgres::PgStorage;
+
+use crate::Failure;
+use crate::config::{Config, LogFormat, Observability, RelayDef};
+
+/// How often the queue gauges are refreshed.
+const STATS_EVERY: Duration = Duration::from_secs(5);
+
+/// Logs go to standard error, human-readable or JSON; `RUST_LOG` overrides the level.
+pub fn init_logging(observability: &Observability) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&observability.log_level));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match observability.log_format {
+        LogFormat::Text => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// A relay ready to run: its storage and sink are built, its settings valid.
+pub struct Relay {
+    pub name: String,
+    pub storage: Arc<PgStorage>,
+    pub sink: Arc<dyn Sink>,
+    pub def: RelayDef,
+}
+
+/// Builds the storage and the sink of every relay; configuration errors come out here.
+pub async fn build(config: &Config) -> Result<Vec<Relay>, Failure> {
+    let registry = crate::sinks::registry();
+    let mut relays = Vec::new();
+    for def in &config.relays {
+        let storage = Arc::new(PgStorage::new(def.storage.clone())?);
+        let sink = registry
+            .build(&def.sink_type, def.sink.clone())
+            .await
+            .map_err(|e| match e.kind() {
+                outbox::ErrorKind::Config => {
+                    Failure::Config(format!("relay `{}`: {}", def.name, e.message()))
+                }
+                _ => Failure::Runtime(format!(
+                    "relay `{}`: cannot start sink `{}`: {e}",
+                    def.name, def.sink_type
+                )),
+            })?;
+        relays.push(Relay {
+            name: def.name.clone(),
+            storage,
+            sink,
+            def: RelayDef {
+                name: def.name.clone(),
+                storage: def.storage.clone(),
+                worker: def.worker.clone(),
+                sink_type: def.sink_type.clone(),
+                sink: def.sink.clone(),
+            },
+        });
+    }
+    Ok(relays)
+}
+
+pub async fn run(config: Config) -> Result<(), Failure> {
+    let relays = build(&config).await?;
+    let shutdown = CancellationToken::new();
+    let metrics = crate::http::install_metrics()?;
+    let relays: Arc<Vec<Relay>> = Arc::new(relays);
+    if let Some(addr) = config.observability.listen {
+        crate::http::serve(addr, metrics, relays.clone(), shutdown.clone()).await?;
+    }
+    let mut tasks = Vec::new();
+    for relay in relays.iter() {
+        let worker = Worker::new(
+            relay.def.worker.clone(),
+            relay.storage.clone(),
+            relay.sink.clone(),
+        )?;
+        tracing::info!(
+            relay = %relay.name,
+            storage = %relay.def.safe_url(),
+            schema = %relay.def.storage.schema,
+            table = %relay.def.storage.table,
+            sink = %relay.def.sink_type,
+            "relay starting"
+        );
+        let token = shutdown.clone();
+        tasks.push(tokio::spawn(async move { worker.run(token).await }));
+        tasks.push(tokio::spawn(report_stats(
+            relay.name.clone(),
+            relay.storage.clone(),
+            config.observability.summary_interval,
+            shutdown.clone(),
+        )));
+    }
+    wait_for_signal().await;
+    tracing::info!("shutting down: finishing the batches in flight");
+    shutdown.cancel();
+    for task in tasks {
+        let _ = task.await;
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {}
+                    _ = tokio::signal::ctrl_c() => {}
+                }
+            }
+            Err(_) => {
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+/// Refreshes the queue gauges every few seconds and logs a summary now and then.
+async fn report_stats(
+    name: String,
+    storage: Arc<PgStorage>,
+    summary_every: Duration,
+    shutdown: CancellationToken,
+) {
+    let mut last_summary = tokio::time::Instant::now();
+    loop {
+        match storage.stats().await {
+            Ok(stats) => {
+                let age = stats
+                    .oldest_pending
+                    .map(|t| (chrono_now() - t.timestamp_millis()).max(0) as f64 / 1000.0)
+                    .unwrap_or(0.0);
+                metrics::gauge!("outbox_pending", "relay" => name.clone())
+                    .set(stats.pending as f64);
+                metrics::gauge!("outbox_in_flight", "relay" => name.clone())
+                    .set(stats.in_flight as f64);
+                metrics::gauge!("outbox_dead_lettered", "relay" => name.clone())
+                    .set(stats.dead_lettered as f64);
+                metrics::gauge!("outbox_parked_keys", "relay" => name.clone())
+                    .set(stats.parked_keys as f64);
+                metrics::gauge!("outbox_oldest_pending_age_seconds", "relay" => name.clone())
+                    .set(age);
+                if last_summary.elapsed() >= summary_every {
+                    last_summary = tokio::time::Instant::now();
+                    tracing::info!(
+                        relay = %name,
+                        pending = stats.pending,
+                        in_flight = stats.in_flight,
+                        dead_lettered = stats.dead_lettered,
+                        parked_keys = stats.parked_keys,
+                        oldest_pending_age_s = age,
+                        "summary"
+                    );
+                }
+            }
+            Err(error) => tracing::warn!(relay = %name, %error, "cannot read queue figures"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(STATS_EVERY) => {}
+            _ = shutdown.cancelled() => return,
+        }
+    }
+}
+
+fn chrono_now() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}
