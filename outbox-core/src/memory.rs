@@ -126,12 +126,11 @@ impl Storage for MemoryStorage {
                 break;
             }
             let key = row.message.key.clone();
-            if self.per_key_order {
-                if let Some(k) = &key {
-                    if parked.contains(k) || blocked.contains(k) {
-                        continue;
-                    }
-                }
+            if self.per_key_order
+                && let Some(k) = &key
+                && (parked.contains(k) || blocked.contains(k))
+            {
+                continue;
             }
             if row.due > now {
                 if let Some(k) = key {

@@ -97,19 +97,14 @@ fn services() -> Result {
             "xtask: {} is down on 127.0.0.1:{}; starting it",
             service.name, service.port
         );
-        if let Some(package) = service.package {
-            if !has_program(service.program) {
-                println!(
-                    "xtask: {} is not installed; installing Debian package {package}",
-                    service.name
-                );
-                run(Command::new("apt-get").args([
-                    "install",
-                    "-y",
-                    "--no-install-recommends",
-                    package,
-                ]))?;
-            }
+        if let Some(package) = service.package
+            && !has_program(service.program)
+        {
+            println!(
+                "xtask: {} is not installed; installing Debian package {package}",
+                service.name
+            );
+            run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends", package]))?;
         }
         (service.start)()?;
         wait_for(service)?;

@@ -340,10 +340,7 @@ fn relay_def(
     postgres.wakeup = settings.wakeup.unwrap_or(postgres.wakeup);
     postgres.retention = settings.retention;
     postgres.validate().map_err(|e| {
-        err(format!(
-            "{}",
-            e.message().replace("storage.", &format!("{storage_key}."))
-        ))
+        err(e.message().replace("storage.", &format!("{storage_key}.")))
     })?;
 
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
