@@ -1,0 +1,34 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod sink;
+
+use std::sync::Arc;
+
+use outbox_core::{Sink, SinkRegistry};
+
+pub use config::{
+    AmqpConfig, DEFAULT_MAX_PAYLOAD, ExchangeSetup, FileBackoff, FileConfig, FileRoute, Route,
+    Unroutable,
+};
+pub use sink::{AmqpSink, DEFAULT_CONTENT_TYPE, KEY_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER};
+
+/// The AMQP client this sink is built on, for code (and tests) that talk to the broker
+/// directly.
+pub use lapin;
+
+/// The sink type name in the relay's configuration: `[sink] type = "amqp"`.
+pub const TYPE: &str = "amqp";
+
+/// Registers the AMQP sink under [`TYPE`]: the factory reads an [`AmqpConfig`] from the
+/// `[sink]` table (see [`FileConfig`]; unknown keys are refused, errors name the key) and
+/// connects with [`AmqpSink::connect`], so a missing exchange or a refused login stops the
+/// start-up with a configuration error.
+pub fn register(registry: &mut SinkRegistry) {
+    registry.register(TYPE, |config| async move {
+        let sink = AmqpSink::connect(AmqpConfig::from_value(config)?).await?;
+        Ok(Arc::new(sink) as Arc<dyn Sink>)
+    });
+}

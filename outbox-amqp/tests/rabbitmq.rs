@@ -1,0 +1,738 @@
+//! The sink alone against the real RabbitMQ ($OUTBOX_TEST_AMQP_URL, default
+//! amqp://guest:guest@127.0.0.1:5672/%2f). Each test uses its own exchanges and queues.
+//! The tests through PostgreSQL and the relay are in the workspace's `tests` crate.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use outbox_amqp::lapin::message::Delivery;
+use outbox_amqp::lapin::options::{
+    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
+    QueueDeclareOptions, QueueDeleteOptions,
+};
+use outbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
+use outbox_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use outbox_amqp::{AmqpConfig, AmqpSink, ExchangeSetup, Unroutable};
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
+use tokio::io::copy_bidirectional;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
+
+fn amqp_url() -> String {
+    std::env::var("OUTBOX_TEST_AMQP_URL")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+fn unique(prefix: &str) -> String {
+    format!("{prefix}_{:016x}", fastrand::u64(..))
+}
+
+/// The test's own connection, to declare, bind and consume.
+struct Broker {
+    _connection: Connection,
+    channel: Channel,
+}
+
+impl Broker {
+    async fn connect() -> Broker {
+        let url = amqp_url();
+        let connection = Connection::connect(&url, ConnectionProperties::default())
+            .await
+            .unwrap_or_else(|e| {
+                panic!(
+                    "RabbitMQ is not reachable at {} ({e}); these tests need the real broker \
+                     (set OUTBOX_TEST_AMQP_URL to point elsewhere)",
+                    outbox_core::redact_url(&url)
+                )
+            });
+        let channel = connection.create_channel().await.expect("open a channel");
+        Broker {
+            _connection: connection,
+            channel,
+        }
+    }
+
+    /// A fresh exchange, deleted by the broker once its last queue is gone.
+    async fn exchange(&self, kind: ExchangeKind) -> String {
+        let name = unique("outbox_test_x");
+        let options = ExchangeDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        };
+        self.channel
+            .exchange_declare(name.as_str().into(), kind, options, FieldTable::default())
+            .await
+            .expect("declare exchange");
+        name
+    }
+
+    /// A fresh queue of this connection (gone when it closes), bound to `exchange` with
+    /// `binding`.
+    async fn queue(&self, exchange: &str, binding: &str) -> String {
+        let name = unique("outbox_test_q");
+        let options = QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        };
+        self.channel
+            .queue_declare(name.as_str().into(), options, FieldTable::default())
+            .await
+            .expect("declare queue");
+        self.bind(&name, exchange, binding).await;
+        name
+    }
+
+    async fn bind(&self, queue: &str, exchange: &str, binding: &str) {
+        self.channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                binding.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind queue");
+    }
+
+    /// Exactly `count` messages from `queue`, in queue order; then checks that no more come.
+    async fn take(&self, queue: &str, count: usize) -> Vec<Delivery> {
+        let options = BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        };
+        let tag = unique("c");
+        let mut consumer = self
+            .channel
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let mut got = Vec::with_capacity(count);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        while got.len() < count {
+            match tokio::time::timeout_at(deadline, consumer.next()).await {
+                Ok(Some(delivery)) => got.push(delivery.expect("delivery")),
+                Ok(None) => panic!("consumer of {queue} ended after {} of {count}", got.len()),
+                Err(_) => panic!("only {} of {count} messages arrived in {queue}", got.len()),
+            }
+        }
+        if let Ok(Some(extra)) =
+            tokio::time::timeout(Duration::from_millis(300), consumer.next()).await
+        {
+            panic!("more messages than expected in {queue}: {extra:?}");
+        }
+        got
+    }
+}
+
+/// A sink for `config`; fails the test loudly if the broker is not there.
+async fn sink(config: AmqpConfig) -> AmqpSink {
+    AmqpSink::connect(config)
+        .await
+        .unwrap_or_else(|e| panic!("cannot start the AMQP sink against {}: {e}", amqp_url()))
+}
+
+fn receipt(outcome: &Outcome) -> String {
+    match outcome {
+        Outcome::Delivered(receipt) => receipt.to_string(),
+        Outcome::Failed(error) => panic!("expected a delivery, got {error}"),
+    }
+}
+
+fn failure(outcome: &Outcome) -> (ErrorKind, String) {
+    match outcome {
+        Outcome::Failed(error) => (error.kind(), error.to_string()),
+        Outcome::Delivered(receipt) => panic!("expected a failure, got a delivery ({receipt})"),
+    }
+}
+
+fn header(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn properties_headers_and_payload_arrive_exactly() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Topic).await;
+    let queue = broker.queue(&exchange, "orders.#").await;
+    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+
+    let trace = TraceContext {
+        traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+        tracestate: Some("vendor=1".into()),
+    };
+    let json = NewMessage::json("orders.created", &BTreeMap::from([("id", 7)]))
+        .unwrap()
+        .key("o-7")
+        .header("tenant", "acme")
+        .trace_context(trace.clone());
+    let binary = NewMessage::new("orders.paid", vec![0u8, 159, 146, 150, 255, 0]);
+    let empty = NewMessage::new("orders.created", Vec::new()).key("o-8");
+    let batch: Vec<Message> = [json, binary, empty]
+        .into_iter()
+        .map(Message::from)
+        .collect();
+
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    assert_eq!(outcomes.len(), 3);
+    assert_eq!(receipt(&outcomes[0]), format!("{exchange}/orders.created"));
+    assert_eq!(receipt(&outcomes[1]), format!("{exchange}/orders.paid"));
+
+    let got = broker.take(&queue, 3).await;
+    for (delivery, sent) in got.iter().zip(&batch) {
+        assert_eq!(delivery.data, sent.payload, "payload bytes of {}", sent.id);
+        assert_eq!(delivery.exchange.as_str(), exchange);
+        assert_eq!(delivery.routing_key.as_str(), sent.topic);
+        let p = &delivery.properties;
+        assert_eq!(p.delivery_mode(), &Some(2), "persistent");
+        assert_eq!(
+            p.message_id().as_ref().map(|s| s.to_string()),
+            Some(sent.id.to_string())
+        );
+        assert_eq!(
+            p.kind().as_ref().map(|s| s.to_string()),
+            Some(sent.topic.clone())
+        );
+        assert_eq!(
+            p.app_id().as_ref().map(|s| s.to_string()),
+            Some("outbox".into())
+        );
+        assert_eq!(p.timestamp(), &Some(sent.created_at.timestamp() as u64));
+    }
+    let p0 = &got[0].properties;
+    assert_eq!(
+        p0.content_type().as_ref().map(|s| s.to_string()),
+        Some("application/json".into())
+    );
+    let mut expected = FieldTable::default();
+    expected.insert("content-type".into(), header("application/json"));
+    expected.insert("tenant".into(), header("acme"));
+    expected.insert("outbox-key".into(), header("o-7"));
+    expected.insert("traceparent".into(), header(&trace.traceparent));
+    expected.insert("tracestate".into(), header("vendor=1"));
+    assert_eq!(p0.headers().as_ref(), Some(&expected));
+
+    let p1 = &got[1].properties;
+    assert_eq!(
+        p1.content_type().as_ref().map(|s| s.to_string()),
+        Some("application/octet-stream".into())
+    );
+    assert_eq!(
+        p1.headers().as_ref(),
+        Some(&FieldTable::default()),
+        "no key, no headers"
+    );
+    let mut expected = FieldTable::default();
+    expected.insert("outbox-key".into(), header("o-8"));
+    assert_eq!(got[2].properties.headers().as_ref(), Some(&expected));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routes_and_templates_pick_exchange_and_routing_key() {
+    let broker = Broker::connect().await;
+    let events = broker.exchange(ExchangeKind::Direct).await;
+    let audit = broker.exchange(ExchangeKind::Fanout).await;
+    let by_key = broker.queue(&events, "orders.o-1").await;
+    let audited = broker.queue(&audit, "").await;
+    let config = AmqpConfig::new(amqp_url(), &events)
+        .routing_key("{topic}.{key}")
+        .route("audit", &audit, "log");
+    let sink = sink(config).await;
+
+    let batch: Vec<Message> = [
+        NewMessage::new("orders", b"a".to_vec()).key("o-1"),
+        NewMessage::new("audit", b"b".to_vec()),
+        NewMessage::new("orders", b"c".to_vec()).key("o-1"),
+    ]
+    .into_iter()
+    .map(Message::from)
+    .collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    assert_eq!(receipt(&outcomes[0]), format!("{events}/orders.o-1"));
+    assert_eq!(receipt(&outcomes[1]), format!("{audit}/log"));
+    assert_eq!(receipt(&outcomes[2]), format!("{events}/orders.o-1"));
+    let got = broker.take(&by_key, 2).await;
+    assert_eq!([&got[0].data[..], &got[1].data[..]], [b"a", b"c"]);
+    assert_eq!(broker.take(&audited, 1).await[0].data, b"b");
+
+    // `{key}` alone is empty for a message without a key: that message fails for good.
+    let config = AmqpConfig::new(amqp_url(), &events).routing_key("{key}");
+    let sink = self::sink(config).await;
+    let outcomes = sink
+        .publish(&[NewMessage::new("orders", b"x".to_vec()).into()])
+        .await
+        .expect("publish");
+    let (kind, text) = failure(&outcomes[0]);
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(text.contains("empty routing key"), "{text}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Direct).await;
+    let queue = broker.queue(&exchange, "routed").await;
+    for (setting, expected) in [
+        (Unroutable::Retry, ErrorKind::Temporary),
+        (Unroutable::DeadLetter, ErrorKind::Permanent),
+    ] {
+        let sink = sink(AmqpConfig::new(amqp_url(), &exchange).unroutable(setting)).await;
+        let batch: Vec<Message> = [
+            NewMessage::new("routed", b"1".to_vec()),
+            NewMessage::new("nowhere", b"2".to_vec()),
+            NewMessage::new("routed", b"3".to_vec()),
+        ]
+        .into_iter()
+        .map(Message::from)
+        .collect();
+        let outcomes = sink.publish(&batch).await.expect("publish");
+        receipt(&outcomes[0]);
+        let (kind, text) = failure(&outcomes[1]);
+        assert_eq!(kind, expected, "{text}");
+        assert!(
+            text.contains("NO_ROUTE") && text.contains(&batch[1].id.to_string()),
+            "{text}"
+        );
+        receipt(&outcomes[2]);
+        let got = broker.take(&queue, 2).await;
+        assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
+        // The channel survives a return: the next batch goes through.
+        let outcomes = sink
+            .publish(&[NewMessage::new("routed", b"4".to_vec()).into()])
+            .await;
+        receipt(&outcomes.expect("publish")[0]);
+        assert_eq!(broker.take(&queue, 1).await[0].data, b"4");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_settings_are_refused_at_start_up() {
+    let broker = Broker::connect().await;
+    let url = amqp_url();
+
+    // A missing exchange with passive set-up (the default).
+    let missing = unique("outbox_test_missing");
+    let error = AmqpSink::connect(AmqpConfig::new(&url, &missing))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(
+        error
+            .to_string()
+            .contains(&format!("exchange `{missing}` does not exist")),
+        "{error}"
+    );
+
+    // Declaring an existing exchange with another kind.
+    let topic = broker.exchange(ExchangeKind::Topic).await;
+    let _queue = broker.queue(&topic, "#").await;
+    let config =
+        AmqpConfig::new(&url, &topic).exchange_setup(ExchangeSetup::Declare(ExchangeKind::Fanout));
+    let error = AmqpSink::connect(config).await.unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(error.to_string().contains("PRECONDITION"), "{error}");
+
+    // Not an AMQP URI, and a routing template that gives empty keys.
+    let error = AmqpSink::connect(AmqpConfig::new("http://x", &topic))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config);
+    assert!(error.to_string().contains("sink.url"), "{error}");
+    let error = AmqpSink::connect(AmqpConfig::new(&url, &topic).routing_key(""))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config);
+    assert!(
+        error.to_string().contains("sink.routing_key is empty"),
+        "{error}"
+    );
+
+    // Wrong credentials: configuration, and the password is not shown.
+    let bad = url.replacen("guest:guest", "guest:wrong-s3cret", 1);
+    assert_ne!(bad, url, "the test expects guest:guest in {url}");
+    let error = AmqpSink::connect(AmqpConfig::new(&bad, &topic))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(!format!("{error:?}").contains("wrong-s3cret"), "{error:?}");
+    assert!(error.to_string().contains("refused the login"), "{error}");
+    let (base, _vhost) = url.rsplit_once('/').expect("a vhost in the test URL");
+    let no_vhost = format!("{base}/{}", unique("no_such_vhost"));
+    let error = AmqpSink::connect(AmqpConfig::new(&no_vhost, &topic))
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+
+    // Nothing listening: unavailable, promptly.
+    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = closed.local_addr().unwrap().port();
+    drop(closed);
+    let started = Instant::now();
+    let error = AmqpSink::connect(AmqpConfig::new(
+        format!("amqp://guest:guest@127.0.0.1:{port}"),
+        &topic,
+    ))
+    .await
+    .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use() {
+    let broker = Broker::connect().await;
+    let prefix = unique("outbox_test_t");
+    let existing = broker.exchange(ExchangeKind::Fanout).await;
+    // The exchange is named after the topic: `existing` exists, the other does not.
+    let queue = broker.queue(&existing, "").await;
+    let config = AmqpConfig::new(amqp_url(), "{topic}");
+    let sink = sink(config).await;
+    let batch: Vec<Message> = [
+        NewMessage::new(existing.as_str(), b"1".to_vec()),
+        NewMessage::new(format!("{prefix}_absent"), b"2".to_vec()),
+        NewMessage::new(existing.as_str(), b"3".to_vec()),
+    ]
+    .into_iter()
+    .map(Message::from)
+    .collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    receipt(&outcomes[0]);
+    let (kind, text) = failure(&outcomes[1]);
+    assert_eq!(kind, ErrorKind::Temporary, "{text}");
+    assert!(text.contains("does not exist"), "{text}");
+    receipt(&outcomes[2]);
+    assert_eq!(broker.take(&queue, 2).await.len(), 2);
+    sink.health()
+        .await
+        .expect("healthy after a refused exchange");
+
+    // With `declare`, the sink creates the exchange (durable) and publishing works.
+    let declared = format!("{prefix}_declared");
+    let config = AmqpConfig::new(amqp_url(), &declared)
+        .exchange_setup(ExchangeSetup::Declare(ExchangeKind::Topic));
+    let sink = self::sink(config).await;
+    let queue = broker.queue(&declared, "#").await;
+    let outcomes = sink
+        .publish(&[NewMessage::new("t", b"x".to_vec()).into()])
+        .await;
+    receipt(&outcomes.expect("publish")[0]);
+    assert_eq!(broker.take(&queue, 1).await[0].data, b"x");
+    broker
+        .channel
+        .exchange_delete(declared.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("delete the declared exchange");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_messages_fail_for_good_without_harming_the_batch() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Fanout).await;
+    let queue = broker.queue(&exchange, "").await;
+    let config = AmqpConfig {
+        max_payload: 1024,
+        ..AmqpConfig::new(amqp_url(), &exchange)
+    };
+    let sink = sink(config).await;
+    assert_eq!(sink.capabilities().max_payload, Some(1024));
+    let batch: Vec<Message> = [
+        NewMessage::new("t", vec![1u8; 1025]),
+        NewMessage::new("t", b"ok".to_vec()).header("big", "x".repeat(200_000)),
+        NewMessage::new("t", b"fine".to_vec()).header("y".repeat(300), "v"),
+        NewMessage::new("t", vec![2u8; 1024]),
+    ]
+    .into_iter()
+    .map(Message::from)
+    .collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    let (kind, text) = failure(&outcomes[0]);
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(text.contains("sink.max_payload"), "{text}");
+    let (kind, text) = failure(&outcomes[1]);
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(text.contains("frame size"), "{text}");
+    let (kind, text) = failure(&outcomes[2]);
+    assert_eq!(kind, ErrorKind::Permanent);
+    assert!(text.contains("header name"), "{text}");
+    receipt(&outcomes[3]);
+    assert_eq!(broker.take(&queue, 1).await[0].data, vec![2u8; 1024]);
+}
+
+/// A TCP proxy the test can cut: drops live connections and refuses new ones.
+struct Proxy {
+    addr: String,
+    cut: Arc<AtomicBool>,
+    links: Arc<std::sync::Mutex<Vec<AbortHandle>>>,
+    accept: AbortHandle,
+}
+
+impl Proxy {
+    async fn start(target: String) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
+        let addr = listener.local_addr().unwrap().to_string();
+        let cut = Arc::new(AtomicBool::new(false));
+        let links = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (cut2, links2) = (cut.clone(), links.clone());
+        let accept = tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                if cut2.load(Ordering::SeqCst) {
+                    continue; // dropped: refused
+                }
+                let target = target.clone();
+                let link = tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(&target).await {
+                        let _ = copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+                links2.lock().unwrap().push(link.abort_handle());
+            }
+        });
+        Proxy {
+            addr,
+            cut,
+            links,
+            accept: accept.abort_handle(),
+        }
+    }
+
+    fn cut(&self) {
+        self.cut.store(true, Ordering::SeqCst);
+        for link in self.links.lock().unwrap().drain(..) {
+            link.abort();
+        }
+    }
+
+    fn restore(&self) {
+        self.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.cut();
+        self.accept.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lost_connection_reports_unavailable_and_reconnects() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Fanout).await;
+    let queue = broker.queue(&exchange, "").await;
+    let url = amqp_url();
+    let target = url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .expect("host:port in the test URL")
+        .to_string();
+    let proxy = Proxy::start(target.clone()).await;
+    let mut config = AmqpConfig::new(url.replacen(&target, &proxy.addr, 1), &exchange);
+    config.connect_timeout = Duration::from_secs(2);
+    config.publish_timeout = Duration::from_secs(2);
+    let sink = sink(config).await;
+    let one = |body: &str| -> Vec<Message> {
+        vec![NewMessage::new("t", body.as_bytes().to_vec()).into()]
+    };
+    receipt(&sink.publish(&one("before")).await.expect("publish")[0]);
+
+    proxy.cut();
+    let started = Instant::now();
+    match sink.publish(&one("during")).await {
+        Err(error) => assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}"),
+        Ok(outcomes) => assert_eq!(failure(&outcomes[0]).0, ErrorKind::Unavailable),
+    }
+    let error = sink.health().await.expect_err("health while cut");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    let error = sink.health().await.expect_err("health while cut");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(
+        started.elapsed() < Duration::from_secs(6),
+        "took {:?}",
+        started.elapsed()
+    );
+
+    proxy.restore();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while let Err(error) = sink.health().await {
+        assert!(
+            Instant::now() < deadline,
+            "no reconnect within 20 s: {error}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    receipt(&sink.publish(&one("after")).await.expect("publish")[0]);
+    let got = broker.take(&queue, 2).await;
+    // "during" may or may not have reached the broker before the cut; never after it.
+    assert_eq!(got.first().map(|d| &d.data[..]), Some(&b"before"[..]));
+    assert_eq!(got.last().map(|d| &d.data[..]), Some(&b"after"[..]));
+}
+
+/// Publishes `total` messages in calls of `per_call`; returns messages per second.
+async fn rate(sink: &AmqpSink, total: usize, per_call: usize) -> f64 {
+    let messages: Vec<Message> = (0..total)
+        .map(|i| {
+            NewMessage::new("bench", format!("{i:08}").into_bytes())
+                .key(format!("k{}", i % 50))
+                .into()
+        })
+        .collect();
+    let started = Instant::now();
+    for chunk in messages.chunks(per_call) {
+        for outcome in sink.publish(chunk).await.expect("publish") {
+            receipt(&outcome);
+        }
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Per-batch confirms against one confirm round trip per message, into a durable queue
+/// (persistent messages are confirmed once written). Prints the figures for the docs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batched_confirms_beat_one_confirm_per_message() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Fanout).await;
+    let queue = unique("outbox_test_durable");
+    let mut arguments = FieldTable::default();
+    arguments.insert("x-expires".into(), AMQPValue::LongInt(600_000));
+    let options = QueueDeclareOptions {
+        durable: true,
+        ..Default::default()
+    };
+    broker
+        .channel
+        .queue_declare(queue.as_str().into(), options, arguments)
+        .await
+        .expect("declare durable queue");
+    broker.bind(&queue, &exchange, "").await;
+    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+
+    rate(&sink, 200, 100).await; // warm up
+    let total = 2_000;
+    let per_message = rate(&sink, total, 1).await;
+    let per_batch = rate(&sink, total, 100).await;
+    let ratio = per_batch / per_message;
+    println!(
+        "AMQP publish rate, {total} persistent messages into a durable queue: one confirm per \
+         message {per_message:.0} msg/s, per-batch confirms (100 per batch) {per_batch:.0} \
+         msg/s, ratio {ratio:.1}x"
+    );
+    let got = broker.take(&queue, 200 + 2 * total).await;
+    let bodies: Vec<&[u8]> = got.iter().skip(200).map(|d| &d.data[..]).collect();
+    let expected: Vec<Vec<u8>> = (0..total)
+        .chain(0..total)
+        .map(|i| format!("{i:08}").into_bytes())
+        .collect();
+    assert!(
+        bodies.iter().zip(&expected).all(|(a, b)| *a == &b[..]),
+        "queue order differs from publish order"
+    );
+    broker
+        .channel
+        .queue_delete(queue.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .expect("delete queue");
+    assert!(ratio >= 2.0, "batched confirms are only {ratio:.1}x faster");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection() {
+    let broker = Broker::connect().await;
+    let exchange = unique("outbox_test_deleted");
+    broker
+        .channel
+        .exchange_declare(
+            exchange.as_str().into(),
+            ExchangeKind::Fanout,
+            Default::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("declare exchange");
+    let queue = broker.queue(&exchange, "").await;
+    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+    let batch = |n: u8| -> Vec<Message> {
+        (0..n)
+            .map(|i| NewMessage::new("t", vec![i]).into())
+            .collect()
+    };
+    for outcome in sink.publish(&batch(2)).await.expect("publish") {
+        receipt(&outcome);
+    }
+    assert_eq!(broker.take(&queue, 2).await.len(), 2);
+
+    broker
+        .channel
+        .exchange_delete(exchange.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .expect("delete exchange");
+    // The broker closes the channel on the first message: that one is charged, the ones
+    // after it lost their channel and are released uncharged.
+    let outcomes = sink.publish(&batch(3)).await.expect("publish");
+    let kinds: Vec<ErrorKind> = outcomes.iter().map(|o| failure(o).0).collect();
+    assert_eq!(
+        kinds,
+        [
+            ErrorKind::Temporary,
+            ErrorKind::Unavailable,
+            ErrorKind::Unavailable
+        ]
+    );
+    assert!(
+        failure(&outcomes[0]).1.contains("NOT_FOUND"),
+        "{}",
+        failure(&outcomes[0]).1
+    );
+    // Next call: a fresh connection finds the exchange missing; every message is charged.
+    let outcomes = sink.publish(&batch(2)).await.expect("publish");
+    for outcome in &outcomes {
+        let (kind, text) = failure(outcome);
+        assert_eq!(kind, ErrorKind::Temporary, "{text}");
+        assert!(text.contains("does not exist"), "{text}");
+    }
+    sink.health().await.expect("the connection itself is fine");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_builds_the_sink_from_the_configuration_table() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Fanout).await;
+    let queue = broker.queue(&exchange, "").await;
+    let mut registry = outbox_core::SinkRegistry::new();
+    outbox_amqp::register(&mut registry);
+    assert_eq!(registry.names(), [outbox_amqp::TYPE]);
+
+    let config =
+        serde_json::json!({ "url": amqp_url(), "exchange": exchange, "publish_timeout": "5s" });
+    let sink = registry
+        .build("amqp", config)
+        .await
+        .expect("build the sink");
+    let outcomes = sink
+        .publish(&[NewMessage::new("t", b"via registry".to_vec()).into()])
+        .await;
+    receipt(&outcomes.expect("publish")[0]);
+    assert_eq!(broker.take(&queue, 1).await[0].data, b"via registry");
+
+    let missing =
+        serde_json::json!({ "url": amqp_url(), "exchange": unique("outbox_test_missing") });
+    let error = registry
+        .build("amqp", missing)
+        .await
+        .err()
+        .expect("a missing exchange is refused");
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(error.to_string().contains("does not exist"), "{error}");
+}
