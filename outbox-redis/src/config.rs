@@ -295,3 +295,56 @@ mod tests {
         assert_eq!(config.stream_for("users"), None);
     }
 }
+
+/// The keys of the `[sink]` table in the relay's configuration file (`type = "redis"`);
+/// each is the [`RedisConfig`] field of the same name. Unknown keys are refused.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    url: String,
+    pool_size: Option<usize>,
+    #[serde(default, with = "humantime_serde")]
+    command_timeout: Option<Duration>,
+    stream_prefix: Option<String>,
+    /// `{topic}` template; give this or `streams`, not both.
+    stream_template: Option<String>,
+    /// Explicit topic → stream map.
+    streams: Option<BTreeMap<String, String>>,
+    max_len: Option<u64>,
+    #[serde(default, with = "humantime_serde")]
+    dedup_ttl: Option<Duration>,
+    dedup_key_prefix: Option<String>,
+    max_payload: Option<usize>,
+}
+
+impl RedisConfig {
+    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
+    /// without `type`) and validates them. Errors name the bad key.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let at = if path == "." { String::new() } else { format!("sink.{path}: ") };
+            Error::config(format!("redis sink configuration: {at}{}", e.inner()))
+        })?;
+        let mut config = RedisConfig::new(file.url);
+        config.pool_size = file.pool_size.unwrap_or(config.pool_size);
+        config.command_timeout = file.command_timeout.unwrap_or(config.command_timeout);
+        config.stream_prefix = file.stream_prefix.unwrap_or_default();
+        config.streams = match (file.stream_template, file.streams) {
+            (Some(_), Some(_)) => {
+                return Err(Error::config(
+                    "sink.stream_template and sink.streams are both set; give a template or a map, not both",
+                ));
+            }
+            (Some(template), None) => Streams::Template(template),
+            (None, Some(map)) => Streams::Map(map),
+            (None, None) => Streams::default(),
+        };
+        config.max_len = file.max_len;
+        config.dedup_ttl = file.dedup_ttl;
+        config.dedup_key_prefix = file.dedup_key_prefix.unwrap_or(config.dedup_key_prefix);
+        config.max_payload = file.max_payload.unwrap_or(config.max_payload);
+        config.validate()?;
+        Ok(config)
+    }
+}

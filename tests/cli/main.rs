@@ -1,0 +1,401 @@
+//! The `outbox` binary run as a process against the real services: brokers swapped by
+//! configuration alone, configuration errors, dead-letter repair, status, and SIGTERM.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use outbox_tests::{postgres_url, unique_name};
+use sqlx::PgPool;
+
+const EXIT_CONFIG: i32 = 78;
+
+fn outbox(config: &Path, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run the outbox binary")
+}
+
+fn outbox_with_stdin(config: &Path, args: &[&str], input: &str) -> Output {
+    use std::io::Write;
+    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(config)
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run the outbox binary");
+    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+    child.wait_with_output().expect("wait for outbox")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A configuration file in a temporary directory, removed on drop.
+struct ConfigFile {
+    dir: PathBuf,
+    path: PathBuf,
+}
+
+impl ConfigFile {
+    fn new(contents: &str) -> Self {
+        let dir = std::env::temp_dir().join(unique_name("outbox_cli"));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let path = dir.join("outbox.toml");
+        std::fs::write(&path, contents).expect("write config");
+        ConfigFile { dir, path }
+    }
+}
+
+impl Drop for ConfigFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn storage_section(schema: &str) -> String {
+    format!("[storage]\nurl = \"{}\"\nschema = \"{schema}\"\n", postgres_url())
+}
+
+const FAST_RELAY: &str = "[relay]\npoll_interval = \"100ms\"\nshutdown_timeout = \"5s\"\nbackoff = { initial = \"100ms\", max = \"1s\" }\n";
+
+async fn pool() -> PgPool {
+    PgPool::connect(&postgres_url()).await.expect("PostgreSQL must be running")
+}
+
+async fn count(pool: &PgPool, sql: &str) -> i64 {
+    sqlx::query_scalar(sql).fetch_one(pool).await.expect(sql)
+}
+
+async fn drop_schema(pool: &PgPool, schema: &str) {
+    let _ = sqlx::query(&format!(r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#)).execute(pool).await;
+}
+
+/// A relay process, stopped with SIGTERM.
+struct RelayProcess(std::process::Child);
+
+impl RelayProcess {
+    fn start(config: &Path) -> Self {
+        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .arg("--config")
+            .arg(config)
+            .arg("relay")
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("start the relay");
+        RelayProcess(child)
+    }
+
+    /// Sends SIGTERM and waits; returns the exit code and how long the exit took.
+    fn terminate(mut self) -> (Option<i32>, Duration) {
+        let asked = Instant::now();
+        let status = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status().expect("kill");
+        assert!(status.success());
+        let deadline = asked + Duration::from_secs(30);
+        loop {
+            if let Some(status) = self.0.try_wait().expect("wait") {
+                return (status.code(), asked.elapsed());
+            }
+            assert!(Instant::now() < deadline, "relay did not exit within 30 s of SIGTERM");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+async fn wait_until_empty(pool: &PgPool, schema: &str, timeout: Duration) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let left = count(pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox"#)).await;
+        if left == 0 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{left} messages still in {schema}.outbox after {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[test]
+fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
+    let storage = storage_section("cli_bad");
+    let cases: Vec<(String, &str)> = vec![
+        (format!("{storage}[sink]\ntype = \"mqtt\"\n"), "sink.type `mqtt` is unknown"),
+        ("[sink]\ntype = \"redis\"\n".to_string(), "storage.url is missing"),
+        (format!("[storage]\nurl = \"{}\"\nschema = \"Robert'); DROP\"\n[sink]\ntype = \"redis\"\n", postgres_url()), "storage.schema"),
+        (format!("{storage}[relay]\nbatch_size = 0\n[sink]\ntype = \"redis\"\n"), "relay.batch_size"),
+        (format!("{storage}[sink\ntype = \"redis\"\n"), "not valid TOML"),
+        (format!("{storage}[relay]\npoll_intervall = \"1s\"\n[sink]\ntype = \"redis\"\n"), "poll_intervall"),
+        (format!("{storage}[sink]\ntype = \"redis\"\nurl = \"http://nope\"\n"), "sink.url"),
+        ("[storage]\nurl = \"postgres://app:hunter2@127.0.0.1:1/x\"\nschema = \"Bad\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema"),
+    ];
+    for (contents, expected) in cases {
+        let config = ConfigFile::new(&contents);
+        let out = outbox(&config.path, &["check"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(EXIT_CONFIG), "config:\n{contents}\nstderr: {stderr}");
+        assert!(stderr.contains(expected), "expected `{expected}` in: {stderr}");
+        assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
+    }
+    let missing = outbox(Path::new("/nonexistent/outbox.toml"), &["check"]);
+    assert_eq!(missing.status.code(), Some(EXIT_CONFIG));
+    assert!(text(&missing.stderr).contains("/nonexistent/outbox.toml"));
+}
+
+/// JSON lines for `outbox enqueue --stdin`: 30 messages over 3 keys, one binary payload.
+fn sample_lines() -> String {
+    let mut lines: Vec<String> = (0..30).map(|i| format!(r#"{{"topic":"orders","key":"k{}","payload":"m{i:02}","headers":{{"n":"{i}"}}}}"#, i % 3)).collect();
+    lines.push(r#"{"topic":"orders","key":"bin","payload_base64":"AP/+"}"#.into());
+    lines.join("\n")
+}
+
+/// Per key, the payloads in arrival order.
+fn by_key(messages: &[(Option<String>, Vec<u8>)]) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
+    let mut keys = std::collections::BTreeMap::<String, Vec<Vec<u8>>>::new();
+    for (key, payload) in messages {
+        keys.entry(key.clone().unwrap_or_default()).or_default().push(payload.clone());
+    }
+    keys
+}
+
+fn check_sample(arrived: &[(Option<String>, Vec<u8>)], broker: &str) {
+    assert_eq!(arrived.len(), 31, "{broker}: every message once");
+    let keys = by_key(arrived);
+    for k in 0..3 {
+        let expected: Vec<Vec<u8>> = (0..30).filter(|i| i % 3 == k).map(|i| format!("m{i:02}").into_bytes()).collect();
+        assert_eq!(keys[&format!("k{k}")], expected, "{broker}: order of k{k}");
+    }
+    assert_eq!(keys["bin"], vec![vec![0u8, 255, 254]], "{broker}: binary payload");
+}
+
+/// Runs the relay with `sink` until the outbox is empty, then stops it with SIGTERM.
+async fn relay_once(pool: &PgPool, schema: &str, sink: &str) {
+    let config = ConfigFile::new(&format!("{}{FAST_RELAY}{sink}", storage_section(schema)));
+    let migrate = outbox(&config.path, &["migrate"]);
+    assert!(migrate.status.success(), "migrate: {}", text(&migrate.stderr));
+    let enqueued = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines());
+    assert!(enqueued.status.success(), "enqueue: {}", text(&enqueued.stderr));
+    let relay = RelayProcess::start(&config.path);
+    wait_until_empty(pool, schema, Duration::from_secs(60)).await;
+    let (code, _) = relay.terminate();
+    assert_eq!(code, Some(0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration() {
+    let pool = pool().await;
+    let schema = unique_name("cli_swap");
+    let name = unique_name("swap");
+
+    #[cfg(feature = "redis")]
+    {
+        let sink = format!("[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n");
+        relay_once(&pool, &schema, &sink).await;
+        check_sample(&redis_stream(&format!("{name}:orders")).await, "redis");
+    }
+    #[cfg(feature = "amqp")]
+    {
+        let queue = amqp_queue(&name).await;
+        let sink = format!("[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"{name}\"\n");
+        relay_once(&pool, &schema, &sink).await;
+        check_sample(&queue.drain(31).await, "amqp");
+    }
+    #[cfg(feature = "kafka")]
+    {
+        let topic = kafka_topic(&name).await;
+        let sink = format!("[sink]\ntype = \"kafka\"\nbootstrap_servers = \"{}\"\ntopic = \"{topic}\"\n", kafka_brokers());
+        relay_once(&pool, &schema, &sink).await;
+        check_sample(&kafka_read(&topic, 31).await, "kafka");
+    }
+    drop_schema(&pool, &schema).await;
+}
+
+#[cfg(feature = "redis")]
+async fn redis_stream(stream: &str) -> Vec<(Option<String>, Vec<u8>)> {
+    use outbox::redis::redis;
+    let client = redis::Client::open("redis://127.0.0.1:6379").expect("redis url");
+    let mut conn = client.get_multiplexed_async_connection().await.expect("Redis must be running at 127.0.0.1:6379");
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query_async(&mut conn).await.expect("XRANGE");
+    reply
+        .ids
+        .iter()
+        .map(|e| (e.get::<String>(outbox::redis::fields::KEY), e.get::<Vec<u8>>(outbox::redis::fields::PAYLOAD).unwrap_or_default()))
+        .collect()
+}
+
+#[cfg(feature = "amqp")]
+struct AmqpQueue {
+    channel: outbox::amqp::lapin::Channel,
+    queue: String,
+}
+
+#[cfg(feature = "amqp")]
+async fn amqp_queue(name: &str) -> AmqpQueue {
+    use outbox::amqp::lapin::{options::*, types::FieldTable, Connection, ConnectionProperties, ExchangeKind};
+    let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default())
+        .await
+        .expect("RabbitMQ must be running at 127.0.0.1:5672");
+    let channel = conn.create_channel().await.expect("channel");
+    channel
+        .exchange_declare(name.into(), ExchangeKind::Topic, ExchangeDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default())
+        .await
+        .expect("declare exchange");
+    let queue = format!("{name}.q");
+    channel.queue_declare(queue.as_str().into(), QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()).await.expect("queue");
+    channel.queue_bind(queue.as_str().into(), name.into(), "#".into(), QueueBindOptions::default(), FieldTable::default()).await.expect("bind");
+    std::mem::forget(conn);
+    AmqpQueue { channel, queue }
+}
+
+#[cfg(feature = "amqp")]
+impl AmqpQueue {
+    async fn drain(&self, n: usize) -> Vec<(Option<String>, Vec<u8>)> {
+        use outbox::amqp::lapin::options::BasicGetOptions;
+        let mut out = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while out.len() < n && Instant::now() < deadline {
+            match self.channel.basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+                Some(message) => {
+                    let delivery = message.delivery;
+                    let key = delivery
+                        .properties
+                        .headers()
+                        .as_ref()
+                        .and_then(|h| h.inner().get(outbox::amqp::KEY_HEADER).cloned())
+                        .and_then(|v| match v {
+                            outbox::amqp::lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
+                            _ => None,
+                        });
+                    out.push((key, delivery.data));
+                }
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        out
+    }
+}
+
+#[cfg(feature = "kafka")]
+fn kafka_brokers() -> String {
+    std::env::var("OUTBOX_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
+}
+
+#[cfg(feature = "kafka")]
+async fn kafka_topic(name: &str) -> String {
+    outbox_tests_kafka::create_topic(&kafka_brokers(), name, 1).await;
+    name.to_string()
+}
+
+#[cfg(feature = "kafka")]
+async fn kafka_read(topic: &str, n: usize) -> Vec<(Option<String>, Vec<u8>)> {
+    outbox_tests_kafka::read(&kafka_brokers(), topic, n).await
+}
+
+/// Redis with a payload limit small enough to reject one message as too large: a permanent
+/// failure, dead-lettered at once, parking its key.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
+    let pool = pool().await;
+    let schema = unique_name("cli_dead");
+    let name = unique_name("dead");
+    let sink = |max: usize| format!("[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max}\n");
+    let strict = ConfigFile::new(&format!("{}{FAST_RELAY}{}", storage_section(&schema), sink(100)));
+    assert!(outbox(&strict.path, &["migrate"]).status.success());
+    let big = "x".repeat(200);
+    let lines = format!(
+        "{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"{big}\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a2\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a3\"}}\n{{\"topic\":\"t\",\"key\":\"b\",\"payload\":\"b1\"}}\n"
+    );
+    assert!(outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines).status.success());
+    let relay = RelayProcess::start(&strict.path);
+    let dead = format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&pool, &dead).await == 0 {
+        assert!(Instant::now() < deadline, "never dead-lettered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(relay.terminate().0, Some(0));
+
+    // status matches the table.
+    let status = text(&outbox(&strict.path, &["status"]).stdout);
+    let pending = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox"#)).await;
+    let parked = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox_parked_keys"#)).await;
+    assert_eq!((pending, parked, count(&pool, &dead).await), (2, 1, 1));
+    assert!(status.contains("pending 2 ") && status.contains("dead-lettered 1 ") && status.contains("parked keys 1"), "{status}");
+    assert!(status.contains("parked key \"a\""), "{status}");
+    let listed = text(&outbox(&strict.path, &["dead-letters", "list"]).stdout);
+    assert!(listed.contains("1 dead letter(s)") && listed.contains("larger than sink.max_payload"), "{listed}");
+    assert_eq!(redis_stream(&format!("{name}:t")).await.len(), 1, "only b1 may pass");
+
+    // The operator raises the limit and replays: the head goes first, then the parked rest.
+    let relaxed = ConfigFile::new(&format!("{}{FAST_RELAY}{}", storage_section(&schema), sink(1_000_000)));
+    let replay = outbox(&relaxed.path, &["dead-letters", "replay", "--all"]);
+    assert!(text(&replay.stdout).contains("replayed 1"), "{}", text(&replay.stderr));
+    let relay = RelayProcess::start(&relaxed.path);
+    wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
+    assert_eq!(relay.terminate().0, Some(0));
+    let keys = by_key(&redis_stream(&format!("{name}:t")).await);
+    assert_eq!(keys["a"], vec![big.into_bytes(), b"a2".to_vec(), b"a3".to_vec()]);
+    let status = text(&outbox(&relaxed.path, &["status"]).stdout);
+    assert!(status.contains("pending 0 ") && status.contains("dead-lettered 0 ") && status.contains("parked keys 0"), "{status}");
+    drop_schema(&pool, &schema).await;
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
+    let pool = pool().await;
+    let schema = unique_name("cli_term");
+    let name = unique_name("term");
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
+        storage_section(&schema)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let total = 50_000i64;
+    sqlx::query(&format!(
+        r#"INSERT INTO "{schema}".outbox (id, topic, partition_key, payload)
+           SELECT gen_random_uuid(), 't', 'k' || (i % 100), convert_to('m' || i, 'UTF8') FROM generate_series(1, $1) AS i"#
+    ))
+    .bind(total)
+    .execute(&pool)
+    .await
+    .unwrap();
+    let relay = RelayProcess::start(&config.path);
+    let left = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while count(&pool, &left).await > total - 1000 {
+        assert!(Instant::now() < deadline, "relay never got going");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (code, took) = relay.terminate();
+    assert_eq!(code, Some(0));
+    assert!(took < Duration::from_secs(5 + 3), "exit took {took:?}, shutdown_timeout is 5 s");
+    let claimed = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox WHERE claim_token IS NOT NULL AND available_at > now()"#)).await;
+    assert_eq!(claimed, 0, "messages left claimed after shutdown");
+    let remaining = count(&pool, &left).await;
+    let delivered = redis_stream(&format!("{name}:t")).await;
+    let mut seen: std::collections::HashSet<Vec<u8>> = delivered.into_iter().map(|(_, p)| p).collect();
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(&format!(r#"SELECT payload FROM "{schema}".outbox"#)).fetch_all(&pool).await.unwrap();
+    assert_eq!(rows.len() as i64, remaining);
+    seen.extend(rows);
+    assert_eq!(seen.len() as i64, total, "a message was lost");
+    assert!(remaining < total, "nothing was delivered before SIGTERM");
+    assert!(remaining > 0, "the relay finished before SIGTERM: the test needs a busier relay");
+    drop_schema(&pool, &schema).await;
+}
