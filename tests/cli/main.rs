@@ -399,3 +399,76 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
     assert!(remaining > 0, "the relay finished before SIGTERM: the test needs a busier relay");
     drop_schema(&pool, &schema).await;
 }
+
+/// A plain HTTP/1.1 GET: (status code, body).
+fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
+    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
+    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    (status, body)
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+async fn wait_for_http(addr: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(addr).is_err() {
+        assert!(Instant::now() < deadline, "the relay never opened {addr}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_health_endpoints_report_the_relay() {
+    let pool = pool().await;
+    let schema = unique_name("cli_obs");
+    let name = unique_name("obs");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let observability = format!("[observability]\nlisten = \"{addr}\"\nlog_format = \"json\"\n");
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{observability}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
+        storage_section(&schema)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    assert!(outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines()).status.success());
+    let relay = RelayProcess::start(&config.path);
+    wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
+    wait_for_http(&addr).await;
+    assert_eq!(http_get(&addr, "/health/live").0, 200);
+    let (status, body) = http_get(&addr, "/health/ready");
+    assert_eq!(status, 200, "{body}");
+    let (status, metrics) = http_get(&addr, "/metrics");
+    assert_eq!(status, 200);
+    let delivered: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("outbox_delivered_total{") && l.contains("topic=\"orders\""))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no delivered counter for topic orders in:\n{metrics}"));
+    assert_eq!(delivered, 31.0);
+    for name in ["outbox_publish_duration_seconds_bucket", "outbox_batch_duration_seconds_bucket", "outbox_sink_up"] {
+        assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+
+    // A sink that cannot be reached: live, but not ready.
+    let addr = format!("127.0.0.1:{}", free_port());
+    let down = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"300ms\"\n",
+        storage_section(&schema)
+    ));
+    let relay = RelayProcess::start(&down.path);
+    wait_for_http(&addr).await;
+    assert_eq!(http_get(&addr, "/health/live").0, 200);
+    let (status, body) = http_get(&addr, "/health/ready");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("sink"), "{body}");
+    assert_eq!(relay.terminate().0, Some(0));
+    drop_schema(&pool, &schema).await;
+}

@@ -54,12 +54,12 @@ pub async fn migrate(config: &Config) -> Result<(), Failure> {
 }
 
 pub async fn check(config: &Config) -> Result<(), Failure> {
-    let relays = crate::relay::build(config).await?;
+    let relays = crate::relay::build(config, None).await?;
     let mut failed = false;
     for relay in &relays {
         println!(
             "relay {}: storage {} ({}.{}), sink {}",
-            relay.name,
+            relay.def.name,
             relay.def.safe_url(),
             relay.def.storage.schema,
             relay.def.storage.table,

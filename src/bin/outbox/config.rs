@@ -45,9 +45,11 @@ pub struct Config {
 }
 
 /// One relay: its storage, its worker settings and its sink.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct RelayDef {
     pub name: String,
+    /// Create or upgrade the tables when the relay starts.
+    pub migrate: bool,
     pub storage: PostgresConfig,
     pub worker: WorkerConfig,
     pub sink_type: String,
@@ -104,6 +106,8 @@ struct StorageSection {
     max_connections: Option<u32>,
     #[serde(default, with = "humantime_serde")]
     connect_timeout: Option<Duration>,
+    /// Run `migrate` when the relay starts.
+    migrate: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -384,6 +388,7 @@ fn relay_def(
     let sink = serde_json::to_value(Value::Table(sink)).map_err(|e| err(format!("sink: {e}")))?;
     Ok(RelayDef {
         name: name.to_string(),
+        migrate: storage.migrate.unwrap_or(false),
         storage: postgres,
         worker,
         sink_type,

@@ -74,18 +74,18 @@ async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
     for relay in state.relays.iter() {
         match tokio::time::timeout(READY_TIMEOUT, relay.storage.health()).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => problems.push(format!("relay {}: storage: {e}", relay.name)),
+            Ok(Err(e)) => problems.push(format!("relay {}: storage: {e}", relay.def.name)),
             Err(_) => problems.push(format!(
                 "relay {}: storage: no answer within {READY_TIMEOUT:?}",
-                relay.name
+                relay.def.name
             )),
         }
         match tokio::time::timeout(READY_TIMEOUT, relay.sink.health()).await {
             Ok(Ok(())) => {}
-            Ok(Err(e)) => problems.push(format!("relay {}: sink: {e}", relay.name)),
+            Ok(Err(e)) => problems.push(format!("relay {}: sink: {e}", relay.def.name)),
             Err(_) => problems.push(format!(
                 "relay {}: sink: no answer within {READY_TIMEOUT:?}",
-                relay.name
+                relay.def.name
             )),
         }
     }

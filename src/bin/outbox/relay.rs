@@ -27,63 +27,78 @@ pub fn init_logging(observability: &Observability) {
 
 /// A relay ready to run: its storage and sink are built, its settings valid.
 pub struct Relay {
-    pub name: String,
     pub storage: Arc<PgStorage>,
     pub sink: Arc<dyn Sink>,
     pub def: RelayDef,
 }
 
-/// Builds the storage and the sink of every relay; configuration errors come out here.
-pub async fn build(config: &Config) -> Result<Vec<Relay>, Failure> {
+/// Builds the storage and the sink of every relay; configuration errors come out here. With
+/// `wait_for_broker`, a sink whose broker cannot be reached yet is retried with backoff (a
+/// relay may start before its broker) until it answers or that token is cancelled.
+pub async fn build(
+    config: &Config,
+    wait_for_broker: Option<&CancellationToken>,
+) -> Result<Vec<Relay>, Failure> {
     let registry = crate::sinks::registry();
     let mut relays = Vec::new();
     for def in &config.relays {
         let storage = Arc::new(PgStorage::new(def.storage.clone())?);
-        let sink = registry
-            .build(&def.sink_type, def.sink.clone())
-            .await
-            .map_err(|e| match e.kind() {
-                outbox::ErrorKind::Config => {
-                    Failure::Config(format!("relay `{}`: {}", def.name, e.message()))
+        let mut failures = 0;
+        let sink = loop {
+            let error = match registry.build(&def.sink_type, def.sink.clone()).await {
+                Ok(sink) => break sink,
+                Err(error) => error,
+            };
+            let retry = wait_for_broker.filter(|_| error.kind() == outbox::ErrorKind::Unavailable);
+            match (error.kind(), retry) {
+                (outbox::ErrorKind::Config, _) => {
+                    return Err(Failure::Config(format!("relay `{}`: {}", def.name, error.message())));
                 }
-                _ => Failure::Runtime(format!(
-                    "relay `{}`: cannot start sink `{}`: {e}",
-                    def.name, def.sink_type
-                )),
-            })?;
-        relays.push(Relay {
-            name: def.name.clone(),
-            storage,
-            sink,
-            def: RelayDef {
-                name: def.name.clone(),
-                storage: def.storage.clone(),
-                worker: def.worker.clone(),
-                sink_type: def.sink_type.clone(),
-                sink: def.sink.clone(),
-            },
-        });
+                (_, None) => {
+                    return Err(Failure::Runtime(format!(
+                        "relay `{}`: cannot start sink `{}`: {error}",
+                        def.name, def.sink_type
+                    )));
+                }
+                (_, Some(shutdown)) => {
+                    failures += 1;
+                    let wait = def.worker.backoff.delay(failures);
+                    tracing::warn!(relay = %def.name, %error, ?wait, "broker unavailable at start-up; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = shutdown.cancelled() => return Err(Failure::Runtime("stopped before the broker answered".into())),
+                    }
+                }
+            }
+        };
+        relays.push(Relay { storage, sink, def: def.clone() });
     }
     Ok(relays)
 }
 
 pub async fn run(config: Config) -> Result<(), Failure> {
-    let relays = build(&config).await?;
     let shutdown = CancellationToken::new();
+    tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move {
+            wait_for_signal().await;
+            tracing::info!("shutting down: finishing the batches in flight");
+            shutdown.cancel();
+        }
+    });
+    let relays = Arc::new(build(&config, Some(&shutdown)).await?);
     let metrics = crate::http::install_metrics()?;
-    let relays: Arc<Vec<Relay>> = Arc::new(relays);
     if let Some(addr) = config.observability.listen {
         crate::http::serve(addr, metrics, relays.clone(), shutdown.clone()).await?;
     }
     let mut tasks = Vec::new();
+    for relay in relays.iter().filter(|r| r.def.migrate) {
+        relay.storage.migrate().await?;
+    }
     for relay in relays.iter() {
-        let worker = Worker::new(
-            relay.def.worker.clone(),
-            relay.storage.clone(),
-            relay.sink.clone(),
-        )?;
+        let worker = Worker::new(relay.def.worker.clone(), relay.storage.clone(), relay.sink.clone())?;
         tracing::info!(
-            relay = %relay.name,
+            relay = %relay.def.name,
             storage = %relay.def.safe_url(),
             schema = %relay.def.storage.schema,
             table = %relay.def.storage.table,
@@ -93,15 +108,13 @@ pub async fn run(config: Config) -> Result<(), Failure> {
         let token = shutdown.clone();
         tasks.push(tokio::spawn(async move { worker.run(token).await }));
         tasks.push(tokio::spawn(report_stats(
-            relay.name.clone(),
+            relay.def.name.clone(),
             relay.storage.clone(),
             config.observability.summary_interval,
             shutdown.clone(),
         )));
     }
-    wait_for_signal().await;
-    tracing::info!("shutting down: finishing the batches in flight");
-    shutdown.cancel();
+    shutdown.cancelled().await;
     for task in tasks {
         let _ = task.await;
     }
