@@ -218,7 +218,12 @@ impl Storage for MemoryStorage {
                 .values()
                 .filter(|r| r.token.is_none() || r.due <= now)
                 .count() as u64,
-            oldest_pending: state.rows.values().map(|r| r.message.created_at).min(),
+            oldest_pending: state
+                .rows
+                .values()
+                .filter(|r| r.token.is_none() || r.due <= now)
+                .map(|r| r.message.created_at)
+                .min(),
             in_flight: state
                 .rows
                 .values()

@@ -1,0 +1,304 @@
+//! Settings of the NATS JetStream sink.
+
+use std::time::Duration;
+
+use outbox_core::{Error, Result, redact_url};
+use serde::Deserialize;
+
+/// Settings of the NATS JetStream sink. `Debug` hides the password in the URL and the token.
+///
+/// In the relay's configuration file this is the `[sink]` table (with `type = "nats"`);
+/// durations are written as `"5s"` or `"500ms"`, unknown keys are refused.
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct NatsConfig {
+    /// Server URL: `nats://[user:password@]host:port`, or `tls://...` for TLS (default
+    /// `nats://127.0.0.1:4222`). Several servers of one cluster may be given separated by
+    /// commas.
+    pub url: String,
+    /// The subject of each message: this template with every `{topic}` replaced by the
+    /// message's topic (default `{topic}`). The subject must be captured by a JetStream
+    /// stream (`nats stream add --subjects ...`); this sink creates no streams.
+    pub subject: String,
+    /// Prepended to every subject (default empty), e.g. `outbox.`.
+    pub subject_prefix: String,
+    /// When set, JetStream refuses a message whose subject is captured by any other stream
+    /// (the `Nats-Expected-Stream` header), so a misconfigured subject cannot land
+    /// somewhere unexpected. Such a message is dead-lettered.
+    pub stream: Option<String>,
+    /// The header that carries the message's partition key (default `Outbox-Key`); absent
+    /// when the message has no key.
+    pub key_header: String,
+    /// Longest wait to connect, to hand a message to the connection, and for a batch's
+    /// acknowledgements (default 5 s). A time-out counts as the server being unavailable.
+    /// Keep it shorter than the worker's lease.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Publishes whose acknowledgements are awaited together (default 5000): a larger
+    /// batch is published in windows of this many messages, in order.
+    pub max_pending_acks: usize,
+    /// Token for token authentication; a secret, never logged.
+    pub token: Option<String>,
+    /// The client's name as the server shows it in its connection list (default `outbox`).
+    pub name: String,
+}
+
+impl Default for NatsConfig {
+    fn default() -> Self {
+        NatsConfig {
+            url: "nats://127.0.0.1:4222".into(),
+            subject: "{topic}".into(),
+            subject_prefix: String::new(),
+            stream: None,
+            key_header: "Outbox-Key".into(),
+            timeout: Duration::from_secs(5),
+            max_pending_acks: 5000,
+            token: None,
+            name: "outbox".into(),
+        }
+    }
+}
+
+impl std::fmt::Debug for NatsConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsConfig")
+            .field("url", &redact_servers(&self.url))
+            .field("subject", &self.subject)
+            .field("subject_prefix", &self.subject_prefix)
+            .field("stream", &self.stream)
+            .field("key_header", &self.key_header)
+            .field("timeout", &self.timeout)
+            .field("max_pending_acks", &self.max_pending_acks)
+            .field("token", &self.token.as_ref().map(|_| "***"))
+            .field("name", &self.name)
+            .finish()
+    }
+}
+
+/// The URL list with each password replaced by `***`, for logs and errors.
+pub(crate) fn redact_servers(url: &str) -> String {
+    url.split(',')
+        .map(|u| redact_url(u.trim()))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+impl NatsConfig {
+    /// Defaults for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        NatsConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
+    /// without `type`) and validates them. Errors name the bad key.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: NatsConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let at = if path == "." {
+                String::new()
+            } else {
+                format!("sink.{path}: ")
+            };
+            Error::config(format!("nats sink configuration: {at}{}", e.inner()))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the subject template and prefix.
+    pub fn subject(mut self, prefix: impl Into<String>, template: impl Into<String>) -> Self {
+        self.subject_prefix = prefix.into();
+        self.subject = template.into();
+        self
+    }
+
+    /// Checks every setting; the error names the bad one.
+    pub fn validate(&self) -> Result<()> {
+        let servers = self.servers()?;
+        if servers.is_empty() {
+            return Err(Error::config(
+                "sink.url is empty; give the NATS server, e.g. nats://127.0.0.1:4222",
+            ));
+        }
+        if self.subject.is_empty() {
+            return Err(Error::config(
+                "sink.subject is empty; give a template such as `{topic}` or `events.{topic}`",
+            ));
+        }
+        // A topic made of one plain token must give a valid subject.
+        let sample = self.subject_for("topic").map_err(|why| {
+            Error::config(format!(
+                "sink.subject_prefix `{}` with sink.subject `{}` does not make a valid subject: {why}",
+                self.subject_prefix, self.subject
+            ))
+        })?;
+        if !self.subject.contains("{topic}") {
+            tracing::info!(subject = %sample, "sink.subject has no {{topic}}: every topic goes to one subject");
+        }
+        if let Some(stream) = &self.stream
+            && (stream.is_empty() || stream.contains(['.', '*', '>', ' ', '\t', '/', '\\']))
+        {
+            return Err(Error::config(format!(
+                "sink.stream `{stream}` is not a JetStream stream name (non-empty, without \
+                 '.', '*', '>', '/', '\\' or spaces); leave it unset to accept any stream"
+            )));
+        }
+        if async_nats::HeaderName::try_from(self.key_header.as_str()).is_err()
+            || self.key_header.is_empty()
+        {
+            return Err(Error::config(format!(
+                "sink.key_header `{}` is not a valid header name (printable ASCII without ':' or spaces)",
+                self.key_header
+            )));
+        }
+        if self.key_header.to_ascii_lowercase().starts_with("nats-") {
+            return Err(Error::config(format!(
+                "sink.key_header `{}` starts with `Nats-`, which NATS reserves; pick another name",
+                self.key_header
+            )));
+        }
+        if self.timeout < Duration::from_millis(10) {
+            return Err(Error::config(format!(
+                "sink.timeout is {:?}; it must be at least 10ms (and shorter than the worker's lease)",
+                self.timeout
+            )));
+        }
+        if self.max_pending_acks == 0 {
+            return Err(Error::config(
+                "sink.max_pending_acks is 0; it must be at least 1",
+            ));
+        }
+        if self.token.as_ref().is_some_and(|t| t.is_empty()) {
+            return Err(Error::config(
+                "sink.token is empty; leave it unset for no token",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The parsed server addresses; a bad one is a `Config` error naming `sink.url`.
+    pub(crate) fn servers(&self) -> Result<Vec<async_nats::ServerAddr>> {
+        self.url
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(|u| {
+                let bad = |why: String| {
+                    Error::config(format!(
+                        "sink.url `{}` is not a NATS server URL ({why}); expected nats://host:port or tls://host:port",
+                        redact_url(u)
+                    ))
+                };
+                let addr = u.parse::<async_nats::ServerAddr>().map_err(|e| bad(e.to_string()))?;
+                if addr.scheme().starts_with("ws") {
+                    return Err(bad("WebSocket URLs are not supported by this build".into()));
+                }
+                Ok(addr)
+            })
+            .collect()
+    }
+
+    /// The subject for `topic`, or why it would not be a valid subject to publish to.
+    pub(crate) fn subject_for(&self, topic: &str) -> std::result::Result<String, String> {
+        let subject = format!(
+            "{}{}",
+            self.subject_prefix,
+            self.subject.replace("{topic}", topic)
+        );
+        if subject.is_empty() {
+            return Err("the subject is empty".into());
+        }
+        if subject.contains(|c: char| c.is_whitespace() || c.is_control()) {
+            return Err(format!("subject `{subject}` contains white space"));
+        }
+        if subject.split('.').any(str::is_empty) {
+            return Err(format!(
+                "subject `{subject}` has an empty token (a leading, trailing or double '.')"
+            ));
+        }
+        if subject.split('.').any(|t| t == "*" || t == ">") {
+            return Err(format!(
+                "subject `{subject}` has a wildcard token ('*' or '>')"
+            ));
+        }
+        Ok(subject)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn reads_json_with_durations_and_names_bad_keys() {
+        let config = NatsConfig::from_value(serde_json::json!({
+            "url": "nats://app:s3cret@127.0.0.1:4222",
+            "subject_prefix": "outbox.",
+            "timeout": "250ms",
+            "token": "tok",
+        }))
+        .unwrap();
+        assert_eq!(config.timeout, Duration::from_millis(250));
+        assert_eq!(config.subject_for("orders").unwrap(), "outbox.orders");
+        let debug = format!("{config:?}");
+        assert!(
+            !debug.contains("s3cret") && !debug.contains("tok\""),
+            "{debug}"
+        );
+
+        let unknown = NatsConfig::from_value(serde_json::json!({ "urll": "x" })).unwrap_err();
+        assert!(
+            unknown.to_string().contains("unknown field `urll`"),
+            "{unknown}"
+        );
+        let typed =
+            NatsConfig::from_value(serde_json::json!({ "max_pending_acks": "many" })).unwrap_err();
+        assert!(
+            typed.to_string().contains("sink.max_pending_acks"),
+            "{typed}"
+        );
+        let duration =
+            NatsConfig::from_value(serde_json::json!({ "timeout": "soon" })).unwrap_err();
+        assert!(duration.to_string().contains("sink.timeout"), "{duration}");
+    }
+
+    #[test]
+    fn validation_names_the_key() {
+        let check = |f: fn(&mut NatsConfig), key: &str| {
+            let mut config = NatsConfig::default();
+            f(&mut config);
+            let error = config.validate().unwrap_err();
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            assert!(error.to_string().contains(key), "{key}: {error}");
+        };
+        check(|c| c.url = "http://[::".into(), "sink.url");
+        check(|c| c.url = " ".into(), "sink.url");
+        check(|c| c.subject = String::new(), "sink.subject");
+        check(|c| c.subject = "a..{topic}".into(), "sink.subject");
+        check(|c| c.subject_prefix = "x y.".into(), "sink.subject_prefix");
+        check(|c| c.subject = "{topic}.>".into(), "sink.subject");
+        check(|c| c.stream = Some("a.b".into()), "sink.stream");
+        check(|c| c.key_header = "bad:name".into(), "sink.key_header");
+        check(|c| c.key_header = "Nats-Key".into(), "sink.key_header");
+        check(|c| c.timeout = Duration::ZERO, "sink.timeout");
+        check(|c| c.max_pending_acks = 0, "sink.max_pending_acks");
+        check(|c| c.token = Some(String::new()), "sink.token");
+        assert!(NatsConfig::default().validate().is_ok());
+    }
+
+    #[test]
+    fn subjects_are_checked_per_topic() {
+        let config = NatsConfig::default();
+        assert_eq!(
+            config.subject_for("orders.created").unwrap(),
+            "orders.created"
+        );
+        assert!(config.subject_for("has space").is_err());
+        assert!(config.subject_for("").is_err());
+        assert!(config.subject_for("a.*").is_err());
+        assert!(config.subject_for("trailing.").is_err());
+    }
+}

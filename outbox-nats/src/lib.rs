@@ -1,0 +1,52 @@
+#![doc = include_str!("../README.md")]
+#![deny(missing_docs)]
+
+mod config;
+mod error;
+mod sink;
+
+use std::sync::Arc;
+
+use outbox_core::{Sink, SinkRegistry};
+
+pub use config::NatsConfig;
+pub use sink::{NatsSink, headers};
+
+/// The NATS client crate, re-exported so users and tests need no dependency of their own.
+pub use async_nats;
+
+/// The sink type name in the relay's configuration: `[sink] type = "nats"`.
+pub const TYPE: &str = "nats";
+
+/// Registers the NATS sink under [`TYPE`]: the factory reads a [`NatsConfig`] from the
+/// `[sink]` table (unknown keys are refused, errors name the key) and builds a [`NatsSink`],
+/// which connects on first use.
+pub fn register(registry: &mut SinkRegistry) {
+    registry.register(TYPE, |config| async move {
+        let sink = NatsSink::new(NatsConfig::from_value(config)?)?;
+        Ok(Arc::new(sink) as Arc<dyn Sink>)
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn registers_a_factory_that_names_bad_keys() {
+        let mut registry = SinkRegistry::new();
+        register(&mut registry);
+        assert_eq!(registry.names(), [TYPE]);
+        let built = registry
+            .build(TYPE, serde_json::json!({ "subject_prefix": "outbox." }))
+            .await;
+        assert!(built.is_ok());
+        let error = registry
+            .build(TYPE, serde_json::json!({ "timeout": 5 }))
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+        assert!(error.to_string().contains("sink.timeout"), "{error}");
+    }
+}

@@ -1,0 +1,333 @@
+//! The NATS JetStream sink: each message becomes one JetStream publish; a batch is sent in one
+//! go and its acknowledgements are awaited together.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_nats::connection::State;
+use async_nats::jetstream::context::{Context, ContextBuilder, PublishAckFuture};
+use async_nats::jetstream::message::PublishMessage;
+use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue, ServerAddr};
+use async_trait::async_trait;
+use bytes::Bytes;
+use outbox_core::{Error, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
+use tokio::sync::OnceCell;
+use tokio::time::{Instant, timeout, timeout_at};
+
+use crate::NatsConfig;
+use crate::config::redact_servers;
+use crate::error::{Stage, connect_error, health_error, publish_error};
+
+/// Headers this sink sets on every message besides the message's own headers.
+pub mod headers {
+    /// The message id (a hyphenated UUID): JetStream drops a message whose id it stored
+    /// within the stream's duplicate window, and consumers de-duplicate by it.
+    pub const MESSAGE_ID: &str = "Nats-Msg-Id";
+    /// The W3C `traceparent`, when the message has a trace context.
+    pub const TRACEPARENT: &str = "traceparent";
+    /// The W3C `tracestate`, when the trace context has one.
+    pub const TRACESTATE: &str = "tracestate";
+}
+
+/// Extra wait on top of the client's own time-outs before a call is cut off: they should
+/// always fire first, this only guards against a wait that has none.
+const GRACE: Duration = Duration::from_secs(1);
+
+/// Publishes messages to NATS JetStream. Connects on first use, then the client reconnects
+/// by itself; while it is disconnected, publishes and health checks fail at once as
+/// `Unavailable`.
+pub struct NatsSink {
+    config: NatsConfig,
+    servers: Vec<ServerAddr>,
+    /// The redacted server list, for logs and errors.
+    shown: String,
+    jetstream: OnceCell<Context>,
+}
+
+impl std::fmt::Debug for NatsSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsSink")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One message of a window: already settled, or waiting for its ack.
+enum Pending {
+    Settled(Outcome),
+    Acking(String, PublishAckFuture),
+}
+
+impl NatsSink {
+    /// A sink for `config`. Validates the configuration; connects lazily, so a server that
+    /// is down shows up as an `Unavailable` error from the first call, not here.
+    pub fn new(config: NatsConfig) -> Result<Self> {
+        config.validate()?;
+        let servers = config.servers()?;
+        Ok(NatsSink {
+            shown: redact_servers(&config.url),
+            config,
+            servers,
+            jetstream: OnceCell::new(),
+        })
+    }
+
+    /// The sink's settings.
+    pub fn config(&self) -> &NatsConfig {
+        &self.config
+    }
+
+    /// The JetStream context, connecting first if this is the first call.
+    async fn jetstream(&self) -> Result<&Context> {
+        self.jetstream
+            .get_or_try_init(|| async {
+                let t = self.config.timeout;
+                let mut options = ConnectOptions::new()
+                    .name(&self.config.name)
+                    .connection_timeout(t)
+                    .request_timeout(Some(t))
+                    .max_reconnects(None);
+                if let Some(token) = &self.config.token {
+                    options = options.token(token.clone());
+                }
+                // The client tries each server once, each within the time-out.
+                let all = t * self.servers.len() as u32 + GRACE;
+                let client = match timeout(all, options.connect(self.servers.clone())).await {
+                    Ok(Ok(client)) => client,
+                    Ok(Err(error)) => return Err(connect_error(&self.shown, error)),
+                    Err(_) => {
+                        return Err(Error::unavailable(format!(
+                            "nats: cannot connect to {} within sink.timeout",
+                            self.shown
+                        )));
+                    }
+                };
+                tracing::info!(servers = %self.shown, "connected to NATS");
+                Ok(ContextBuilder::new()
+                    .timeout(t)
+                    // An ack abandoned after a time-out holds its in-flight slot this long.
+                    .ack_timeout(t)
+                    .max_ack_inflight(self.config.max_pending_acks)
+                    .backpressure_on_inflight(true)
+                    .build(client))
+            })
+            .await
+    }
+
+    /// The context if the connection is up; `Unavailable` at once while it is down, so
+    /// nothing is queued in the client to go out on some later reconnect.
+    async fn connected(&self) -> Result<&Context> {
+        let jetstream = self.jetstream().await?;
+        match jetstream.client().connection_state() {
+            State::Connected | State::Pending => Ok(jetstream),
+            State::Disconnected => Err(Error::unavailable(format!(
+                "nats: disconnected from {}; the client is reconnecting",
+                self.shown
+            ))),
+        }
+    }
+
+    /// The subject and headers of `message`, or why it can never be published.
+    fn prepare(&self, message: &Message) -> Result<(String, HeaderMap)> {
+        let subject = self.config.subject_for(&message.topic).map_err(|why| {
+            Error::permanent(format!(
+                "nats: topic `{}` does not make a valid subject: {why}",
+                message.topic
+            ))
+        })?;
+        let mut map = HeaderMap::new();
+        for (name, value) in &message.headers {
+            if name.to_ascii_lowercase().starts_with("nats-") {
+                return Err(Error::permanent(format!(
+                    "nats: header `{name}` starts with `Nats-`, which NATS reserves for itself"
+                )));
+            }
+            map.insert(header_name(name)?, header_value(name, value)?);
+        }
+        if let Some(trace) = &message.trace_context {
+            map.insert(
+                headers::TRACEPARENT,
+                header_value(headers::TRACEPARENT, &trace.traceparent)?,
+            );
+            if let Some(state) = &trace.tracestate {
+                map.insert(
+                    headers::TRACESTATE,
+                    header_value(headers::TRACESTATE, state)?,
+                );
+            }
+        }
+        if let Some(key) = &message.key {
+            let name = header_name(&self.config.key_header)?;
+            map.insert(name, header_value(&self.config.key_header, key)?);
+        }
+        map.insert(
+            async_nats::header::NATS_MESSAGE_ID,
+            message.id.to_string().as_str(),
+        );
+        if let Some(stream) = &self.config.stream {
+            map.insert(async_nats::header::NATS_EXPECTED_STREAM, stream.as_str());
+        }
+        Ok((subject, map))
+    }
+
+    /// Publishes one window of messages: all of them first, then their acks together.
+    /// Sets `broken` when the connection failed, and then sends nothing more.
+    async fn publish_window(
+        &self,
+        jetstream: &Context,
+        window: &[Message],
+        broken: &mut Option<String>,
+    ) -> Vec<Outcome> {
+        let deadline = Instant::now() + self.config.timeout;
+        let mut pending = Vec::with_capacity(window.len());
+        for message in window {
+            if let Some(why) = broken.as_ref() {
+                pending.push(Pending::Settled(Outcome::Failed(Error::unavailable(
+                    why.clone(),
+                ))));
+                continue;
+            }
+            let (subject, map) = match self.prepare(message) {
+                Ok(prepared) => prepared,
+                Err(error) => {
+                    pending.push(Pending::Settled(Outcome::Failed(error)));
+                    continue;
+                }
+            };
+            let publish = PublishMessage::build()
+                .payload(Bytes::copy_from_slice(&message.payload))
+                .headers(map);
+            let sent = timeout_at(deadline, jetstream.send_publish(subject.clone(), publish)).await;
+            pending.push(match sent {
+                Ok(Ok(ack)) => Pending::Acking(subject, ack),
+                Ok(Err(error)) => {
+                    let error = publish_error(&subject, Stage::Send, error);
+                    if error.kind() == outbox_core::ErrorKind::Unavailable {
+                        *broken = Some(error.to_string());
+                    }
+                    Pending::Settled(Outcome::Failed(error))
+                }
+                Err(_) => {
+                    let error = Error::unavailable(format!(
+                        "nats: could not hand the batch to the connection to {} within sink.timeout",
+                        self.shown
+                    ));
+                    *broken = Some(error.to_string());
+                    Pending::Settled(Outcome::Failed(error))
+                }
+            });
+        }
+
+        let acks = futures_util::future::join_all(pending.into_iter().map(|p| async move {
+            match p {
+                Pending::Settled(outcome) => outcome,
+                Pending::Acking(subject, ack) => match ack.await {
+                    Ok(ack) => {
+                        if ack.duplicate {
+                            tracing::debug!(%subject, stream = %ack.stream, sequence = ack.sequence, "JetStream dropped a duplicate");
+                        }
+                        Outcome::Delivered(Receipt::new(format!("{}:{}", ack.stream, ack.sequence)))
+                    }
+                    Err(error) => Outcome::Failed(publish_error(&subject, Stage::Ack, error)),
+                },
+            }
+        }));
+        // Each ack has the client's time-out; this only guards against one that has none.
+        let outcomes = match timeout(self.config.timeout + GRACE, acks).await {
+            Ok(outcomes) => outcomes,
+            Err(_) => window
+                .iter()
+                .map(|_| {
+                    Outcome::Failed(Error::unavailable(format!(
+                        "nats: no acknowledgements from {} within sink.timeout",
+                        self.shown
+                    )))
+                })
+                .collect(),
+        };
+        // A window with no ack at all and time-outs means the connection is gone.
+        let delivered = outcomes.iter().any(|o| matches!(o, Outcome::Delivered(_)));
+        let unavailable = outcomes.iter().any(
+            |o| matches!(o, Outcome::Failed(e) if e.kind() == outbox_core::ErrorKind::Unavailable),
+        );
+        if !delivered && unavailable && broken.is_none() {
+            *broken = Some(format!(
+                "nats: {} stopped answering during the batch",
+                self.shown
+            ));
+        }
+        outcomes
+    }
+}
+
+fn header_name(name: &str) -> Result<HeaderName> {
+    HeaderName::from_str(name).map_err(|_| {
+        Error::permanent(format!(
+            "nats: header name `{name}` is not valid in NATS (printable ASCII without ':' or spaces)"
+        ))
+    })
+}
+
+fn header_value(name: &str, value: &str) -> Result<HeaderValue> {
+    HeaderValue::from_str(value).map_err(|_| {
+        Error::permanent(format!(
+            "nats: the value of header `{name}` contains a line break, which NATS headers cannot carry"
+        ))
+    })
+}
+
+#[async_trait]
+impl Sink for NatsSink {
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+        if batch.is_empty() {
+            return Ok(Vec::new());
+        }
+        let jetstream = self.connected().await?;
+        let started = Instant::now();
+        let mut outcomes = Vec::with_capacity(batch.len());
+        let mut broken = None;
+        for window in batch.chunks(self.config.max_pending_acks) {
+            outcomes.extend(self.publish_window(jetstream, window, &mut broken).await);
+        }
+        if let Some(why) = &broken {
+            tracing::warn!(servers = %self.shown, error = %why, "NATS connection failed during a batch");
+        }
+        tracing::debug!(messages = batch.len(), elapsed = ?started.elapsed(), "published to JetStream");
+        Ok(outcomes)
+    }
+
+    async fn health(&self) -> Result<()> {
+        let jetstream = self.connected().await?;
+        // The account query ($JS.API.INFO) answers only where JetStream is enabled. Read as
+        // plain JSON: the client's typed `query_account` expects fields that servers before
+        // 2.10 do not send.
+        let empty = serde_json::json!({});
+        let query = jetstream.request::<_, _, serde_json::Value>("INFO", &empty);
+        match timeout(self.config.timeout + GRACE, query).await {
+            Ok(Ok(reply)) => match reply.get("error") {
+                None => Ok(()),
+                Some(error) => Err(Error::unavailable(format!(
+                    "nats: JetStream at {} refused the account query: {error}",
+                    self.shown
+                ))),
+            },
+            Ok(Err(error)) => Err(health_error(&self.shown, error)),
+            Err(_) => Err(Error::unavailable(format!(
+                "nats: JetStream at {} did not answer within sink.timeout",
+                self.shown
+            ))),
+        }
+    }
+
+    fn capabilities(&self) -> SinkCapabilities {
+        // The server's max_payload (headers included) is known once connected.
+        let max_payload = self
+            .jetstream
+            .get()
+            .map(|j| j.client().server_info().max_payload)
+            .filter(|&n| n > 0);
+        SinkCapabilities::default()
+            .with_deduplication(true)
+            .with_max_payload(max_payload)
+    }
+}

@@ -1,0 +1,684 @@
+//! The sink checks.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
+use tokio::net::TcpListener;
+
+use super::note;
+
+/// One message as the broker holds it, as a consumer would read it.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Received {
+    /// The body, as exact bytes.
+    pub payload: Vec<u8>,
+    /// Every header (or property, or field) the broker holds for the message, by name. The
+    /// sink may add its own; the suite checks that each header of the message is there with
+    /// its exact value.
+    pub headers: BTreeMap<String, String>,
+    /// The partition key as the broker holds it (a Kafka key, a header, a field), if any.
+    pub key: Option<String>,
+}
+
+/// A destination made for one check: a sink that publishes there, and the topic the suite
+/// puts on its messages.
+pub struct Destination {
+    /// The sink under test, publishing to this destination.
+    pub sink: Arc<dyn Sink>,
+    /// The topic of every message the suite publishes to this destination.
+    pub topic: String,
+}
+
+/// What a sink backend gives the suite. Each method works on the real broker; a broker that
+/// is not running must make the method panic with a message naming it and its address.
+///
+/// ```ignore
+/// use outbox_tests::conformance::{Destination, Received, SinkHarness};
+///
+/// struct RedisHarness { url: String }
+///
+/// #[async_trait::async_trait]
+/// impl SinkHarness for RedisHarness {
+///     fn timeout(&self) -> Duration { Duration::from_secs(2) }
+///
+///     async fn destination(&self) -> Destination {
+///         let topic = outbox_tests::unique_name("conformance");   // the stream is named after it
+///         let config = RedisConfig { command_timeout: self.timeout(), ..RedisConfig::new(&self.url) };
+///         Destination { sink: Arc::new(RedisSink::new(config).unwrap()), topic }
+///     }
+///
+///     async fn read(&self, destination: &Destination, at_least: usize) -> Vec<Received> {
+///         // poll XLEN until it is at least `at_least` (give up after ~10 s), then XRANGE - +
+///         // and turn each entry into a Received { payload, headers, key }
+///     }
+///
+///     async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
+///         let config = RedisConfig { command_timeout: self.timeout(), ..RedisConfig::new(format!("redis://{addr}")) };
+///         Arc::new(RedisSink::new(config).unwrap())
+///     }
+/// }
+/// ```
+#[async_trait]
+pub trait SinkHarness: Send + Sync {
+    /// The time-out the harness's sinks are configured with (connect, command, ack). The
+    /// suite expects a health check or publish against a server that never answers to fail
+    /// within about twice this. Keep it short (1–2 s) so the suite runs fast.
+    fn timeout(&self) -> Duration;
+
+    /// A fresh destination no other check uses (its own stream, queue or topic, made on the
+    /// broker if the sink needs it made), with a sink that publishes messages of
+    /// `Destination::topic` there.
+    async fn destination(&self) -> Destination;
+
+    /// What the broker holds for `destination`, in the order a consumer reads it (for a
+    /// partitioned broker: partition after partition, so each key's messages are in their
+    /// partition's order). Waits until at least `at_least` messages are there, giving up
+    /// after about 10 s, then returns all there are. The suite calls it once per
+    /// destination, after the last publish, so it may read destructively (AMQP `basic.get`).
+    async fn read(&self, destination: &Destination, at_least: usize) -> Vec<Received>;
+
+    /// A sink configured like those of [`destination`](SinkHarness::destination), with the
+    /// same time-out, but pointed at `addr` (`127.0.0.1:port`). The suite points it at a
+    /// closed port and at a server that accepts connections and never answers. Building it
+    /// must not fail or block: connect lazily, or within the time-out.
+    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink>;
+
+    /// A message the broker refuses at `destination` for reasons of its own (for example a
+    /// topic no stream captures, or a payload over a per-destination limit), or `None` when
+    /// the broker cannot be made to refuse one; the suite checks that it fails alone, as a
+    /// message failure (`Temporary` or `Permanent`), while the rest of its batch is
+    /// delivered.
+    async fn refused(&self, destination: &Destination) -> Option<Message> {
+        let _ = destination;
+        None
+    }
+}
+
+fn message(topic: &str, payload: impl Into<Vec<u8>>) -> Message {
+    Message::from(NewMessage::new(topic, payload))
+}
+
+fn keyed(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
+    Message::from(NewMessage::new(topic, payload).key(key))
+}
+
+/// Publishes and checks that every message was delivered, one outcome each, in order.
+async fn publish_all(check: &str, sink: &dyn Sink, batch: &[Message]) {
+    let outcomes = sink
+        .publish(batch)
+        .await
+        .unwrap_or_else(|e| panic!("{check}: publishing {} messages failed: {e}", batch.len()));
+    assert_eq!(
+        outcomes.len(),
+        batch.len(),
+        "{check}: a sink must return one outcome per message"
+    );
+    for (i, outcome) in outcomes.iter().enumerate() {
+        if let Outcome::Failed(error) = outcome {
+            panic!(
+                "{check}: message {i} of {} was not delivered: {error}",
+                batch.len()
+            );
+        }
+    }
+}
+
+/// Checks that the broker holds exactly the messages of `sent` (no more), with their
+/// payload, headers and key.
+fn assert_same(check: &str, sent: &[Message], got: &[Received]) {
+    assert_eq!(
+        got.len(),
+        sent.len(),
+        "{check}: the broker holds {} messages, {} were published",
+        got.len(),
+        sent.len()
+    );
+    for (i, (sent, got)) in sent.iter().zip(got).enumerate() {
+        assert_fields(&format!("{check}, message {i}"), sent, got);
+    }
+}
+
+fn assert_fields(check: &str, sent: &Message, got: &Received) {
+    assert!(
+        got.payload == sent.payload,
+        "{check}: payload changed: sent {} bytes {:?}…, broker holds {} bytes {:?}…",
+        sent.payload.len(),
+        &sent.payload[..sent.payload.len().min(16)],
+        got.payload.len(),
+        &got.payload[..got.payload.len().min(16)]
+    );
+    assert_eq!(got.key, sent.key, "{check}: key changed");
+    for (name, value) in &sent.headers {
+        assert_eq!(
+            got.headers.get(name),
+            Some(value),
+            "{check}: header `{name}` changed or missing; the broker holds {:?}",
+            got.headers
+        );
+    }
+}
+
+/// Like [`assert_same`], for messages of several keys, whose relative order a partitioned
+/// broker does not keep: matches them by payload (unique in each check).
+fn assert_same_any_order(check: &str, sent: &[Message], got: &[Received]) {
+    let mut sent: Vec<&Message> = sent.iter().collect();
+    let mut got: Vec<&Received> = got.iter().collect();
+    sent.sort_by(|a, b| a.payload.cmp(&b.payload));
+    got.sort_by(|a, b| a.payload.cmp(&b.payload));
+    assert_eq!(
+        got.len(),
+        sent.len(),
+        "{check}: the broker holds {} messages, {} were published",
+        got.len(),
+        sent.len()
+    );
+    for (sent, got) in sent.iter().zip(&got) {
+        let name = String::from_utf8_lossy(&sent.payload).into_owned();
+        assert_fields(&format!("{check}, message {name:?}"), sent, got);
+    }
+}
+
+/// Checks that, for each key, the broker holds its messages in the order they were sent
+/// (messages without a key only as a set: a partitioned broker spreads them).
+fn assert_key_order(check: &str, sent: &[Message], got: &[Received]) {
+    let mut sent_by_key: BTreeMap<Option<String>, Vec<&[u8]>> = BTreeMap::new();
+    for m in sent {
+        sent_by_key
+            .entry(m.key.clone())
+            .or_default()
+            .push(&m.payload);
+    }
+    let mut got_by_key: BTreeMap<Option<String>, Vec<&[u8]>> = BTreeMap::new();
+    for r in got {
+        got_by_key
+            .entry(r.key.clone())
+            .or_default()
+            .push(&r.payload);
+    }
+    for (key, sent) in &mut sent_by_key {
+        let mut got = got_by_key.get(key).cloned().unwrap_or_default();
+        if key.is_none() {
+            sent.sort();
+            got.sort();
+        }
+        let sent = &*sent;
+        assert!(
+            *sent == got,
+            "{check}: key {key:?}: {} messages sent, {} held, or out of order (first difference at {})",
+            sent.len(),
+            got.len(),
+            sent.iter()
+                .zip(&got)
+                .position(|(a, b)| a != b)
+                .unwrap_or(sent.len().min(got.len()))
+        );
+    }
+}
+
+/// A free port with nothing listening on it.
+async fn closed_port() -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind a local port");
+    listener.local_addr().expect("local address")
+}
+
+/// A server that accepts connections and never sends a byte; stops when dropped.
+struct SilentServer {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SilentServer {
+    async fn start() -> SilentServer {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind a local port");
+        let addr = listener.local_addr().expect("local address");
+        let task = tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((socket, _)) = listener.accept().await {
+                held.push(socket); // keep it open, never answer
+            }
+        });
+        SilentServer { addr, task }
+    }
+}
+
+impl Drop for SilentServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Checks that `error` is a transport failure.
+fn assert_unavailable(check: &str, what: &str, error: &outbox_core::Error) {
+    assert_eq!(
+        error.kind(),
+        ErrorKind::Unavailable,
+        "{check}: {what} must fail as Unavailable (a transport failure), got: {error}"
+    );
+}
+
+/// Publishing to an unreachable broker must fail as a transport failure: either the whole
+/// call fails, or every message fails, as `Unavailable`.
+async fn assert_publish_unavailable(check: &str, sink: &dyn Sink, topic: &str, limit: Duration) {
+    let batch = vec![message(topic, "a"), message(topic, "b")];
+    let started = Instant::now();
+    let result = sink.publish(&batch).await;
+    let elapsed = started.elapsed();
+    match result {
+        Err(error) => assert_unavailable(check, "publish", &error),
+        Ok(outcomes) => {
+            assert_eq!(
+                outcomes.len(),
+                batch.len(),
+                "{check}: one outcome per message"
+            );
+            for outcome in &outcomes {
+                match outcome {
+                    Outcome::Failed(error) => assert_unavailable(check, "each message", error),
+                    Outcome::Delivered(r) => {
+                        panic!("{check}: delivered to an unreachable broker: {r}")
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        elapsed <= limit,
+        "{check}: publish took {elapsed:?}, more than {limit:?}"
+    );
+}
+
+/// The longest a call against an unreachable broker may take.
+fn limit(h: &dyn SinkHarness) -> Duration {
+    h.timeout() * 2 + Duration::from_secs(2)
+}
+
+/// `health` passes on a fresh sink while the broker is up.
+pub async fn sink_health_is_ok_when_the_broker_is_up(h: &dyn SinkHarness) {
+    let d = h.destination().await;
+    if let Err(error) = d.sink.health().await {
+        panic!("health: the broker is up but health failed: {error}");
+    }
+}
+
+/// Payload bytes, headers and key survive exactly, for messages with and without a key.
+pub async fn sink_fields_survive_exactly(h: &dyn SinkHarness) {
+    let check = "fields survive";
+    let d = h.destination().await;
+    let t = &d.topic;
+    let mut json = NewMessage::json(
+        t.as_str(),
+        &serde_json::json!({"order": 7, "total": "12.50"}),
+    )
+    .expect("json")
+    .key("order-7")
+    .header("x-tenant", "acme");
+    json.headers.insert("x-request-id".into(), "b7c1-44".into());
+    let batch = vec![
+        Message::from(json),
+        Message::from(
+            NewMessage::new(t.as_str(), "plain text")
+                .key("customer:42/eu")
+                .header("x-empty", "")
+                .header("x-symbols", "a=b; c,d \"q\" [x] {y} <z> 100%"),
+        ),
+        Message::from(NewMessage::new(t.as_str(), "no key, no headers")),
+    ];
+    publish_all(check, &*d.sink, &batch).await;
+    assert_same_any_order(check, &batch, &h.read(&d, batch.len()).await);
+}
+
+/// Binary payloads survive byte for byte: every byte value, invalid UTF-8, NUL bytes, an
+/// empty payload and 64 KiB of random bytes.
+pub async fn sink_binary_and_non_utf8_payloads_survive(h: &dyn SinkHarness) {
+    let check = "binary payloads";
+    let d = h.destination().await;
+    let random: Vec<u8> = (0..64 * 1024).map(|_| fastrand::u8(..)).collect();
+    let payloads: Vec<Vec<u8>> = vec![
+        (0..=255u8).collect(),
+        (0..=255u8).rev().collect(),
+        vec![0xff, 0xfe, 0xfd, 0xc3, 0x28, 0xa0, 0xa1, 0xe2, 0x28, 0xa1],
+        vec![0, 0, 0, b'\r', b'\n', 0],
+        Vec::new(),
+        random,
+    ];
+    // One key, so the broker's order is the order sent.
+    let batch: Vec<Message> = payloads
+        .into_iter()
+        .map(|p| keyed(&d.topic, "binary", p))
+        .collect();
+    publish_all(check, &*d.sink, &batch).await;
+    assert_same(check, &batch, &h.read(&d, batch.len()).await);
+}
+
+/// Header values and keys outside ASCII survive exactly.
+pub async fn sink_unicode_header_values_survive(h: &dyn SinkHarness) {
+    let check = "unicode headers";
+    let d = h.destination().await;
+    let batch = vec![
+        Message::from(
+            NewMessage::new(d.topic.as_str(), "1")
+                .key("ключ-✓")
+                .header("x-name", "Zoë Ñúñez")
+                .header("x-city", "東京")
+                .header("x-emoji", "🚀 launch ✅"),
+        ),
+        Message::from(
+            NewMessage::new(d.topic.as_str(), "2")
+                .key("ключ-✓")
+                .header("x-rtl", "مرحبا")
+                .header("x-combining", "e\u{301}"),
+        ),
+    ];
+    publish_all(check, &*d.sink, &batch).await;
+    assert_same(check, &batch, &h.read(&d, batch.len()).await);
+}
+
+/// A batch gets exactly one outcome per message, and every message arrives.
+pub async fn sink_one_outcome_per_message(h: &dyn SinkHarness) {
+    let check = "one outcome per message";
+    let d = h.destination().await;
+    let batch: Vec<Message> = (0..25)
+        .map(|i| match i % 3 {
+            0 => message(&d.topic, format!("m{i}")),
+            _ => keyed(&d.topic, &format!("k{i}"), format!("m{i}")),
+        })
+        .collect();
+    publish_all(check, &*d.sink, &batch).await;
+    let got = h.read(&d, batch.len()).await;
+    assert_eq!(
+        got.len(),
+        batch.len(),
+        "{check}: every message must arrive once"
+    );
+    assert_key_order(check, &batch, &got);
+}
+
+/// An empty batch returns no outcomes and publishes nothing.
+pub async fn sink_empty_batch_publishes_nothing(h: &dyn SinkHarness) {
+    let check = "empty batch";
+    let d = h.destination().await;
+    let outcomes = d
+        .sink
+        .publish(&[])
+        .await
+        .unwrap_or_else(|e| panic!("{check}: {e}"));
+    assert!(
+        outcomes.is_empty(),
+        "{check}: {} outcomes for no messages",
+        outcomes.len()
+    );
+    // A marker after it: the broker must hold the marker alone.
+    let marker = vec![message(&d.topic, "marker")];
+    publish_all(check, &*d.sink, &marker).await;
+    assert_same(check, &marker, &h.read(&d, 1).await);
+}
+
+/// Each key's messages land in the order given, within one call and across calls.
+pub async fn sink_keeps_key_order_within_and_across_batches(h: &dyn SinkHarness) {
+    let check = "key order";
+    let d = h.destination().await;
+    if !d.sink.capabilities().keeps_order {
+        note(check, "skipped: the sink does not declare keeps_order");
+        return;
+    }
+    let sent: Vec<Message> = (0..200)
+        .map(|i| keyed(&d.topic, &format!("key-{}", i % 5), format!("{i}")))
+        .collect();
+    for batch in sent.chunks(50) {
+        publish_all(check, &*d.sink, batch).await;
+    }
+    let got = h.read(&d, sent.len()).await;
+    assert_eq!(
+        got.len(),
+        sent.len(),
+        "{check}: every message must arrive once"
+    );
+    assert_key_order(check, &sent, &got);
+}
+
+/// A batch of 10,000 messages: one outcome each, all delivered, key order kept.
+pub async fn sink_large_batch(h: &dyn SinkHarness) {
+    let check = "large batch";
+    let d = h.destination().await;
+    let sent: Vec<Message> = (0..10_000)
+        .map(|i| {
+            keyed(
+                &d.topic,
+                &format!("key-{}", i % 100),
+                format!("message {i:05}"),
+            )
+        })
+        .collect();
+    let started = Instant::now();
+    publish_all(check, &*d.sink, &sent).await;
+    let elapsed = started.elapsed();
+    note(
+        check,
+        format!(
+            "10000 messages published in {elapsed:?} ({:.0} messages/s)",
+            sent.len() as f64 / elapsed.as_secs_f64()
+        ),
+    );
+    let got = h.read(&d, sent.len()).await;
+    assert_eq!(
+        got.len(),
+        sent.len(),
+        "{check}: every message must arrive once"
+    );
+    if d.sink.capabilities().keeps_order {
+        assert_key_order(check, &sent, &got);
+    }
+}
+
+/// Against a closed port, `health` and `publish` fail as `Unavailable`, quickly.
+pub async fn sink_health_is_down_on_a_closed_port(h: &dyn SinkHarness) {
+    let check = "closed port";
+    let addr = closed_port().await.to_string();
+    let sink = h.sink_at(&addr).await;
+    let started = Instant::now();
+    let health = sink.health().await;
+    let elapsed = started.elapsed();
+    match health {
+        Ok(()) => panic!("{check}: health passed with nothing listening at {addr}"),
+        Err(error) => assert_unavailable(check, "health", &error),
+    }
+    assert!(elapsed <= limit(h), "{check}: health took {elapsed:?}");
+    assert_publish_unavailable(check, &*sink, "conformance", limit(h)).await;
+}
+
+/// Against a server that accepts connections and never answers, `health` and `publish`
+/// fail as `Unavailable` within the sink's time-out.
+pub async fn sink_health_times_out_on_a_silent_server(h: &dyn SinkHarness) {
+    let check = "silent server";
+    let server = SilentServer::start().await;
+    let sink = h.sink_at(&server.addr.to_string()).await;
+    let started = Instant::now();
+    let health = tokio::time::timeout(limit(h) * 3, sink.health()).await;
+    let elapsed = started.elapsed();
+    match health {
+        Err(_) => panic!("{check}: health was still waiting after {elapsed:?}: it has no time-out"),
+        Ok(Ok(())) => panic!("{check}: health passed against a server that never answers"),
+        Ok(Err(error)) => assert_unavailable(check, "health", &error),
+    }
+    assert!(
+        elapsed <= limit(h),
+        "{check}: health took {elapsed:?}, the harness's time-out is {:?}",
+        h.timeout()
+    );
+    note(
+        check,
+        format!(
+            "health failed after {elapsed:?} (time-out {:?})",
+            h.timeout()
+        ),
+    );
+    assert_publish_unavailable(check, &*sink, "conformance", limit(h)).await;
+}
+
+/// A message the broker refuses fails alone, as a message failure; the rest of its batch
+/// is delivered.
+pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
+    let check = "refused message";
+    let d = h.destination().await;
+    let Some(refused) = h.refused(&d).await else {
+        note(
+            check,
+            "skipped: the harness has no message the broker refuses",
+        );
+        return;
+    };
+    let batch = vec![
+        keyed(&d.topic, "k", "before"),
+        refused,
+        keyed(&d.topic, "k", "after"),
+    ];
+    let outcomes = d.sink.publish(&batch).await.unwrap_or_else(|e| {
+        panic!("{check}: one refused message failed the whole batch ({e}); it must fail alone")
+    });
+    assert_eq!(outcomes.len(), 3, "{check}: one outcome per message");
+    assert!(
+        matches!(outcomes[0], Outcome::Delivered(_)),
+        "{check}: first message: {:?}",
+        outcomes[0]
+    );
+    assert!(
+        matches!(outcomes[2], Outcome::Delivered(_)),
+        "{check}: last message: {:?}",
+        outcomes[2]
+    );
+    match &outcomes[1] {
+        Outcome::Delivered(r) => panic!("{check}: the refused message was delivered: {r}"),
+        Outcome::Failed(error) => assert!(
+            matches!(error.kind(), ErrorKind::Temporary | ErrorKind::Permanent),
+            "{check}: a refused message is a message failure (Temporary or Permanent), not {:?}: {error}",
+            error.kind()
+        ),
+    }
+    let delivered = [batch[0].clone(), batch[2].clone()];
+    let got = h.read(&d, 2).await;
+    assert_eq!(
+        got.len(),
+        2,
+        "{check}: the broker must hold the two good messages only"
+    );
+    assert_key_order(check, &delivered, &got);
+}
+
+/// Largest payloads the size check sends; a sink with a larger limit is checked with the
+/// limit lowered in its configuration, if the harness does so.
+const MAX_SIZE_CHECKED: usize = 16 * 1024 * 1024;
+
+/// A payload over the sink's declared `max_payload` fails alone as `Permanent`; one of half
+/// that size is delivered.
+pub async fn sink_too_large_payload_is_permanent(h: &dyn SinkHarness) {
+    let check = "too large";
+    let d = h.destination().await;
+    // Some sinks learn the limit from the broker when they connect.
+    d.sink
+        .health()
+        .await
+        .unwrap_or_else(|e| panic!("{check}: health: {e}"));
+    let Some(max) = d.sink.capabilities().max_payload else {
+        note(check, "skipped: the sink declares no max_payload");
+        return;
+    };
+    if max > MAX_SIZE_CHECKED {
+        note(
+            check,
+            format!(
+                "skipped: max_payload {max} is over {MAX_SIZE_CHECKED} bytes; lower it in the harness's configuration to check it"
+            ),
+        );
+        return;
+    }
+    let batch = vec![
+        keyed(&d.topic, "k", vec![b'h'; max / 2]),
+        keyed(&d.topic, "k", vec![b'x'; max + 1]),
+        keyed(&d.topic, "k", "after"),
+    ];
+    let outcomes =
+        d.sink.publish(&batch).await.unwrap_or_else(|e| {
+            panic!("{check}: one oversized message failed the whole batch ({e})")
+        });
+    assert_eq!(outcomes.len(), 3, "{check}: one outcome per message");
+    assert!(
+        matches!(outcomes[0], Outcome::Delivered(_)),
+        "{check}: {} bytes (half of max_payload) must be delivered: {:?}",
+        max / 2,
+        outcomes[0]
+    );
+    assert!(
+        matches!(outcomes[2], Outcome::Delivered(_)),
+        "{check}: the message after: {:?}",
+        outcomes[2]
+    );
+    match &outcomes[1] {
+        Outcome::Failed(error) => assert_eq!(
+            error.kind(),
+            ErrorKind::Permanent,
+            "{check}: a payload over max_payload ({max}) can never be delivered: {error}"
+        ),
+        Outcome::Delivered(r) => panic!(
+            "{check}: {} bytes delivered over max_payload {max}: {r}",
+            max + 1
+        ),
+    }
+    let got = h.read(&d, 2).await;
+    assert_eq!(
+        got.len(),
+        2,
+        "{check}: the broker must hold the two good messages only"
+    );
+    assert_eq!(
+        got[0].payload.len(),
+        max / 2,
+        "{check}: the half-size payload"
+    );
+}
+
+/// A sink that declares `deduplicates` stores a message published twice (same id) once,
+/// and reports both publishes as delivered.
+pub async fn sink_deduplicates_a_redelivered_message(h: &dyn SinkHarness) {
+    let check = "de-duplication";
+    let d = h.destination().await;
+    if !d.sink.capabilities().deduplicates {
+        note(check, "skipped: the sink does not declare deduplicates");
+        return;
+    }
+    let first = vec![keyed(&d.topic, "k", "1"), keyed(&d.topic, "k", "2")];
+    publish_all(check, &*d.sink, &first).await;
+    // The relay lost the acks and publishes the first message again, then a new one.
+    let mut redelivered = first[0].clone();
+    redelivered.attempts = 1;
+    publish_all(check, &*d.sink, &[redelivered]).await;
+    let last = keyed(&d.topic, "k", "3");
+    publish_all(check, &*d.sink, std::slice::from_ref(&last)).await;
+    let expected = [first[0].clone(), first[1].clone(), last];
+    // A stored duplicate would come before "3": reading three would show it.
+    assert_same(check, &expected, &h.read(&d, expected.len()).await);
+}
+
+/// Runs every sink check in turn.
+pub async fn run_sink_suite(h: &dyn SinkHarness) {
+    sink_health_is_ok_when_the_broker_is_up(h).await;
+    sink_fields_survive_exactly(h).await;
+    sink_binary_and_non_utf8_payloads_survive(h).await;
+    sink_unicode_header_values_survive(h).await;
+    sink_one_outcome_per_message(h).await;
+    sink_empty_batch_publishes_nothing(h).await;
+    sink_keeps_key_order_within_and_across_batches(h).await;
+    sink_large_batch(h).await;
+    sink_health_is_down_on_a_closed_port(h).await;
+    sink_health_times_out_on_a_silent_server(h).await;
+    sink_refused_message_is_a_message_failure(h).await;
+    sink_too_large_payload_is_permanent(h).await;
+    sink_deduplicates_a_redelivered_message(h).await;
+}

@@ -1,0 +1,664 @@
+//! The storage checks.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::{Claim, DeadLetter, Delivery, NewMessage, Receipt, Retry, Storage, TraceContext};
+use uuid::Uuid;
+
+/// Writes that a storage holds back until they commit: the application's transaction.
+#[async_trait]
+pub trait PendingWrite: Send {
+    /// Commits the transaction: its messages become claimable.
+    async fn commit(self: Box<Self>);
+    /// Rolls the transaction back: its messages must never be claimed.
+    async fn rollback(self: Box<Self>);
+}
+
+/// One fresh storage under test.
+#[async_trait]
+pub trait StorageFixture: Send + Sync {
+    /// The storage the relay uses.
+    fn storage(&self) -> Arc<dyn Storage>;
+
+    /// Starts a transaction that writes `messages` in order; they must not be claimable
+    /// until it commits. Two transactions may be open at once and commit in either order.
+    async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite>;
+
+    /// Writes `messages` in one committed transaction.
+    async fn enqueue(&self, messages: &[NewMessage]) {
+        self.begin(messages).await.commit().await;
+    }
+}
+
+/// What a storage backend gives the suite.
+///
+/// ```ignore
+/// use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+///
+/// struct PgHarness;
+///
+/// #[async_trait::async_trait]
+/// impl StorageHarness for PgHarness {
+///     async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+///         // a new schema, migrated; the fixture drops it when dropped
+///         Box::new(PgFixture(TestOutbox::with_config(|c| c.per_key_order = per_key_order).await))
+///     }
+/// }
+/// // PgFixture::begin opens a sqlx transaction and enqueues into it; its PendingWrite
+/// // commits or rolls that transaction back.
+/// ```
+#[async_trait]
+pub trait StorageHarness: Send + Sync {
+    /// A fresh, empty storage that keeps per-key order or not. A storage that cannot turn
+    /// per-key order off (or on) returns one with its own setting; the suite reads
+    /// `capabilities()` and checks what applies.
+    async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture>;
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+/// A lease or delay short enough to wait out in a test.
+const SHORT: Duration = Duration::from_millis(300);
+/// Comfortably longer than [`SHORT`], also on a loaded machine's clock.
+const WAIT_OUT: Duration = Duration::from_millis(700);
+
+fn msg(payload: &str) -> NewMessage {
+    NewMessage::new("conformance", payload)
+}
+
+fn keyed(key: &str, payload: &str) -> NewMessage {
+    NewMessage::new("conformance", payload).key(key)
+}
+
+fn payloads(claim: &Claim) -> Vec<String> {
+    claim
+        .messages
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect()
+}
+
+fn ids(claim: &Claim) -> Vec<Uuid> {
+    claim.messages.iter().map(|m| m.id).collect()
+}
+
+fn deliveries(claim: &Claim) -> Vec<Delivery> {
+    claim
+        .messages
+        .iter()
+        .map(|m| Delivery {
+            id: m.id,
+            receipt: Receipt::new(format!("r-{}", m.id)),
+        })
+        .collect()
+}
+
+async fn claim(storage: &dyn Storage, worker: &str, limit: usize, lease: Duration) -> Claim {
+    storage
+        .claim(worker, limit, lease)
+        .await
+        .unwrap_or_else(|e| panic!("claim by {worker}: {e}"))
+}
+
+/// A fixture whose capabilities are checked to be what the check needs.
+async fn fixture(h: &dyn StorageHarness, per_key_order: bool) -> Option<Box<dyn StorageFixture>> {
+    let f = h.fresh(per_key_order).await;
+    if f.storage().capabilities().per_key_order == per_key_order {
+        Some(f)
+    } else {
+        None
+    }
+}
+
+macro_rules! fixture_or_skip {
+    ($h:expr, $per_key_order:expr, $check:expr) => {
+        match fixture($h, $per_key_order).await {
+            Some(f) => f,
+            None => {
+                super::note(
+                    $check,
+                    format!(
+                        "skipped: the storage cannot set per_key_order = {}",
+                        $per_key_order
+                    ),
+                );
+                return;
+            }
+        }
+    };
+}
+
+/// A storage made with per-key order on reports it on (and off when asked, if it can).
+pub async fn storage_declares_what_was_asked(h: &dyn StorageHarness) {
+    let on = h.fresh(true).await;
+    let off = h.fresh(false).await;
+    let (on, off) = (on.storage().capabilities(), off.storage().capabilities());
+    assert!(
+        on.per_key_order || !off.per_key_order,
+        "capabilities: neither storage keeps per-key order; the suite runs its order checks on one that does"
+    );
+}
+
+/// A committed transaction's messages are claimed; a rolled-back one's never are.
+pub async fn storage_commit_delivers_rollback_does_not(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.begin(&[msg("rolled back 1"), msg("rolled back 2")])
+        .await
+        .rollback()
+        .await;
+    f.begin(&[msg("committed")]).await.commit().await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&c), ["committed"], "commit and rollback");
+    assert_eq!(
+        storage.ack(&c.token, &deliveries(&c)).await.expect("ack"),
+        1
+    );
+    assert!(
+        claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
+        "rolled back messages must never appear"
+    );
+}
+
+/// Every field of a message survives storage exactly.
+pub async fn storage_fields_survive_exactly(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let binary: Vec<u8> = (0..=255u8).rev().collect();
+    let sent = vec![
+        NewMessage::new("orders.created", binary)
+            .key("order-1")
+            .header("content-type", "application/octet-stream")
+            .header("x-ünïcode", "värde ✓ 東京")
+            .trace_context(TraceContext {
+                traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                tracestate: Some("congo=t61rcWkgMzE".into()),
+            }),
+        NewMessage::json("orders.created", &serde_json::json!({"id": 7})).expect("json"),
+        NewMessage::new("empty", Vec::new()),
+    ];
+    f.enqueue(&sent).await;
+    let c = claim(&*f.storage(), "w1", 10, LEASE).await;
+    assert_eq!(c.messages.len(), sent.len(), "fields: claimed count");
+    for (sent, got) in sent.iter().zip(&c.messages) {
+        assert_eq!(got.id, sent.id, "fields: id");
+        assert_eq!(got.topic, sent.topic, "fields: topic");
+        assert_eq!(got.key, sent.key, "fields: key");
+        assert_eq!(got.payload, sent.payload, "fields: payload");
+        assert_eq!(got.headers, sent.headers, "fields: headers");
+        assert_eq!(
+            got.trace_context, sent.trace_context,
+            "fields: trace context"
+        );
+        assert_eq!(got.attempts, 0, "fields: attempts of a new message");
+        assert_eq!(
+            got.created_at.timestamp_micros(),
+            sent.created_at.timestamp_micros(),
+            "fields: created_at (to the microsecond)"
+        );
+    }
+}
+
+/// Claims return messages in enqueue order, at most `limit` at a time, each once.
+pub async fn storage_claims_in_enqueue_order_up_to_the_limit(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    assert!(
+        claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
+        "an empty storage claims nothing"
+    );
+    let sent: Vec<NewMessage> = (0..10).map(|i| msg(&format!("{i}"))).collect();
+    f.enqueue(&sent[..5]).await;
+    f.enqueue(&sent[5..]).await;
+    let first = claim(&*storage, "w1", 4, LEASE).await;
+    assert_eq!(payloads(&first), ["0", "1", "2", "3"], "the first claim");
+    let rest = claim(&*storage, "w2", 100, LEASE).await;
+    assert_eq!(
+        payloads(&rest),
+        ["4", "5", "6", "7", "8", "9"],
+        "the second claim"
+    );
+    assert!(
+        claim(&*storage, "w3", 100, LEASE).await.messages.is_empty(),
+        "claimed messages are not claimed again"
+    );
+}
+
+/// Acknowledged messages are gone; `ack` counts what it changed.
+pub async fn storage_ack_removes_messages(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("a"), msg("b"), msg("c")]).await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        storage
+            .ack(&c.token, &deliveries(&c)[..2])
+            .await
+            .expect("ack"),
+        2,
+        "ack count"
+    );
+    assert_eq!(
+        storage
+            .ack(&c.token, &deliveries(&c)[..2])
+            .await
+            .expect("ack again"),
+        0,
+        "a second ack changes nothing"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight),
+        (0, 1),
+        "after acking two of three: {stats:?}"
+    );
+    assert_eq!(
+        storage
+            .ack(&c.token, &deliveries(&c)[2..])
+            .await
+            .expect("ack"),
+        1
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.dead_lettered),
+        (0, 0, 0),
+        "all acked: {stats:?}"
+    );
+    assert!(
+        claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
+        "acked messages are never claimed again"
+    );
+}
+
+/// `retry` charges an attempt and makes the message due after its delay, not before.
+pub async fn storage_retry_charges_an_attempt_and_waits(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("flaky")]).await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    let retry = Retry {
+        id: c.messages[0].id,
+        delay: SHORT,
+        error: "broker said no".into(),
+    };
+    assert_eq!(
+        storage.retry(&c.token, &[retry]).await.expect("retry"),
+        1,
+        "retry count"
+    );
+    assert!(
+        claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
+        "a retried message waits out its delay"
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    let again = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        ids(&again),
+        ids(&c),
+        "the retried message is due after its delay"
+    );
+    assert_eq!(again.messages[0].attempts, 1, "retry charges one attempt");
+}
+
+/// `release` gives messages back at once without charging an attempt.
+pub async fn storage_release_charges_nothing(h: &dyn StorageHarness) {
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[keyed("k", "1"), keyed("k", "2")]).await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        storage.release(&c.token, &ids(&c)).await.expect("release"),
+        2,
+        "release count"
+    );
+    let again = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        payloads(&again),
+        ["1", "2"],
+        "released messages come back in order"
+    );
+    assert!(
+        again.messages.iter().all(|m| m.attempts == 0),
+        "release charges no attempt"
+    );
+}
+
+/// With per-key order, a dead-lettered message parks the rest of its key; other keys go on.
+pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHarness) {
+    let check = "dead letter with key order";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    f.enqueue(&[
+        keyed("poison", "p1"),
+        keyed("poison", "p2"),
+        keyed("fine", "f1"),
+    ])
+    .await;
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), ["p1"], "{check}: the first claim");
+    let dead = DeadLetter {
+        id: c.messages[0].id,
+        error: "cannot be delivered".into(),
+    };
+    assert_eq!(
+        storage
+            .dead_letter(&c.token, &[dead])
+            .await
+            .expect("dead_letter"),
+        1,
+        "{check}: count"
+    );
+    let next = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        payloads(&next),
+        ["f1"],
+        "{check}: the poisoned key is parked, the other key goes on"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(stats.dead_lettered, 1, "{check}: {stats:?}");
+    assert_eq!(stats.parked_keys, 1, "{check}: {stats:?}");
+    assert_eq!(
+        stats.pending, 1,
+        "{check}: a parked message still counts as pending: {stats:?}"
+    );
+}
+
+/// Without per-key order, a dead letter parks nothing.
+pub async fn storage_dead_letter_without_key_order_parks_nothing(h: &dyn StorageHarness) {
+    let check = "dead letter without key order";
+    let f = fixture_or_skip!(h, false, check);
+    let storage = f.storage();
+    f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
+        .await;
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    let dead = DeadLetter {
+        id: c.messages[0].id,
+        error: "cannot be delivered".into(),
+    };
+    assert_eq!(
+        storage
+            .dead_letter(&c.token, &[dead])
+            .await
+            .expect("dead_letter"),
+        1,
+        "{check}: count"
+    );
+    assert_eq!(
+        payloads(&claim(&*storage, "w1", 10, LEASE).await),
+        ["p2"],
+        "{check}"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.dead_lettered, stats.parked_keys),
+        (1, 0),
+        "{check}: {stats:?}"
+    );
+}
+
+/// Once a claim's lease expired and another worker claimed its messages, every write under
+/// the old token changes nothing; the new claim's writes go through.
+pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
+    let check = "fencing";
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("a"), msg("b")]).await;
+    let stale = claim(&*storage, "w1", 10, SHORT).await;
+    tokio::time::sleep(WAIT_OUT).await;
+    let fresh = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        ids(&fresh),
+        ids(&stale),
+        "{check}: the expired claim's messages are claimed again"
+    );
+    assert_ne!(
+        fresh.token, stale.token,
+        "{check}: a new claim has a new token"
+    );
+    let retries: Vec<Retry> = stale
+        .messages
+        .iter()
+        .map(|m| Retry {
+            id: m.id,
+            delay: Duration::ZERO,
+            error: "late".into(),
+        })
+        .collect();
+    let dead: Vec<DeadLetter> = stale
+        .messages
+        .iter()
+        .map(|m| DeadLetter {
+            id: m.id,
+            error: "late".into(),
+        })
+        .collect();
+    assert_eq!(
+        storage
+            .ack(&stale.token, &deliveries(&stale))
+            .await
+            .expect("ack"),
+        0,
+        "{check}: stale ack"
+    );
+    assert_eq!(
+        storage.retry(&stale.token, &retries).await.expect("retry"),
+        0,
+        "{check}: stale retry"
+    );
+    assert_eq!(
+        storage
+            .dead_letter(&stale.token, &dead)
+            .await
+            .expect("dead_letter"),
+        0,
+        "{check}: stale dead letter"
+    );
+    assert_eq!(
+        storage
+            .release(&stale.token, &ids(&stale))
+            .await
+            .expect("release"),
+        0,
+        "{check}: stale release"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.in_flight, stats.dead_lettered),
+        (2, 0),
+        "{check}: the stale writes changed something: {stats:?}"
+    );
+    assert_eq!(
+        storage
+            .ack(&fresh.token, &deliveries(&fresh))
+            .await
+            .expect("ack"),
+        2,
+        "{check}: the live claim's ack"
+    );
+}
+
+/// A claimed message is not claimed again while its lease lasts, and is once it expires.
+pub async fn storage_leases_expire(h: &dyn StorageHarness) {
+    let check = "lease expiry";
+    let f = h.fresh(false).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("a")]).await;
+    let first = claim(&*storage, "w1", 10, SHORT).await;
+    assert_eq!(first.messages.len(), 1, "{check}");
+    assert!(
+        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
+        "{check}: claimed again during its lease"
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    let second = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        ids(&second),
+        ids(&first),
+        "{check}: not claimable after its lease expired"
+    );
+    assert_eq!(
+        second.messages[0].attempts, 0,
+        "{check}: an expired lease charges no attempt"
+    );
+}
+
+/// With per-key order, a key's later messages wait while its head is in flight or waiting
+/// to retry, and come in order after it.
+pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarness) {
+    let check = "key order";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    f.enqueue(&[
+        keyed("k", "k1"),
+        keyed("k", "k2"),
+        keyed("j", "j1"),
+        keyed("k", "k3"),
+    ])
+    .await;
+    let head = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&head), ["k1"], "{check}: the first claim");
+    let other = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        payloads(&other),
+        ["j1"],
+        "{check}: k2 and k3 must wait while k1 is in flight"
+    );
+    // The head fails and waits to retry: the key still waits.
+    let retry = Retry {
+        id: head.messages[0].id,
+        delay: SHORT,
+        error: "nack".into(),
+    };
+    assert_eq!(
+        storage.retry(&head.token, &[retry]).await.expect("retry"),
+        1
+    );
+    assert!(
+        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
+        "{check}: k2 must wait while k1 waits to retry"
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    let again = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        payloads(&again),
+        ["k1", "k2", "k3"],
+        "{check}: the key comes back in order, head first"
+    );
+}
+
+/// Without per-key order, a key's messages do not wait for each other.
+pub async fn storage_without_key_order_keys_do_not_block(h: &dyn StorageHarness) {
+    let check = "no key order";
+    let f = fixture_or_skip!(h, false, check);
+    let storage = f.storage();
+    f.enqueue(&[keyed("k", "k1"), keyed("k", "k2")]).await;
+    assert_eq!(
+        payloads(&claim(&*storage, "w1", 1, LEASE).await),
+        ["k1"],
+        "{check}"
+    );
+    assert_eq!(
+        payloads(&claim(&*storage, "w2", 1, LEASE).await),
+        ["k2"],
+        "{check}: k2 need not wait for k1"
+    );
+}
+
+/// Transactions that commit in another order than they began lose nothing: a message
+/// committed after later ones were claimed and acknowledged is still claimed.
+pub async fn storage_out_of_order_commits_lose_nothing(h: &dyn StorageHarness) {
+    let check = "out-of-order commits";
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    let sent: Vec<NewMessage> = (0..12).map(|i| msg(&format!("{i}"))).collect();
+    let mut open = Vec::new();
+    for m in &sent {
+        open.push(f.begin(std::slice::from_ref(m)).await);
+    }
+    // Commit newest first, claiming and acknowledging between commits.
+    let mut delivered: Vec<Uuid> = Vec::new();
+    while let Some(tx) = open.pop() {
+        tx.commit().await;
+        let c = claim(&*storage, "w1", 100, LEASE).await;
+        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+        delivered.extend(ids(&c));
+    }
+    let c = claim(&*storage, "w1", 100, LEASE).await;
+    delivered.extend(ids(&c));
+    let unique: HashSet<Uuid> = delivered.iter().copied().collect();
+    assert_eq!(
+        unique.len(),
+        delivered.len(),
+        "{check}: a message was claimed twice"
+    );
+    let expected: HashSet<Uuid> = sent.iter().map(|m| m.id).collect();
+    assert_eq!(unique, expected, "{check}: messages were lost");
+}
+
+/// `stats` counts pending, in-flight and dead-lettered messages and the oldest pending one.
+pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
+    let check = "stats";
+    let f = h.fresh(false).await;
+    let storage = f.storage();
+    let empty = storage.stats().await.expect("stats");
+    assert_eq!(
+        (empty.pending, empty.in_flight, empty.dead_lettered),
+        (0, 0, 0),
+        "{check}: empty: {empty:?}"
+    );
+    assert_eq!(empty.oldest_pending, None, "{check}: empty");
+    let sent: Vec<NewMessage> = (0..5).map(|i| msg(&format!("{i}"))).collect();
+    f.enqueue(&sent).await;
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight),
+        (5, 0),
+        "{check}: five enqueued: {stats:?}"
+    );
+    assert_eq!(
+        stats.oldest_pending.map(|t| t.timestamp_micros()),
+        Some(sent[0].created_at.timestamp_micros()),
+        "{check}: the oldest pending message"
+    );
+    let c = claim(&*storage, "w1", 2, LEASE).await;
+    let dead = DeadLetter {
+        id: c.messages[1].id,
+        error: "bad".into(),
+    };
+    storage
+        .dead_letter(&c.token, &[dead])
+        .await
+        .expect("dead_letter");
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.dead_lettered),
+        (3, 1, 1),
+        "{check}: after claiming two and dead-lettering one: {stats:?}"
+    );
+    assert_eq!(
+        stats.oldest_pending.map(|t| t.timestamp_micros()),
+        Some(sent[2].created_at.timestamp_micros()),
+        "{check}: the oldest pending message, in-flight ones not counted"
+    );
+}
+
+/// Runs every storage check in turn.
+pub async fn run_storage_suite(h: &dyn StorageHarness) {
+    storage_declares_what_was_asked(h).await;
+    storage_commit_delivers_rollback_does_not(h).await;
+    storage_fields_survive_exactly(h).await;
+    storage_claims_in_enqueue_order_up_to_the_limit(h).await;
+    storage_ack_removes_messages(h).await;
+    storage_retry_charges_an_attempt_and_waits(h).await;
+    storage_release_charges_nothing(h).await;
+    storage_dead_letter_parks_the_key_with_key_order(h).await;
+    storage_dead_letter_without_key_order_parks_nothing(h).await;
+    storage_fences_stale_claims(h).await;
+    storage_leases_expire(h).await;
+    storage_holds_a_key_back_while_its_head_is_out(h).await;
+    storage_without_key_order_keys_do_not_block(h).await;
+    storage_out_of_order_commits_lose_nothing(h).await;
+    storage_stats_count_the_queue(h).await;
+}

@@ -1,0 +1,115 @@
+//! The storage conformance suite, run against the real PostgreSQL storage and against the
+//! in-memory storage of outbox-core.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use outbox_core::memory::MemoryStorage;
+use outbox_core::{NewMessage, Storage};
+use outbox_postgres::OutboxTable;
+use outbox_tests::TestOutbox;
+use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+
+/// PostgreSQL: each fixture is a fresh migrated schema, dropped with it.
+struct Postgres;
+
+struct PgFixture(TestOutbox);
+
+struct PgWrite(sqlx::Transaction<'static, sqlx::Postgres>);
+
+#[async_trait]
+impl PendingWrite for PgWrite {
+    async fn commit(self: Box<Self>) {
+        self.0.commit().await.expect("commit");
+    }
+    async fn rollback(self: Box<Self>) {
+        self.0.rollback().await.expect("rollback");
+    }
+}
+
+#[async_trait]
+impl StorageFixture for PgFixture {
+    fn storage(&self) -> Arc<dyn Storage> {
+        self.0.storage.clone()
+    }
+
+    async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
+        let table: &OutboxTable = &self.0.table;
+        let mut tx = self.0.pool.begin().await.expect("begin");
+        table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        Box::new(PgWrite(tx))
+    }
+}
+
+#[async_trait]
+impl StorageHarness for Postgres {
+    async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+        // The future of `TestOutbox::with_config` is not `Send` (a higher-ranked lifetime in
+        // sqlx's executor), which an async-trait method needs: run it on a blocking thread.
+        let runtime = tokio::runtime::Handle::current();
+        let outbox = tokio::task::spawn_blocking(move || {
+            runtime.block_on(TestOutbox::with_config(|c| c.per_key_order = per_key_order))
+        })
+        .await
+        .expect("making a fresh outbox schema");
+        Box::new(PgFixture(outbox))
+    }
+}
+
+/// The in-memory storage: a "transaction" holds its messages until it commits.
+struct Memory;
+
+struct MemoryFixture(Arc<MemoryStorage>);
+
+struct MemoryWrite {
+    storage: Arc<MemoryStorage>,
+    messages: Vec<NewMessage>,
+}
+
+#[async_trait]
+impl PendingWrite for MemoryWrite {
+    async fn commit(self: Box<Self>) {
+        for message in self.messages {
+            self.storage.enqueue(message);
+        }
+    }
+    async fn rollback(self: Box<Self>) {}
+}
+
+#[async_trait]
+impl StorageFixture for MemoryFixture {
+    fn storage(&self) -> Arc<dyn Storage> {
+        self.0.clone()
+    }
+
+    async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
+        Box::new(MemoryWrite {
+            storage: self.0.clone(),
+            messages: messages.to_vec(),
+        })
+    }
+}
+
+#[async_trait]
+impl StorageHarness for Memory {
+    async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+        Box::new(MemoryFixture(Arc::new(MemoryStorage::new(per_key_order))))
+    }
+}
+
+mod postgres {
+    outbox_tests::storage_conformance_tests!(super::Postgres);
+}
+
+mod memory {
+    outbox_tests::storage_conformance_tests!(super::Memory);
+}
+
+/// The whole suite in one call, as an out-of-tree crate might run it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_whole_suite_runs_in_one_call() {
+    outbox_tests::conformance::run_storage_suite(&Postgres).await;
+}
