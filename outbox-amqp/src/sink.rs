@@ -121,6 +121,23 @@ impl AmqpSink {
         Ok(sink)
     }
 
+    /// Validates `config` without connecting: the first publish or health check connects
+    /// (with the reconnect backoff), and every exchange is checked or declared when first
+    /// used. For a relay that may start before its broker, and for tests of a broker that
+    /// is not there.
+    ///
+    /// Errors: [`ErrorKind::Config`] for bad settings.
+    pub fn lazy(config: AmqpConfig) -> Result<Self> {
+        config.validate()?;
+        let uri = config.parse_uri()?;
+        Ok(AmqpSink {
+            url: redact_url(&config.url),
+            uri,
+            config,
+            state: Mutex::new(State::default()),
+        })
+    }
+
     /// The settings this sink runs with.
     pub fn config(&self) -> &AmqpConfig {
         &self.config

@@ -546,3 +546,115 @@ async fn a_cut_in_the_middle_of_publishing_loses_nothing_and_keeps_key_order() {
     }
     println!("{arrivals} arrivals for {total} messages across the cut");
 }
+
+/// The AMQP sink under the shared conformance suite: each destination is an exchange of its
+/// own with a queue bound to the destination's topic (the routing key).
+struct Harness {
+    broker: Broker,
+    queues: std::sync::Mutex<HashMap<String, String>>,
+}
+
+impl Harness {
+    const TIMEOUT: Duration = Duration::from_secs(2);
+
+    async fn new() -> Harness {
+        Harness {
+            broker: Broker::connect().await,
+            queues: std::sync::Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn config(url: String, exchange: &str) -> AmqpConfig {
+        let mut config = AmqpConfig::new(url, exchange);
+        config.connect_timeout = Self::TIMEOUT;
+        config.publish_timeout = Self::TIMEOUT;
+        config
+    }
+}
+
+#[async_trait::async_trait]
+impl outbox_tests::conformance::SinkHarness for Harness {
+    fn timeout(&self) -> Duration {
+        Self::TIMEOUT
+    }
+
+    async fn destination(&self) -> outbox_tests::conformance::Destination {
+        let exchange = self.broker.exchange().await;
+        let topic = unique_name("conformance");
+        let queue = self.broker.queue(&exchange, &topic).await;
+        self.queues.lock().expect("queues").insert(topic.clone(), queue);
+        outbox_tests::conformance::Destination {
+            sink: sink(Self::config(amqp_url(), &exchange)).await,
+            topic,
+        }
+    }
+
+    async fn read(
+        &self,
+        destination: &outbox_tests::conformance::Destination,
+        at_least: usize,
+    ) -> Vec<outbox_tests::conformance::Received> {
+        use outbox_amqp::lapin::options::BasicGetOptions;
+        let queue = self.queues.lock().expect("queues")[&destination.topic].clone();
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let message = self
+                .broker
+                .channel
+                .basic_get(queue.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .expect("basic.get");
+            match message {
+                Some(message) => got.push(received(&message.delivery)),
+                None if got.len() >= at_least || tokio::time::Instant::now() >= deadline => break,
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        got
+    }
+
+    async fn sink_at(&self, addr: &str) -> Arc<dyn outbox_core::Sink> {
+        let config = Self::config(format!("amqp://guest:guest@{addr}/%2f"), "amq.topic");
+        Arc::new(AmqpSink::lazy(config).expect("valid configuration"))
+    }
+
+    /// A message no queue is bound for: returned by the broker (`mandatory`).
+    async fn refused(
+        &self,
+        _destination: &outbox_tests::conformance::Destination,
+    ) -> Option<outbox_core::Message> {
+        Some(outbox_core::Message::from(NewMessage::new(
+            unique_name("unbound"),
+            "refused",
+        )))
+    }
+}
+
+/// A delivery as the suite sees it: payload, string headers, and the key header.
+fn received(delivery: &Delivery) -> outbox_tests::conformance::Received {
+    let headers: std::collections::BTreeMap<String, String> = delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|table| {
+            table
+                .inner()
+                .iter()
+                .filter_map(|(name, value)| match value {
+                    AMQPValue::LongString(s) => Some((name.to_string(), s.to_string())),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    outbox_tests::conformance::Received {
+        payload: delivery.data.clone(),
+        key: headers.get(outbox_amqp::KEY_HEADER).cloned(),
+        headers,
+    }
+}
+
+mod conformance {
+    outbox_tests::sink_conformance_tests!(super::Harness::new().await);
+}
