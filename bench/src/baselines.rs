@@ -1,0 +1,112 @@
+//! The in-run baselines that give the relay's figures their meaning.
+
+use std::time::Instant;
+
+use outbox_core::{Message, NewMessage};
+use sqlx::Row;
+
+use crate::Scale;
+use crate::drain::BATCH;
+use crate::setup::{BenchOutbox, SinkKind, text};
+
+/// The database ceiling: `DELETE … WHERE seq IN (SELECT … FOR UPDATE SKIP LOCKED LIMIT n)
+/// RETURNING *` in a loop on one connection, no sink.
+pub async fn bare_delete(scale: Scale) -> Result<f64, String> {
+    let outbox = BenchOutbox::new().await?;
+    outbox.preload(scale.drain_messages, scale.keys).await?;
+    let t = outbox.table.qualified("");
+    let sql = format!(
+        "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING *"
+    );
+    let mut conn = outbox.pool.acquire().await.map_err(text)?;
+    let started = Instant::now();
+    let mut total = 0u64;
+    loop {
+        let rows = sqlx::query(&sql)
+            .bind(BATCH as i64)
+            .fetch_all(&mut *conn)
+            .await
+            .map_err(text)?;
+        if rows.is_empty() {
+            break;
+        }
+        total += rows.len() as u64;
+    }
+    let rate = total as f64 / started.elapsed().as_secs_f64();
+    drop(conn);
+    outbox.drop_schema().await?;
+    Ok(rate)
+}
+
+/// The loop most outbox workers are written as: claim a batch in a transaction, publish
+/// each message and await it, then delete each one with its own statement.
+pub async fn naive_relay(scale: Scale, kind: SinkKind) -> Result<f64, String> {
+    let outbox = BenchOutbox::new().await?;
+    outbox.preload(scale.drain_messages, scale.keys).await?;
+    let run = outbox.schema.clone();
+    let sink = kind.build(&run)?;
+    let t = outbox.table.qualified("");
+    let claim = format!(
+        "SELECT id, topic, partition_key, payload FROM {t} ORDER BY seq LIMIT 100 FOR UPDATE SKIP LOCKED"
+    );
+    let delete = format!("DELETE FROM {t} WHERE id = $1");
+    let started = Instant::now();
+    let mut total = 0u64;
+    loop {
+        let mut tx = outbox.pool.begin().await.map_err(text)?;
+        let rows = sqlx::query(&claim)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(text)?;
+        if rows.is_empty() {
+            break;
+        }
+        let mut ids = Vec::new();
+        for row in &rows {
+            let mut message: Message = NewMessage::new(
+                row.get::<String, _>("topic"),
+                row.get::<Vec<u8>, _>("payload"),
+            )
+            .into();
+            message.id = row.get("id");
+            message.key = row.get("partition_key");
+            sink.publish(std::slice::from_ref(&message))
+                .await
+                .map_err(text)?;
+            ids.push(message.id);
+        }
+        for id in ids {
+            sqlx::query(&delete)
+                .bind(id)
+                .execute(&mut *tx)
+                .await
+                .map_err(text)?;
+        }
+        tx.commit().await.map_err(text)?;
+        total += rows.len() as u64;
+    }
+    let rate = total as f64 / started.elapsed().as_secs_f64();
+    kind.cleanup(&run).await?;
+    outbox.drop_schema().await?;
+    Ok(rate)
+}
+
+/// The sink ceiling: the same messages published straight to the sink in batches, no database.
+pub async fn sink_ceiling(scale: Scale, kind: SinkKind) -> Result<f64, String> {
+    let run = format!("bench_sink_{:08x}", fastrand::u32(..));
+    let sink = kind.build(&run)?;
+    let messages: Vec<Message> = (0..scale.drain_messages)
+        .map(|i| {
+            NewMessage::new("bench", vec![b'x'; 200])
+                .key(format!("k{}", i % scale.keys))
+                .into()
+        })
+        .collect();
+    let started = Instant::now();
+    for batch in messages.chunks(BATCH) {
+        sink.publish(batch).await.map_err(text)?;
+    }
+    let rate = messages.len() as f64 / started.elapsed().as_secs_f64();
+    kind.cleanup(&run).await?;
+    Ok(rate)
+}

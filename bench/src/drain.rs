@@ -1,0 +1,230 @@
+//! Drain: how fast relays empty a preloaded outbox into each sink, against the database and
+//! sink ceilings and a naive relay measured in the same run; and how the drain rate holds
+//! up as the backlog grows.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::{CancellationToken, Worker, WorkerConfig};
+
+use crate::baselines;
+use crate::report::{Report, Resources};
+use crate::setup::{BenchOutbox, CountingSink, SinkKind, text};
+use crate::{Scale, median};
+
+/// Messages claimed at once by the benchmarked relays.
+pub const BATCH: usize = 500;
+
+/// The outcome of one drain.
+pub struct Drain {
+    pub rate: f64,
+    pub resources: Resources,
+}
+
+/// Starts `relays` workers on `outbox`, each with its own storage pool and sink instance,
+/// and waits until `expected` messages were delivered. Returns events per second.
+pub async fn drain(
+    outbox: &BenchOutbox,
+    kind: SinkKind,
+    run: &str,
+    relays: usize,
+    per_key_order: bool,
+    expected: u64,
+) -> Result<Drain, String> {
+    let delivered = Arc::new(AtomicU64::new(0));
+    let shutdown = CancellationToken::new();
+    let mut workers = Vec::new();
+    for i in 0..relays {
+        let sink = Arc::new(CountingSink {
+            inner: kind.build(run)?,
+            delivered: delivered.clone(),
+        });
+        let config = WorkerConfig {
+            batch_size: BATCH,
+            poll_interval: Duration::from_millis(50),
+            ..WorkerConfig::new(format!("bench-{i}"))
+        };
+        workers.push(Worker::new(config, outbox.storage(per_key_order)?, sink).map_err(text)?);
+    }
+    let resources = Resources::start();
+    let started = Instant::now();
+    let handles: Vec<_> = workers
+        .into_iter()
+        .map(|w| {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move { w.run(shutdown).await })
+        })
+        .collect();
+    let deadline = started + Duration::from_secs(600);
+    while delivered.load(Ordering::Relaxed) < expected {
+        if Instant::now() > deadline {
+            shutdown.cancel();
+            return Err(format!(
+                "drain to {} did not finish in 10 minutes",
+                kind.name()
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed();
+    let resources = resources.finish(expected);
+    shutdown.cancel();
+    for handle in handles {
+        handle.await.map_err(text)?;
+    }
+    Ok(Drain {
+        rate: expected as f64 / elapsed.as_secs_f64(),
+        resources,
+    })
+}
+
+/// A fresh preloaded outbox, one drain, cleaned up.
+async fn one_drain(
+    scale: Scale,
+    kind: SinkKind,
+    relays: usize,
+    per_key_order: bool,
+) -> Result<Drain, String> {
+    let outbox = BenchOutbox::new().await?;
+    outbox.preload(scale.drain_messages, scale.keys).await?;
+    let run = outbox.schema.clone();
+    let result = drain(
+        &outbox,
+        kind,
+        &run,
+        relays,
+        per_key_order,
+        scale.drain_messages,
+    )
+    .await;
+    kind.cleanup(&run).await?;
+    outbox.drop_schema().await?;
+    result
+}
+
+pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
+    let n = scale.drain_messages;
+    println!(
+        "\n== drain: {n} messages of 200 bytes over {} keys, batches of {BATCH} ==",
+        scale.keys
+    );
+    let bare = median(repeat(scale.runs, || baselines::bare_delete(scale)).await?);
+    report.add(
+        "drain",
+        "ceiling: bare DELETE … SKIP LOCKED loop",
+        bare,
+        "rows/s",
+        None,
+    );
+    let naive = median(
+        repeat(scale.runs, || {
+            baselines::naive_relay(scale, SinkKind::Redis)
+        })
+        .await?,
+    );
+    report.add(
+        "drain",
+        "naive relay → redis",
+        naive,
+        "events/s",
+        Some(("bare delete", bare)),
+    );
+    let sink_ceiling = median(
+        repeat(scale.runs, || {
+            baselines::sink_ceiling(scale, SinkKind::Redis)
+        })
+        .await?,
+    );
+    report.add(
+        "drain",
+        "ceiling: redis publish, no database",
+        sink_ceiling,
+        "events/s",
+        Some(("bare delete", bare)),
+    );
+
+    let relay_counts: &[usize] = if scale.quick { &[1, 4] } else { &[1, 2, 4] };
+    for kind in [SinkKind::Null, SinkKind::Redis] {
+        for per_key_order in [true, false] {
+            for &relays in relay_counts {
+                let mut rates = Vec::new();
+                for _ in 0..scale.runs {
+                    let drained = one_drain(scale, kind, relays, per_key_order).await?;
+                    if kind == SinkKind::Redis && relays == 1 && per_key_order {
+                        report.resources = Some(drained.resources);
+                    }
+                    rates.push(drained.rate);
+                }
+                let name = format!(
+                    "{} relay{} → {}, key order {}",
+                    relays,
+                    if relays == 1 { "" } else { "s" },
+                    kind.name(),
+                    if per_key_order { "on" } else { "off" }
+                );
+                let rate = median(rates);
+                report.add(
+                    "drain",
+                    &name,
+                    rate,
+                    "events/s",
+                    Some(("bare delete", bare)),
+                );
+                if kind == SinkKind::Redis {
+                    report.add_ratio("drain", &format!("{name} vs naive relay"), rate / naive);
+                }
+                report.plot(
+                    kind.name(),
+                    relays,
+                    per_key_order,
+                    rate,
+                    bare,
+                    sink_ceiling,
+                    naive,
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Drain rate at a small and a large backlog, one relay to Redis with key order on.
+pub async fn backlog(scale: Scale, report: &mut Report) -> Result<(), String> {
+    println!(
+        "\n== backlog: drain rate at 10,000 and at {} waiting messages ==",
+        scale.large_backlog
+    );
+    let mut rates = Vec::new();
+    for backlog in [10_000, scale.large_backlog] {
+        let outbox = BenchOutbox::new().await?;
+        outbox.preload(backlog, scale.keys).await?;
+        let run = outbox.schema.clone();
+        // Measure the first 10,000 deliveries, so both rates cover the same work.
+        let drained = drain(&outbox, SinkKind::Redis, &run, 1, true, 10_000.min(backlog)).await?;
+        SinkKind::Redis.cleanup(&run).await?;
+        outbox.drop_schema().await?;
+        rates.push(drained.rate);
+        report.add(
+            "backlog",
+            &format!("backlog {backlog}: first 10,000 → redis"),
+            drained.rate,
+            "events/s",
+            None,
+        );
+    }
+    report.add_ratio("backlog", "large backlog vs 10,000", rates[1] / rates[0]);
+    Ok(())
+}
+
+async fn repeat<F, Fut>(runs: usize, f: F) -> Result<Vec<f64>, String>
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = Result<f64, String>>,
+{
+    let mut values = Vec::new();
+    for _ in 0..runs {
+        values.push(f().await?);
+    }
+    Ok(values)
+}

@@ -1,0 +1,187 @@
+//! What every benchmark needs: a fresh outbox schema, preloaded messages, sinks to publish to.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use async_trait::async_trait;
+use outbox_core::{Message, Outcome, Receipt, Result as OutboxResult, Sink, SinkCapabilities};
+use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+pub fn postgres_url() -> String {
+    std::env::var("OUTBOX_BENCH_POSTGRES_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+}
+
+pub fn redis_url() -> String {
+    std::env::var("OUTBOX_BENCH_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
+}
+
+pub fn text<E: std::fmt::Display>(e: E) -> String {
+    e.to_string()
+}
+
+/// An outbox table in a schema of its own, dropped by [`BenchOutbox::drop_schema`].
+pub struct BenchOutbox {
+    pub schema: String,
+    pub table: OutboxTable,
+    pub pool: PgPool,
+}
+
+impl BenchOutbox {
+    pub async fn new() -> Result<Self, String> {
+        let schema = format!("bench_{:08x}", fastrand::u32(..));
+        let url = postgres_url();
+        let storage =
+            PgStorage::new(PostgresConfig::new(&url).table(&schema, "outbox")).map_err(text)?;
+        storage.migrate().await.map_err(text)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .map_err(text)?;
+        Ok(BenchOutbox {
+            table: OutboxTable::new(&schema, "outbox").map_err(text)?,
+            schema,
+            pool,
+        })
+    }
+
+    /// A relay's storage with a pool of its own, as a separate relay process would have.
+    pub fn storage(&self, per_key_order: bool) -> Result<Arc<PgStorage>, String> {
+        let mut config = PostgresConfig::new(postgres_url()).table(&self.schema, "outbox");
+        config.per_key_order = per_key_order;
+        Ok(Arc::new(PgStorage::new(config).map_err(text)?))
+    }
+
+    /// Inserts `n` messages with 200-byte payloads over `keys` keys, server-side, then
+    /// analyses and vacuums the table so every run starts from the same state.
+    pub async fn preload(&self, n: u64, keys: u64) -> Result<(), String> {
+        let sql = format!(
+            "INSERT INTO {} (id, topic, partition_key, payload)
+             SELECT gen_random_uuid(), 'bench', 'k' || (i % $2), convert_to(repeat('x', 200), 'UTF8')
+             FROM generate_series(1, $1) AS i",
+            self.table.qualified("")
+        );
+        sqlx::query(&sql)
+            .bind(n as i64)
+            .bind(keys as i64)
+            .execute(&self.pool)
+            .await
+            .map_err(text)?;
+        sqlx::query(&format!("VACUUM ANALYZE {}", self.table.qualified("")))
+            .execute(&self.pool)
+            .await
+            .map_err(text)?;
+        Ok(())
+    }
+
+    pub async fn drop_schema(self) -> Result<(), String> {
+        sqlx::query(&format!(r#"DROP SCHEMA "{}" CASCADE"#, self.schema))
+            .execute(&self.pool)
+            .await
+            .map_err(text)?;
+        Ok(())
+    }
+}
+
+/// Delivers everything at once: the relay with no broker, for the database ceiling.
+pub struct NullSink;
+
+#[async_trait]
+impl Sink for NullSink {
+    async fn publish(&self, batch: &[Message]) -> OutboxResult<Vec<Outcome>> {
+        Ok(batch
+            .iter()
+            .map(|_| Outcome::Delivered(Receipt::default()))
+            .collect())
+    }
+
+    async fn health(&self) -> OutboxResult<()> {
+        Ok(())
+    }
+}
+
+/// Counts the deliveries of the sink it wraps, so a drain knows when it is done without
+/// querying the table.
+pub struct CountingSink {
+    pub inner: Arc<dyn Sink>,
+    pub delivered: Arc<AtomicU64>,
+}
+
+#[async_trait]
+impl Sink for CountingSink {
+    async fn publish(&self, batch: &[Message]) -> OutboxResult<Vec<Outcome>> {
+        let outcomes = self.inner.publish(batch).await?;
+        let n = outcomes
+            .iter()
+            .filter(|o| matches!(o, Outcome::Delivered(_)))
+            .count();
+        self.delivered.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(outcomes)
+    }
+
+    async fn health(&self) -> OutboxResult<()> {
+        self.inner.health().await
+    }
+
+    fn capabilities(&self) -> SinkCapabilities {
+        self.inner.capabilities()
+    }
+}
+
+/// The brokers a drain can publish to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SinkKind {
+    /// No broker: the database ceiling.
+    Null,
+    Redis,
+}
+
+impl SinkKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            SinkKind::Null => "none",
+            SinkKind::Redis => "redis",
+        }
+    }
+
+    /// A new sink instance (one per relay: sinks are not shared between relays), writing
+    /// under `run`'s own names.
+    pub fn build(self, run: &str) -> Result<Arc<dyn Sink>, String> {
+        Ok(match self {
+            SinkKind::Null => Arc::new(NullSink),
+            SinkKind::Redis => Arc::new(
+                outbox_redis::RedisSink::new(
+                    outbox_redis::RedisConfig::new(redis_url()).stream_prefix(format!("{run}:")),
+                )
+                .map_err(text)?,
+            ),
+        })
+    }
+
+    /// Removes what a run left in the broker.
+    pub async fn cleanup(self, run: &str) -> Result<(), String> {
+        if self == SinkKind::Redis {
+            let client = outbox_redis::redis::Client::open(redis_url()).map_err(text)?;
+            let mut conn = client
+                .get_multiplexed_async_connection()
+                .await
+                .map_err(text)?;
+            let keys: Vec<String> = outbox_redis::redis::cmd("KEYS")
+                .arg(format!("{run}:*"))
+                .query_async(&mut conn)
+                .await
+                .map_err(text)?;
+            for key in keys {
+                let _: () = outbox_redis::redis::cmd("DEL")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(text)?;
+            }
+        }
+        Ok(())
+    }
+}
