@@ -323,7 +323,11 @@ impl RedisConfig {
     pub fn from_value(value: serde_json::Value) -> Result<Self> {
         let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
             let path = e.path().to_string();
-            let at = if path == "." { String::new() } else { format!("sink.{path}: ") };
+            let at = if path == "." {
+                String::new()
+            } else {
+                format!("sink.{path}: ")
+            };
             Error::config(format!("redis sink configuration: {at}{}", e.inner()))
         })?;
         let mut config = RedisConfig::new(file.url);

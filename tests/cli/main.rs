@@ -31,7 +31,12 @@ fn outbox_with_stdin(config: &Path, args: &[&str], input: &str) -> Output {
         .stderr(Stdio::piped())
         .spawn()
         .expect("run the outbox binary");
-    child.stdin.take().expect("stdin").write_all(input.as_bytes()).expect("write stdin");
+    child
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(input.as_bytes())
+        .expect("write stdin");
     child.wait_with_output().expect("wait for outbox")
 }
 
@@ -62,13 +67,18 @@ impl Drop for ConfigFile {
 }
 
 fn storage_section(schema: &str) -> String {
-    format!("[storage]\nurl = \"{}\"\nschema = \"{schema}\"\n", postgres_url())
+    format!(
+        "[storage]\nurl = \"{}\"\nschema = \"{schema}\"\n",
+        postgres_url()
+    )
 }
 
 const FAST_RELAY: &str = "[relay]\npoll_interval = \"100ms\"\nshutdown_timeout = \"5s\"\nbackoff = { initial = \"100ms\", max = \"1s\" }\n";
 
 async fn pool() -> PgPool {
-    PgPool::connect(&postgres_url()).await.expect("PostgreSQL must be running")
+    PgPool::connect(&postgres_url())
+        .await
+        .expect("PostgreSQL must be running")
 }
 
 async fn count(pool: &PgPool, sql: &str) -> i64 {
@@ -76,7 +86,9 @@ async fn count(pool: &PgPool, sql: &str) -> i64 {
 }
 
 async fn drop_schema(pool: &PgPool, schema: &str) {
-    let _ = sqlx::query(&format!(r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#)).execute(pool).await;
+    let _ = sqlx::query(&format!(r#"DROP SCHEMA IF EXISTS "{schema}" CASCADE"#))
+        .execute(pool)
+        .await;
 }
 
 /// A relay process, stopped with SIGTERM.
@@ -98,14 +110,20 @@ impl RelayProcess {
     /// Sends SIGTERM and waits; returns the exit code and how long the exit took.
     fn terminate(mut self) -> (Option<i32>, Duration) {
         let asked = Instant::now();
-        let status = Command::new("kill").args(["-TERM", &self.0.id().to_string()]).status().expect("kill");
+        let status = Command::new("kill")
+            .args(["-TERM", &self.0.id().to_string()])
+            .status()
+            .expect("kill");
         assert!(status.success());
         let deadline = asked + Duration::from_secs(30);
         loop {
             if let Some(status) = self.0.try_wait().expect("wait") {
                 return (status.code(), asked.elapsed());
             }
-            assert!(Instant::now() < deadline, "relay did not exit within 30 s of SIGTERM");
+            assert!(
+                Instant::now() < deadline,
+                "relay did not exit within 30 s of SIGTERM"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
     }
@@ -125,7 +143,10 @@ async fn wait_until_empty(pool: &PgPool, schema: &str, timeout: Duration) {
         if left == 0 {
             return;
         }
-        assert!(Instant::now() < deadline, "{left} messages still in {schema}.outbox after {timeout:?}");
+        assert!(
+            Instant::now() < deadline,
+            "{left} messages still in {schema}.outbox after {timeout:?}"
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
@@ -147,8 +168,15 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         let config = ConfigFile::new(&contents);
         let out = outbox(&config.path, &["check"]);
         let stderr = text(&out.stderr);
-        assert_eq!(out.status.code(), Some(EXIT_CONFIG), "config:\n{contents}\nstderr: {stderr}");
-        assert!(stderr.contains(expected), "expected `{expected}` in: {stderr}");
+        assert_eq!(
+            out.status.code(),
+            Some(EXIT_CONFIG),
+            "config:\n{contents}\nstderr: {stderr}"
+        );
+        assert!(
+            stderr.contains(expected),
+            "expected `{expected}` in: {stderr}"
+        );
         assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
     }
     let missing = outbox(Path::new("/nonexistent/outbox.toml"), &["check"]);
@@ -158,16 +186,27 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
 
 /// JSON lines for `outbox enqueue --stdin`: 30 messages over 3 keys, one binary payload.
 fn sample_lines() -> String {
-    let mut lines: Vec<String> = (0..30).map(|i| format!(r#"{{"topic":"orders","key":"k{}","payload":"m{i:02}","headers":{{"n":"{i}"}}}}"#, i % 3)).collect();
+    let mut lines: Vec<String> = (0..30)
+        .map(|i| {
+            format!(
+                r#"{{"topic":"orders","key":"k{}","payload":"m{i:02}","headers":{{"n":"{i}"}}}}"#,
+                i % 3
+            )
+        })
+        .collect();
     lines.push(r#"{"topic":"orders","key":"bin","payload_base64":"AP/+"}"#.into());
     lines.join("\n")
 }
 
 /// Per key, the payloads in arrival order.
-fn by_key(messages: &[(Option<String>, Vec<u8>)]) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
+fn by_key(
+    messages: &[(Option<String>, Vec<u8>)],
+) -> std::collections::BTreeMap<String, Vec<Vec<u8>>> {
     let mut keys = std::collections::BTreeMap::<String, Vec<Vec<u8>>>::new();
     for (key, payload) in messages {
-        keys.entry(key.clone().unwrap_or_default()).or_default().push(payload.clone());
+        keys.entry(key.clone().unwrap_or_default())
+            .or_default()
+            .push(payload.clone());
     }
     keys
 }
@@ -176,19 +215,34 @@ fn check_sample(arrived: &[(Option<String>, Vec<u8>)], broker: &str) {
     assert_eq!(arrived.len(), 31, "{broker}: every message once");
     let keys = by_key(arrived);
     for k in 0..3 {
-        let expected: Vec<Vec<u8>> = (0..30).filter(|i| i % 3 == k).map(|i| format!("m{i:02}").into_bytes()).collect();
+        let expected: Vec<Vec<u8>> = (0..30)
+            .filter(|i| i % 3 == k)
+            .map(|i| format!("m{i:02}").into_bytes())
+            .collect();
         assert_eq!(keys[&format!("k{k}")], expected, "{broker}: order of k{k}");
     }
-    assert_eq!(keys["bin"], vec![vec![0u8, 255, 254]], "{broker}: binary payload");
+    assert_eq!(
+        keys["bin"],
+        vec![vec![0u8, 255, 254]],
+        "{broker}: binary payload"
+    );
 }
 
 /// Runs the relay with `sink` until the outbox is empty, then stops it with SIGTERM.
 async fn relay_once(pool: &PgPool, schema: &str, sink: &str) {
     let config = ConfigFile::new(&format!("{}{FAST_RELAY}{sink}", storage_section(schema)));
     let migrate = outbox(&config.path, &["migrate"]);
-    assert!(migrate.status.success(), "migrate: {}", text(&migrate.stderr));
+    assert!(
+        migrate.status.success(),
+        "migrate: {}",
+        text(&migrate.stderr)
+    );
     let enqueued = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines());
-    assert!(enqueued.status.success(), "enqueue: {}", text(&enqueued.stderr));
+    assert!(
+        enqueued.status.success(),
+        "enqueue: {}",
+        text(&enqueued.stderr)
+    );
     let relay = RelayProcess::start(&config.path);
     wait_until_empty(pool, schema, Duration::from_secs(60)).await;
     let (code, _) = relay.terminate();
@@ -203,21 +257,28 @@ async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration(
 
     #[cfg(feature = "redis")]
     {
-        let sink = format!("[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n");
+        let sink = format!(
+            "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n"
+        );
         relay_once(&pool, &schema, &sink).await;
         check_sample(&redis_stream(&format!("{name}:orders")).await, "redis");
     }
     #[cfg(feature = "amqp")]
     {
         let queue = amqp_queue(&name).await;
-        let sink = format!("[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"{name}\"\n");
+        let sink = format!(
+            "[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"{name}\"\n"
+        );
         relay_once(&pool, &schema, &sink).await;
         check_sample(&queue.drain(31).await, "amqp");
     }
     #[cfg(feature = "kafka")]
     {
         let topic = kafka_topic(&name).await;
-        let sink = format!("[sink]\ntype = \"kafka\"\nbootstrap_servers = \"{}\"\ntopic = \"{topic}\"\n", kafka_brokers());
+        let sink = format!(
+            "[sink]\ntype = \"kafka\"\nbootstrap_servers = \"{}\"\ntopic = \"{topic}\"\n",
+            kafka_brokers()
+        );
         relay_once(&pool, &schema, &sink).await;
         check_sample(&kafka_read(&topic, 31).await, "kafka");
     }
@@ -228,12 +289,27 @@ async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration(
 async fn redis_stream(stream: &str) -> Vec<(Option<String>, Vec<u8>)> {
     use outbox::redis::redis;
     let client = redis::Client::open("redis://127.0.0.1:6379").expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("Redis must be running at 127.0.0.1:6379");
-    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE").arg(stream).arg("-").arg("+").query_async(&mut conn).await.expect("XRANGE");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("Redis must be running at 127.0.0.1:6379");
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .expect("XRANGE");
     reply
         .ids
         .iter()
-        .map(|e| (e.get::<String>(outbox::redis::fields::KEY), e.get::<Vec<u8>>(outbox::redis::fields::PAYLOAD).unwrap_or_default()))
+        .map(|e| {
+            (
+                e.get::<String>(outbox::redis::fields::KEY),
+                e.get::<Vec<u8>>(outbox::redis::fields::PAYLOAD)
+                    .unwrap_or_default(),
+            )
+        })
         .collect()
 }
 
@@ -245,18 +321,50 @@ struct AmqpQueue {
 
 #[cfg(feature = "amqp")]
 async fn amqp_queue(name: &str) -> AmqpQueue {
-    use outbox::amqp::lapin::{options::*, types::FieldTable, Connection, ConnectionProperties, ExchangeKind};
-    let conn = Connection::connect("amqp://guest:guest@127.0.0.1:5672/%2f", ConnectionProperties::default())
-        .await
-        .expect("RabbitMQ must be running at 127.0.0.1:5672");
+    use outbox::amqp::lapin::{
+        Connection, ConnectionProperties, ExchangeKind, options::*, types::FieldTable,
+    };
+    let conn = Connection::connect(
+        "amqp://guest:guest@127.0.0.1:5672/%2f",
+        ConnectionProperties::default(),
+    )
+    .await
+    .expect("RabbitMQ must be running at 127.0.0.1:5672");
     let channel = conn.create_channel().await.expect("channel");
     channel
-        .exchange_declare(name.into(), ExchangeKind::Topic, ExchangeDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default())
+        .exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
         .await
         .expect("declare exchange");
     let queue = format!("{name}.q");
-    channel.queue_declare(queue.as_str().into(), QueueDeclareOptions { auto_delete: true, ..Default::default() }, FieldTable::default()).await.expect("queue");
-    channel.queue_bind(queue.as_str().into(), name.into(), "#".into(), QueueBindOptions::default(), FieldTable::default()).await.expect("bind");
+    channel
+        .queue_declare(
+            queue.as_str().into(),
+            QueueDeclareOptions {
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .expect("queue");
+    channel
+        .queue_bind(
+            queue.as_str().into(),
+            name.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .expect("bind");
     std::mem::forget(conn);
     AmqpQueue { channel, queue }
 }
@@ -268,7 +376,12 @@ impl AmqpQueue {
         let mut out = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(10);
         while out.len() < n && Instant::now() < deadline {
-            match self.channel.basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true }).await.expect("basic.get") {
+            match self
+                .channel
+                .basic_get(self.queue.as_str().into(), BasicGetOptions { no_ack: true })
+                .await
+                .expect("basic.get")
+            {
                 Some(message) => {
                     let delivery = message.delivery;
                     let key = delivery
@@ -277,7 +390,9 @@ impl AmqpQueue {
                         .as_ref()
                         .and_then(|h| h.inner().get(outbox::amqp::KEY_HEADER).cloned())
                         .and_then(|v| match v {
-                            outbox::amqp::lapin::types::AMQPValue::LongString(s) => Some(s.to_string()),
+                            outbox::amqp::lapin::types::AMQPValue::LongString(s) => {
+                                Some(s.to_string())
+                            }
                             _ => None,
                         });
                     out.push((key, delivery.data));
@@ -313,14 +428,26 @@ async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
     let pool = pool().await;
     let schema = unique_name("cli_dead");
     let name = unique_name("dead");
-    let sink = |max: usize| format!("[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max}\n");
-    let strict = ConfigFile::new(&format!("{}{FAST_RELAY}{}", storage_section(&schema), sink(100)));
+    let sink = |max: usize| {
+        format!(
+            "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max}\n"
+        )
+    };
+    let strict = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{}",
+        storage_section(&schema),
+        sink(100)
+    ));
     assert!(outbox(&strict.path, &["migrate"]).status.success());
     let big = "x".repeat(200);
     let lines = format!(
         "{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"{big}\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a2\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a3\"}}\n{{\"topic\":\"t\",\"key\":\"b\",\"payload\":\"b1\"}}\n"
     );
-    assert!(outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines).status.success());
+    assert!(
+        outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines)
+            .status
+            .success()
+    );
     let relay = RelayProcess::start(&strict.path);
     let dead = format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -334,25 +461,57 @@ async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
     // status matches the table.
     let status = text(&outbox(&strict.path, &["status"]).stdout);
     let pending = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox"#)).await;
-    let parked = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox_parked_keys"#)).await;
+    let parked = count(
+        &pool,
+        &format!(r#"SELECT count(*) FROM "{schema}".outbox_parked_keys"#),
+    )
+    .await;
     assert_eq!((pending, parked, count(&pool, &dead).await), (2, 1, 1));
-    assert!(status.contains("pending 2 ") && status.contains("dead-lettered 1 ") && status.contains("parked keys 1"), "{status}");
+    assert!(
+        status.contains("pending 2 ")
+            && status.contains("dead-lettered 1 ")
+            && status.contains("parked keys 1"),
+        "{status}"
+    );
     assert!(status.contains("parked key \"a\""), "{status}");
     let listed = text(&outbox(&strict.path, &["dead-letters", "list"]).stdout);
-    assert!(listed.contains("1 dead letter(s)") && listed.contains("larger than sink.max_payload"), "{listed}");
-    assert_eq!(redis_stream(&format!("{name}:t")).await.len(), 1, "only b1 may pass");
+    assert!(
+        listed.contains("1 dead letter(s)") && listed.contains("larger than sink.max_payload"),
+        "{listed}"
+    );
+    assert_eq!(
+        redis_stream(&format!("{name}:t")).await.len(),
+        1,
+        "only b1 may pass"
+    );
 
     // The operator raises the limit and replays: the head goes first, then the parked rest.
-    let relaxed = ConfigFile::new(&format!("{}{FAST_RELAY}{}", storage_section(&schema), sink(1_000_000)));
+    let relaxed = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{}",
+        storage_section(&schema),
+        sink(1_000_000)
+    ));
     let replay = outbox(&relaxed.path, &["dead-letters", "replay", "--all"]);
-    assert!(text(&replay.stdout).contains("replayed 1"), "{}", text(&replay.stderr));
+    assert!(
+        text(&replay.stdout).contains("replayed 1"),
+        "{}",
+        text(&replay.stderr)
+    );
     let relay = RelayProcess::start(&relaxed.path);
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     assert_eq!(relay.terminate().0, Some(0));
     let keys = by_key(&redis_stream(&format!("{name}:t")).await);
-    assert_eq!(keys["a"], vec![big.into_bytes(), b"a2".to_vec(), b"a3".to_vec()]);
+    assert_eq!(
+        keys["a"],
+        vec![big.into_bytes(), b"a2".to_vec(), b"a3".to_vec()]
+    );
     let status = text(&outbox(&relaxed.path, &["status"]).stdout);
-    assert!(status.contains("pending 0 ") && status.contains("dead-lettered 0 ") && status.contains("parked keys 0"), "{status}");
+    assert!(
+        status.contains("pending 0 ")
+            && status.contains("dead-lettered 0 ")
+            && status.contains("parked keys 0"),
+        "{status}"
+    );
     drop_schema(&pool, &schema).await;
 }
 
@@ -385,18 +544,29 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
     }
     let (code, took) = relay.terminate();
     assert_eq!(code, Some(0));
-    assert!(took < Duration::from_secs(5 + 3), "exit took {took:?}, shutdown_timeout is 5 s");
+    assert!(
+        took < Duration::from_secs(5 + 3),
+        "exit took {took:?}, shutdown_timeout is 5 s"
+    );
     let claimed = count(&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox WHERE claim_token IS NOT NULL AND available_at > now()"#)).await;
     assert_eq!(claimed, 0, "messages left claimed after shutdown");
     let remaining = count(&pool, &left).await;
     let delivered = redis_stream(&format!("{name}:t")).await;
-    let mut seen: std::collections::HashSet<Vec<u8>> = delivered.into_iter().map(|(_, p)| p).collect();
-    let rows: Vec<Vec<u8>> = sqlx::query_scalar(&format!(r#"SELECT payload FROM "{schema}".outbox"#)).fetch_all(&pool).await.unwrap();
+    let mut seen: std::collections::HashSet<Vec<u8>> =
+        delivered.into_iter().map(|(_, p)| p).collect();
+    let rows: Vec<Vec<u8>> =
+        sqlx::query_scalar(&format!(r#"SELECT payload FROM "{schema}".outbox"#))
+            .fetch_all(&pool)
+            .await
+            .unwrap();
     assert_eq!(rows.len() as i64, remaining);
     seen.extend(rows);
     assert_eq!(seen.len() as i64, total, "a message was lost");
     assert!(remaining < total, "nothing was delivered before SIGTERM");
-    assert!(remaining > 0, "the relay finished before SIGTERM: the test needs a busier relay");
+    assert!(
+        remaining > 0,
+        "the relay finished before SIGTERM: the test needs a busier relay"
+    );
     drop_schema(&pool, &schema).await;
 }
 
@@ -404,16 +574,31 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
-    write!(stream, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").expect("send");
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("send");
     let mut response = String::new();
     stream.read_to_string(&mut response).expect("read");
-    let status = response.split_whitespace().nth(1).and_then(|s| s.parse().ok()).unwrap_or(0);
-    let body = response.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let body = response
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     (status, body)
 }
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
 }
 
 async fn wait_for_http(addr: &str) {
@@ -437,7 +622,11 @@ async fn metrics_and_health_endpoints_report_the_relay() {
         storage_section(&schema)
     ));
     assert!(outbox(&config.path, &["migrate"]).status.success());
-    assert!(outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines()).status.success());
+    assert!(
+        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines())
+            .status
+            .success()
+    );
     let relay = RelayProcess::start(&config.path);
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     wait_for_http(&addr).await;
@@ -452,7 +641,11 @@ async fn metrics_and_health_endpoints_report_the_relay() {
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .unwrap_or_else(|| panic!("no delivered counter for topic orders in:\n{metrics}"));
     assert_eq!(delivered, 31.0);
-    for name in ["outbox_publish_duration_seconds_bucket", "outbox_batch_duration_seconds_bucket", "outbox_sink_up"] {
+    for name in [
+        "outbox_publish_duration_seconds_bucket",
+        "outbox_batch_duration_seconds_bucket",
+        "outbox_sink_up",
+    ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
     }
     assert_eq!(relay.terminate().0, Some(0));

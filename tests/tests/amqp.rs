@@ -582,7 +582,10 @@ impl outbox_tests::conformance::SinkHarness for Harness {
         let exchange = self.broker.exchange().await;
         let topic = unique_name("conformance");
         let queue = self.broker.queue(&exchange, &topic).await;
-        self.queues.lock().expect("queues").insert(topic.clone(), queue);
+        self.queues
+            .lock()
+            .expect("queues")
+            .insert(topic.clone(), queue);
         outbox_tests::conformance::Destination {
             sink: sink(Self::config(amqp_url(), &exchange)).await,
             topic,

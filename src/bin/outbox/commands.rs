@@ -215,7 +215,10 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             let rows = storage
                 .find_dead_letters(&filter.filter(false)?, limit)
                 .await?;
-            println!("{:<36}  {:<24} {:<16} {:>8}  last error", "id", "topic", "key", "attempts");
+            println!(
+                "{:<36}  {:<24} {:<16} {:>8}  last error",
+                "id", "topic", "key", "attempts"
+            );
             for row in &rows {
                 let m = &row.message;
                 println!(

@@ -343,9 +343,9 @@ fn relay_def(
     postgres.per_key_order = settings.per_key_order.unwrap_or(postgres.per_key_order);
     postgres.wakeup = settings.wakeup.unwrap_or(postgres.wakeup);
     postgres.retention = settings.retention;
-    postgres.validate().map_err(|e| {
-        err(e.message().replace("storage.", &format!("{storage_key}.")))
-    })?;
+    postgres
+        .validate()
+        .map_err(|e| err(e.message().replace("storage.", &format!("{storage_key}."))))?;
 
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
     let mut worker = WorkerConfig::new(format!("{name}@{host}:{}", std::process::id()));

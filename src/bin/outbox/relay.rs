@@ -52,7 +52,11 @@ pub async fn build(
             let retry = wait_for_broker.filter(|_| error.kind() == outbox::ErrorKind::Unavailable);
             match (error.kind(), retry) {
                 (outbox::ErrorKind::Config, _) => {
-                    return Err(Failure::Config(format!("relay `{}`: {}", def.name, error.message())));
+                    return Err(Failure::Config(format!(
+                        "relay `{}`: {}",
+                        def.name,
+                        error.message()
+                    )));
                 }
                 (_, None) => {
                     return Err(Failure::Runtime(format!(
@@ -71,7 +75,11 @@ pub async fn build(
                 }
             }
         };
-        relays.push(Relay { storage, sink, def: def.clone() });
+        relays.push(Relay {
+            storage,
+            sink,
+            def: def.clone(),
+        });
     }
     Ok(relays)
 }
@@ -96,7 +104,11 @@ pub async fn run(config: Config) -> Result<(), Failure> {
         relay.storage.migrate().await?;
     }
     for relay in relays.iter() {
-        let worker = Worker::new(relay.def.worker.clone(), relay.storage.clone(), relay.sink.clone())?;
+        let worker = Worker::new(
+            relay.def.worker.clone(),
+            relay.storage.clone(),
+            relay.sink.clone(),
+        )?;
         tracing::info!(
             relay = %relay.def.name,
             storage = %relay.def.safe_url(),
