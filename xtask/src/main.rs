@@ -104,7 +104,12 @@ fn services() -> Result {
                 "xtask: {} is not installed; installing Debian package {package}",
                 service.name
             );
-            run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends", package]))?;
+            run(Command::new("apt-get").args([
+                "install",
+                "-y",
+                "--no-install-recommends",
+                package,
+            ]))?;
         }
         (service.start)()?;
         wait_for(service)?;
