@@ -28,6 +28,18 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{:016x}", fastrand::u64(..))
 }
 
+/// The `host:port` of a server URL such as `amqp://user:password@host:5672/vhost`, for
+/// putting a [`Proxy`] in front of it.
+pub fn host_port(url: &str) -> String {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    authority
+        .rsplit('@')
+        .next()
+        .unwrap_or(authority)
+        .to_string()
+}
+
 /// Worker settings for tests: fast polling and short backoff.
 pub fn test_worker_config(worker_id: &str) -> WorkerConfig {
     WorkerConfig {
@@ -129,6 +141,17 @@ impl TestOutbox {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// The attempts column of every message in the outbox, in enqueue order.
+    pub async fn attempts(&self) -> Vec<i32> {
+        sqlx::query_scalar(&format!(
+            "SELECT attempts FROM {} ORDER BY seq",
+            self.table.qualified("")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .expect("read attempts")
     }
 
     /// Dead letters as (id, last error), oldest first.

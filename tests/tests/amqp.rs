@@ -24,18 +24,6 @@ fn amqp_url() -> String {
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
 }
 
-/// `host:port` of the broker under test, for the proxy.
-fn amqp_addr() -> String {
-    let url = amqp_url();
-    let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
-    let authority = rest.split('/').next().unwrap_or(rest);
-    authority
-        .rsplit('@')
-        .next()
-        .unwrap_or(authority)
-        .to_string()
-}
-
 /// The test's own connection, to declare, bind and consume.
 struct Broker {
     _connection: Connection,
@@ -156,7 +144,7 @@ async fn sink(config: AmqpConfig) -> Arc<AmqpSink> {
         Ok(sink) => Arc::new(sink),
         Err(error) => panic!(
             "cannot start the AMQP sink against RabbitMQ at {}: {error}",
-            amqp_addr()
+            outbox_tests::host_port(&amqp_url())
         ),
     }
 }
@@ -172,16 +160,6 @@ fn message_id(delivery: &Delivery) -> Uuid {
 
 fn text(value: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(value))
-}
-
-async fn attempts_in_table(outbox: &TestOutbox) -> Vec<i32> {
-    sqlx::query_scalar(&format!(
-        "SELECT attempts FROM {} ORDER BY seq",
-        outbox.table.qualified("")
-    ))
-    .fetch_all(&outbox.pool)
-    .await
-    .expect("read attempts")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -370,7 +348,7 @@ async fn unroutable_messages_are_retried_until_a_queue_takes_them() {
     assert_eq!(broker.take(&queue, 1).await[0].data, b"free");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {
-        let attempts = attempts_in_table(&outbox).await;
+        let attempts = outbox.attempts().await;
         if attempts.first().is_some_and(|&a| a >= 2) {
             assert_eq!(
                 attempts.len(),
@@ -402,9 +380,9 @@ async fn an_outage_charges_no_attempts_and_delivery_resumes() {
     let exchange = broker.exchange().await;
     let queue = broker.queue(&exchange, "#").await;
     let outbox = TestOutbox::new().await;
-    let proxy = Proxy::start(&amqp_addr()).await;
+    let proxy = Proxy::start(&outbox_tests::host_port(&amqp_url())).await;
     let mut config = AmqpConfig::new(
-        amqp_url().replacen(&amqp_addr(), &proxy.addr(), 1),
+        amqp_url().replacen(&outbox_tests::host_port(&amqp_url()), &proxy.addr(), 1),
         &exchange,
     );
     config.connect_timeout = Duration::from_secs(2);
@@ -426,7 +404,7 @@ async fn an_outage_charges_no_attempts_and_delivery_resumes() {
     let stats = outbox.stats().await;
     assert_eq!(stats.pending, 50, "nothing delivered while cut: {stats:?}");
     assert_eq!(stats.dead_lettered, 0);
-    let attempts = attempts_in_table(&outbox).await;
+    let attempts = outbox.attempts().await;
     assert!(
         attempts.iter().all(|&a| a == 0),
         "attempts charged during the outage: {attempts:?}"
@@ -462,9 +440,9 @@ async fn a_cut_in_the_middle_of_publishing_loses_nothing_and_keeps_key_order() {
     let exchange = broker.exchange().await;
     let queue = broker.queue(&exchange, "#").await;
     let outbox = TestOutbox::new().await;
-    let proxy = Proxy::start(&amqp_addr()).await;
+    let proxy = Proxy::start(&outbox_tests::host_port(&amqp_url())).await;
     let mut config = AmqpConfig::new(
-        amqp_url().replacen(&amqp_addr(), &proxy.addr(), 1),
+        amqp_url().replacen(&outbox_tests::host_port(&amqp_url()), &proxy.addr(), 1),
         &exchange,
     );
     config.connect_timeout = Duration::from_secs(2);
@@ -492,7 +470,7 @@ async fn a_cut_in_the_middle_of_publishing_loses_nothing_and_keeps_key_order() {
         stats.pending > 0,
         "the cut came too late to test anything: {stats:?}"
     );
-    let attempts = attempts_in_table(&outbox).await;
+    let attempts = outbox.attempts().await;
     assert!(
         attempts.iter().all(|&a| a == 0),
         "attempts charged by the cut: {attempts:?}"

@@ -27,16 +27,6 @@ fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
     keys
 }
 
-async fn attempts_in_table(outbox: &TestOutbox) -> Vec<i32> {
-    sqlx::query_scalar(&format!(
-        "SELECT attempts FROM {} ORDER BY seq",
-        outbox.table.qualified("")
-    ))
-    .fetch_all(&outbox.pool)
-    .await
-    .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_messages_are_never_delivered_committed_ones_are() {
     let outbox = TestOutbox::new().await;
@@ -361,7 +351,7 @@ async fn a_down_sink_charges_no_attempts_and_everything_arrives_later() {
         (stats.pending, stats.in_flight, stats.dead_lettered),
         (50, 0, 0)
     );
-    assert!(attempts_in_table(&outbox).await.iter().all(|&a| a == 0));
+    assert!(outbox.attempts().await.iter().all(|&a| a == 0));
     sink.set_up(true);
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     relay.stop().await;

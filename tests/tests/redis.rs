@@ -19,18 +19,6 @@ fn redis_url() -> String {
     std::env::var("OUTBOX_TEST_REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".into())
 }
 
-/// `host:port` of the Redis under test, for the proxy.
-fn redis_addr() -> String {
-    let url = redis_url();
-    let rest = url.split_once("://").map_or(url.as_str(), |(_, r)| r);
-    let authority = rest.split('/').next().unwrap_or(rest);
-    authority
-        .rsplit('@')
-        .next()
-        .unwrap_or(authority)
-        .to_string()
-}
-
 /// A plain connection for the test's checks; panics loudly when Redis is not there.
 async fn client() -> redis::aio::MultiplexedConnection {
     let url = redis_url();
@@ -381,7 +369,7 @@ async fn outage_charges_no_attempt_and_everything_arrives_once_back() {
     let prefix = prefix();
     let _ = client().await;
     let outbox = TestOutbox::new().await;
-    let proxy = Proxy::start(&redis_addr()).await;
+    let proxy = Proxy::start(&outbox_tests::host_port(&redis_url())).await;
     let config = RedisConfig::new(format!("redis://{}", proxy.addr()))
         .stream_prefix(&prefix)
         .command_timeout(Duration::from_secs(1));
