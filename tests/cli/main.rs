@@ -665,3 +665,89 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     assert_eq!(relay.terminate().0, Some(0));
     drop_schema(&pool, &schema).await;
 }
+
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn several_relays_run_in_one_process_each_with_its_own_table_and_sink() {
+    let pool = pool().await;
+    let (orders, billing) = (unique_name("cli_orders"), unique_name("cli_billing"));
+    let name = unique_name("multi");
+    let config = ConfigFile::new(&format!(
+        r#"[storage]
+url = "{url}"
+migrate = true
+[sink]
+type = "redis"
+url = "redis://127.0.0.1:6379"
+[[relay]]
+name = "orders"
+poll_interval = "100ms"
+storage = {{ schema = "{orders}" }}
+sink = {{ type = "redis", url = "redis://127.0.0.1:6379", stream_prefix = "{name}:orders:" }}
+[[relay]]
+name = "billing"
+poll_interval = "100ms"
+storage = {{ schema = "{billing}", table = "events" }}
+sink = {{ type = "redis", url = "redis://127.0.0.1:6379", stream_prefix = "{name}:billing:" }}
+"#,
+        url = postgres_url()
+    ));
+    let relay = RelayProcess::start(&config.path);
+    for (relay_name, schema, table) in [
+        ("orders", &orders, "outbox"),
+        ("billing", &billing, "events"),
+    ] {
+        // The relay migrates at start-up; enqueue once the table is there.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = outbox(
+                &config.path,
+                &[
+                    "enqueue", "--relay", relay_name, "--topic", "t", "--key", "k", relay_name,
+                ],
+            );
+            if out.status.success() {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "enqueue into {schema}.{table} failed: {}",
+                text(&out.stderr)
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    for (schema, table) in [(&orders, "outbox"), (&billing, "events")] {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while count(
+            &pool,
+            &format!(r#"SELECT count(*) FROM "{schema}".{table}"#),
+        )
+        .await
+            > 0
+        {
+            assert!(Instant::now() < deadline, "{schema}.{table} not drained");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    assert_eq!(
+        redis_stream(&format!("{name}:orders:t")).await,
+        vec![(Some("k".into()), b"orders".to_vec())]
+    );
+    assert_eq!(
+        redis_stream(&format!("{name}:billing:t")).await,
+        vec![(Some("k".into()), b"billing".to_vec())]
+    );
+    let ambiguous = outbox(&config.path, &["status"]);
+    assert!(
+        ambiguous.status.success(),
+        "status of every relay: {}",
+        text(&ambiguous.stderr)
+    );
+    let unknown = outbox(&config.path, &["dead-letters", "list", "--relay", "nope"]);
+    assert_eq!(unknown.status.code(), Some(EXIT_CONFIG));
+    assert!(text(&unknown.stderr).contains("orders, billing"));
+    drop_schema(&pool, &orders).await;
+    drop_schema(&pool, &billing).await;
+}
