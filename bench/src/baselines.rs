@@ -94,6 +94,7 @@ pub async fn naive_relay(scale: Scale, kind: SinkKind) -> Result<f64, String> {
 /// The sink ceiling: the same messages published straight to the sink in batches, no database.
 pub async fn sink_ceiling(scale: Scale, kind: SinkKind) -> Result<f64, String> {
     let run = format!("bench_sink_{:08x}", fastrand::u32(..));
+    kind.prepare(&run).await?;
     let sink = kind.build(&run)?;
     let messages: Vec<Message> = (0..scale.drain_messages)
         .map(|i| {

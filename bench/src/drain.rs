@@ -89,6 +89,7 @@ async fn one_drain(
     let outbox = BenchOutbox::new().await?;
     outbox.preload(scale.drain_messages, scale.keys).await?;
     let run = outbox.schema.clone();
+    kind.prepare(&run).await?;
     let result = drain(
         &outbox,
         kind,
@@ -130,26 +131,47 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         "events/s",
         Some(("bare delete", bare)),
     );
-    let sink_ceiling = median(
+    let redis_ceiling = median(
         repeat(scale.runs, || {
             baselines::sink_ceiling(scale, SinkKind::Redis)
         })
         .await?,
     );
-    report.add(
-        "drain",
-        "ceiling: redis publish, no database",
-        sink_ceiling,
-        "events/s",
-        Some(("bare delete", bare)),
-    );
-
     let relay_counts: &[usize] = if scale.quick { &[1, 4] } else { &[1, 2, 4] };
-    for kind in [SinkKind::Null, SinkKind::Redis] {
+    for kind in [
+        SinkKind::Null,
+        SinkKind::Redis,
+        SinkKind::Amqp,
+        SinkKind::Nats,
+    ] {
+        // The database ceiling and Redis are the headline figures: the median of every run.
+        // The other brokers get one run each, to keep the whole benchmark within minutes.
+        let runs = if matches!(kind, SinkKind::Null | SinkKind::Redis) {
+            scale.runs
+        } else {
+            1
+        };
+        let ceiling = match kind {
+            SinkKind::Null => None,
+            SinkKind::Redis => Some(redis_ceiling),
+            _ => Some(median(
+                repeat(runs, || baselines::sink_ceiling(scale, kind)).await?,
+            )),
+        };
+        if let Some(ceiling) = ceiling {
+            let name = format!("ceiling: {} publish, no database", kind.name());
+            report.add(
+                "drain",
+                &name,
+                ceiling,
+                "events/s",
+                Some(("bare delete", bare)),
+            );
+        }
         for per_key_order in [true, false] {
             for &relays in relay_counts {
                 let mut rates = Vec::new();
-                for _ in 0..scale.runs {
+                for _ in 0..runs {
                     let drained = one_drain(scale, kind, relays, per_key_order).await?;
                     if kind == SinkKind::Redis && relays == 1 && per_key_order {
                         report.resources = Some(drained.resources);
@@ -171,6 +193,13 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
                     "events/s",
                     Some(("bare delete", bare)),
                 );
+                if let Some(ceiling) = ceiling {
+                    report.add_ratio(
+                        "drain",
+                        &format!("{name} vs its sink ceiling"),
+                        rate / ceiling,
+                    );
+                }
                 if kind == SinkKind::Redis {
                     report.add_ratio("drain", &format!("{name} vs naive relay"), rate / naive);
                 }
@@ -180,7 +209,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
                     per_key_order,
                     rate,
                     bare,
-                    sink_ceiling,
+                    redis_ceiling,
                     naive,
                 );
             }

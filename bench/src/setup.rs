@@ -137,14 +137,83 @@ pub enum SinkKind {
     /// No broker: the database ceiling.
     Null,
     Redis,
+    Amqp,
+    Nats,
 }
+
+const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 impl SinkKind {
     pub fn name(self) -> &'static str {
         match self {
             SinkKind::Null => "none",
             SinkKind::Redis => "redis",
+            SinkKind::Amqp => "amqp",
+            SinkKind::Nats => "nats",
         }
+    }
+
+    /// Makes what the broker needs before `run` publishes: an exchange with a queue bound to
+    /// it (AMQP), a stream capturing the run's subjects (NATS).
+    pub async fn prepare(self, run: &str) -> Result<(), String> {
+        match self {
+            SinkKind::Amqp => {
+                use outbox_amqp::lapin::{
+                    Connection, ConnectionProperties, ExchangeKind, options::*, types::FieldTable,
+                };
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                    .await
+                    .map_err(text)?;
+                let channel = conn.create_channel().await.map_err(text)?;
+                channel
+                    .exchange_declare(
+                        run.into(),
+                        ExchangeKind::Fanout,
+                        ExchangeDeclareOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(text)?;
+                let queue = format!("{run}.q");
+                channel
+                    .queue_declare(
+                        queue.as_str().into(),
+                        QueueDeclareOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(text)?;
+                channel
+                    .queue_bind(
+                        queue.as_str().into(),
+                        run.into(),
+                        "".into(),
+                        QueueBindOptions::default(),
+                        FieldTable::default(),
+                    )
+                    .await
+                    .map_err(text)?;
+                conn.close(200, "done".into()).await.map_err(text)?;
+            }
+            SinkKind::Nats => {
+                use outbox_nats::async_nats::jetstream::{self, stream};
+                let client = outbox_nats::async_nats::connect(NATS_URL)
+                    .await
+                    .map_err(text)?;
+                jetstream::new(client)
+                    .create_stream(stream::Config {
+                        name: run.to_string(),
+                        subjects: vec![format!("{run}.>")],
+                        storage: stream::StorageType::Memory,
+                        ..Default::default()
+                    })
+                    .await
+                    .map_err(text)?;
+            }
+            SinkKind::Null | SinkKind::Redis => {}
+        }
+        Ok(())
     }
 
     /// A new sink instance (one per relay: sinks are not shared between relays), writing
@@ -158,29 +227,70 @@ impl SinkKind {
                 )
                 .map_err(text)?,
             ),
+            SinkKind::Amqp => Arc::new(
+                outbox_amqp::AmqpSink::lazy(outbox_amqp::AmqpConfig::new(AMQP_URL, run))
+                    .map_err(text)?,
+            ),
+            SinkKind::Nats => Arc::new(
+                outbox_nats::NatsSink::new(
+                    outbox_nats::NatsConfig::new(NATS_URL).subject(format!("{run}."), "{topic}"),
+                )
+                .map_err(text)?,
+            ),
         })
     }
 
     /// Removes what a run left in the broker.
     pub async fn cleanup(self, run: &str) -> Result<(), String> {
-        if self == SinkKind::Redis {
-            let client = outbox_redis::redis::Client::open(redis_url()).map_err(text)?;
-            let mut conn = client
-                .get_multiplexed_async_connection()
-                .await
-                .map_err(text)?;
-            let keys: Vec<String> = outbox_redis::redis::cmd("KEYS")
-                .arg(format!("{run}:*"))
-                .query_async(&mut conn)
-                .await
-                .map_err(text)?;
-            for key in keys {
-                let _: () = outbox_redis::redis::cmd("DEL")
-                    .arg(key)
+        match self {
+            SinkKind::Redis => {
+                let client = outbox_redis::redis::Client::open(redis_url()).map_err(text)?;
+                let mut conn = client
+                    .get_multiplexed_async_connection()
+                    .await
+                    .map_err(text)?;
+                let keys: Vec<String> = outbox_redis::redis::cmd("KEYS")
+                    .arg(format!("{run}:*"))
                     .query_async(&mut conn)
                     .await
                     .map_err(text)?;
+                for key in keys {
+                    let _: () = outbox_redis::redis::cmd("DEL")
+                        .arg(key)
+                        .query_async(&mut conn)
+                        .await
+                        .map_err(text)?;
+                }
             }
+            SinkKind::Amqp => {
+                use outbox_amqp::lapin::{Connection, ConnectionProperties, options::*};
+                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
+                    .await
+                    .map_err(text)?;
+                let channel = conn.create_channel().await.map_err(text)?;
+                channel
+                    .queue_delete(
+                        format!("{run}.q").as_str().into(),
+                        QueueDeleteOptions::default(),
+                    )
+                    .await
+                    .map_err(text)?;
+                channel
+                    .exchange_delete(run.into(), ExchangeDeleteOptions::default())
+                    .await
+                    .map_err(text)?;
+                conn.close(200, "done".into()).await.map_err(text)?;
+            }
+            SinkKind::Nats => {
+                let client = outbox_nats::async_nats::connect(NATS_URL)
+                    .await
+                    .map_err(text)?;
+                outbox_nats::async_nats::jetstream::new(client)
+                    .delete_stream(run)
+                    .await
+                    .map_err(text)?;
+            }
+            SinkKind::Null => {}
         }
         Ok(())
     }

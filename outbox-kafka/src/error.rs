@@ -1,0 +1,145 @@
+//! Maps librdkafka's errors onto the engine's [`ErrorKind`]s.
+
+use outbox_core::{Error, ErrorKind};
+use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
+
+/// What kind of failure a librdkafka error code is for one message.
+pub(crate) fn kind_of(code: Code) -> ErrorKind {
+    match code {
+        // The brokers cannot be reached or did not answer in time, or the cluster cannot
+        // take writes right now: nothing is wrong with the message.
+        Code::BrokerTransportFailure
+        | Code::Resolve
+        | Code::MessageTimedOut
+        | Code::AllBrokersDown
+        | Code::OperationTimedOut
+        | Code::TimedOutQueue
+        | Code::QueueFull
+        | Code::BrokerDestroy
+        | Code::DestroyBroker
+        | Code::UnknownBroker
+        | Code::PurgeQueue
+        | Code::PurgeInflight
+        | Code::Interrupted
+        | Code::SSL
+        | Code::Authentication
+        | Code::SaslAuthenticationFailed
+        | Code::ClusterAuthorizationFailed
+        | Code::RequestTimedOut
+        | Code::NetworkException
+        | Code::LeaderNotAvailable
+        | Code::NotLeaderForPartition
+        | Code::BrokerNotAvailable
+        | Code::ReplicaNotAvailable
+        | Code::NotEnoughReplicas
+        | Code::NotEnoughReplicasAfterAppend
+        | Code::KafkaStorageError
+        | Code::NotController
+        | Code::FencedLeaderEpoch
+        | Code::UnknownLeaderEpoch
+        | Code::PreferredLeaderNotAvailable
+        | Code::EligibleLeadersNotAvailable
+        | Code::ThrottlingQuotaExceeded => ErrorKind::Unavailable,
+        // This message can never be written as it is: dead-letter it with the reason.
+        Code::MessageSizeTooLarge
+        | Code::InvalidMessageSize
+        | Code::MessageBatchTooLarge
+        | Code::UnknownTopicOrPartition
+        | Code::UnknownTopic
+        | Code::UnknownPartition
+        | Code::UnknownTopicId
+        | Code::InvalidTopic
+        | Code::TopicAuthorizationFailed
+        | Code::InvalidRecord
+        | Code::InvalidTimestamp
+        | Code::PolicyViolation
+        | Code::UnsupportedForMessageFormat
+        | Code::BadMessage
+        | Code::InvalidArgument => ErrorKind::Permanent,
+        // Anything else (corrupt request, producer fenced or fatal, unexpected codes)
+        // may pass on another attempt: charge it and retry with backoff.
+        _ => ErrorKind::Temporary,
+    }
+}
+
+/// The engine's error for a message that librdkafka did not deliver to `topic`.
+pub(crate) fn delivery_error(error: KafkaError, topic: &str, servers: &str) -> Error {
+    let Some(code) = error.rdkafka_error_code() else {
+        return Error::temporary(format!("Kafka topic `{topic}`: delivery failed"))
+            .with_source(error);
+    };
+    let kind = kind_of(code);
+    let message = match kind {
+        ErrorKind::Unavailable => {
+            format!("Kafka at {servers} did not take the message for topic `{topic}` ({code:?})")
+        }
+        ErrorKind::Permanent => {
+            format!("Kafka refused the message for topic `{topic}` for good ({code:?})")
+        }
+        _ => format!("Kafka did not take the message for topic `{topic}` ({code:?})"),
+    };
+    Error::new(kind, message).with_source(error)
+}
+
+/// The engine's error for librdkafka refusing the configuration. The value is left out,
+/// as it may be a secret.
+pub(crate) fn config_error(error: KafkaError) -> Error {
+    match error {
+        KafkaError::ClientConfig(_, description, name, _value) => {
+            let description = if crate::config::is_secret_property(&name) {
+                "invalid value".to_string()
+            } else {
+                description
+            };
+            Error::config(format!(
+                "sink.properties.{name} is refused by librdkafka: {description}"
+            ))
+        }
+        KafkaError::ClientCreation(description) => Error::config(format!(
+            "librdkafka refused the sink's settings: {description}; check sink.properties"
+        )),
+        other => Error::config("could not create the Kafka producer").with_source(other),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transport_size_topic_and_authorisation_errors() {
+        assert_eq!(kind_of(Code::MessageTimedOut), ErrorKind::Unavailable);
+        assert_eq!(kind_of(Code::AllBrokersDown), ErrorKind::Unavailable);
+        assert_eq!(kind_of(Code::NotEnoughReplicas), ErrorKind::Unavailable);
+        assert_eq!(kind_of(Code::MessageSizeTooLarge), ErrorKind::Permanent);
+        assert_eq!(kind_of(Code::UnknownTopic), ErrorKind::Permanent);
+        assert_eq!(kind_of(Code::UnknownTopicOrPartition), ErrorKind::Permanent);
+        assert_eq!(
+            kind_of(Code::TopicAuthorizationFailed),
+            ErrorKind::Permanent
+        );
+        assert_eq!(kind_of(Code::InvalidMessage), ErrorKind::Temporary);
+        assert_eq!(kind_of(Code::Fatal), ErrorKind::Temporary);
+    }
+
+    #[test]
+    fn delivery_error_names_topic_and_code() {
+        let err = delivery_error(
+            KafkaError::MessageProduction(Code::MessageSizeTooLarge),
+            "orders",
+            "k:9092",
+        );
+        assert_eq!(err.kind(), ErrorKind::Permanent);
+        let text = err.to_string();
+        assert!(
+            text.contains("`orders`") && text.contains("MessageSizeTooLarge"),
+            "{text}"
+        );
+        let err = delivery_error(
+            KafkaError::MessageProduction(Code::MessageTimedOut),
+            "o",
+            "k:9092",
+        );
+        assert!(err.to_string().contains("Kafka at k:9092"), "{err}");
+    }
+}

@@ -1,0 +1,329 @@
+//! The Kafka sink: one idempotent producer, a batch produced at once.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::SecondsFormat;
+use outbox_core::{Error, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
+use rdkafka::ClientConfig;
+use rdkafka::error::{KafkaError, RDKafkaErrorCode};
+use rdkafka::message::{Header, OwnedHeaders};
+use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use tokio::time::{Instant, sleep, timeout_at};
+
+use crate::KafkaConfig;
+use crate::error::{config_error, delivery_error};
+
+/// Header with the outbox message id (a UUID), for consumers to de-duplicate by.
+pub const HEADER_ID: &str = "outbox-id";
+/// Header with the outbox topic the message was enqueued for.
+pub const HEADER_TOPIC: &str = "outbox-topic";
+/// Header with the time the message was enqueued (RFC 3339, UTC, microseconds).
+pub const HEADER_CREATED_AT: &str = "outbox-created-at";
+/// W3C trace context header, when the message has one.
+pub const HEADER_TRACEPARENT: &str = "traceparent";
+/// W3C trace state header, when the message has one.
+pub const HEADER_TRACESTATE: &str = "tracestate";
+
+/// Extra wait for delivery reports past librdkafka's own `message.timeout.ms`, which
+/// normally reports first; this bounds a publish whose reports librdkafka holds back (the
+/// producer is then replaced).
+const REPORT_GRACE: Duration = Duration::from_secs(5);
+
+/// How long to wait between tries while librdkafka's local queue is full.
+const QUEUE_FULL_WAIT: Duration = Duration::from_millis(20);
+
+/// Publishes outbox messages to Kafka with an idempotent producer (librdkafka through
+/// rdkafka).
+///
+/// Each message goes to the Kafka topic its outbox topic maps to, keyed by its partition
+/// key (no key when it has none), with its headers plus [`HEADER_ID`], [`HEADER_TOPIC`],
+/// [`HEADER_CREATED_AT`] and the trace context. A batch is handed to librdkafka in order
+/// and every delivery report is awaited; the receipt is `partition:offset`.
+pub struct KafkaSink {
+    config: KafkaConfig,
+    client_config: ClientConfig,
+    /// Replaced when librdkafka raises a fatal error (an idempotent producer cannot recover
+    /// from one) or holds delivery reports past the deadline; a clone is used for each call.
+    producer: Mutex<FutureProducer>,
+}
+
+impl std::fmt::Debug for KafkaSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KafkaSink")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+impl KafkaSink {
+    /// Checks the settings and creates the producer. It connects in the background: an
+    /// unreachable broker shows in [`Sink::health`], not here.
+    pub fn new(config: KafkaConfig) -> Result<Self> {
+        config.validate()?;
+        let client_config = config.client_config();
+        let producer = create_producer(&client_config)?;
+        tracing::info!(
+            bootstrap_servers = %config.bootstrap_servers,
+            topic_template = %config.topic_template,
+            "Kafka sink ready"
+        );
+        Ok(KafkaSink {
+            config,
+            client_config,
+            producer: Mutex::new(producer),
+        })
+    }
+
+    /// The sink's settings.
+    pub fn config(&self) -> &KafkaConfig {
+        &self.config
+    }
+
+    /// The producer in use, replaced first if it has raised a fatal error.
+    fn producer(&self) -> Result<FutureProducer> {
+        let mut current = self
+            .producer
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((code, reason)) = current.client().fatal_error() {
+            // An idempotent producer cannot recover from a fatal error (for example a
+            // sequence gap the broker refused); a new one starts a new producer id.
+            tracing::warn!(?code, %reason, "Kafka producer hit a fatal error; creating a new one");
+            self.replace(&mut current)?;
+        }
+        Ok(current.clone())
+    }
+
+    /// Puts a new producer in place of `current`. Dropping the old one purges whatever it
+    /// still holds, so nothing the worker was told had failed is written later.
+    fn replace(&self, current: &mut FutureProducer) -> Result<()> {
+        let old = std::mem::replace(current, create_producer(&self.client_config)?);
+        // Dropping purges and flushes for up to half a second: keep it off the runtime.
+        drop(tokio::task::spawn_blocking(move || drop(old)));
+        Ok(())
+    }
+
+    /// Hands one message to librdkafka, waiting while its local queue is full.
+    async fn enqueue(
+        &self,
+        producer: &FutureProducer,
+        message: &Message,
+        topic: &str,
+        queue_deadline: Instant,
+    ) -> Result<DeliveryFuture> {
+        let mut record = FutureRecord::to(topic)
+            .payload(message.payload.as_slice())
+            .headers(headers(message));
+        if let Some(key) = &message.key {
+            record = record.key(key.as_str());
+        }
+        loop {
+            match producer.send_result(record) {
+                Ok(delivery) => return Ok(delivery),
+                Err((KafkaError::MessageProduction(RDKafkaErrorCode::QueueFull), back))
+                    if Instant::now() < queue_deadline =>
+                {
+                    record = back;
+                    sleep(QUEUE_FULL_WAIT).await;
+                }
+                Err((error, _)) => {
+                    return Err(delivery_error(error, topic, &self.config.bootstrap_servers));
+                }
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Sink for KafkaSink {
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+        let producer = self.producer()?;
+        let deadline = Instant::now() + self.config.delivery_timeout + REPORT_GRACE;
+        let queue_deadline = Instant::now() + self.config.delivery_timeout;
+
+        // Hand every message to librdkafka in order first, so the batch goes out together;
+        // then collect the reports.
+        let mut pending: Vec<(String, Result<DeliveryFuture>)> = Vec::with_capacity(batch.len());
+        for message in batch {
+            let (topic, sent) = match self.config.kafka_topic(&message.topic) {
+                Ok(topic) => {
+                    let sent = self
+                        .enqueue(&producer, message, &topic, queue_deadline)
+                        .await;
+                    (topic, sent)
+                }
+                Err(error) => (message.topic.clone(), Err(error)),
+            };
+            pending.push((topic, sent));
+        }
+
+        let mut outcomes = Vec::with_capacity(batch.len());
+        // Set when the producer must be replaced: reports overdue, or its idempotence
+        // session broken.
+        let mut reset: Option<&str> = None;
+        for (topic, sent) in pending {
+            let outcome = match sent {
+                Err(error) => Outcome::Failed(error),
+                Ok(delivery) => match timeout_at(deadline, delivery).await {
+                    Ok(Ok(Ok(delivered))) => Outcome::Delivered(Receipt::new(format!(
+                        "{}:{}",
+                        delivered.partition, delivered.offset
+                    ))),
+                    Ok(Ok(Err((error, _)))) => {
+                        if error.rdkafka_error_code().is_some_and(session_broken) {
+                            reset = Some("its producer id or epoch was refused");
+                        }
+                        Outcome::Failed(delivery_error(
+                            error,
+                            &topic,
+                            &self.config.bootstrap_servers,
+                        ))
+                    }
+                    Ok(Err(_canceled)) => Outcome::Failed(Error::unavailable(format!(
+                        "the Kafka producer closed before reporting on the message for topic `{topic}`"
+                    ))),
+                    Err(_elapsed) => {
+                        reset = Some("delivery reports are overdue");
+                        Outcome::Failed(Error::unavailable(format!(
+                            "no delivery report from Kafka at {} within {:?} for topic `{topic}`",
+                            self.config.bootstrap_servers,
+                            self.config.delivery_timeout + REPORT_GRACE
+                        )))
+                    }
+                },
+            };
+            outcomes.push(outcome);
+        }
+        drop(producer);
+        let replaced = if let Some(why) = reset {
+            // Overdue: librdkafka still holds messages the worker now takes as undelivered
+            // (its idempotent producer can hold back a time-out while it cannot reach the
+            // broker); dropping the producer drops them rather than letting them land later.
+            // Refused id or epoch: this producer will be refused again (tansu does this
+            // after a connection cut during an epoch bump); a new one gets a new id.
+            tracing::warn!(reason = why, "replacing the Kafka producer");
+            let mut current = self
+                .producer
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            self.replace(&mut current)
+        } else {
+            // Replace a producer that failed fatally now, so the next call starts clean.
+            self.producer().map(drop)
+        };
+        // The outcomes above stand either way.
+        if let Err(error) = replaced {
+            tracing::error!(%error, "could not replace the Kafka producer");
+        }
+        Ok(outcomes)
+    }
+
+    async fn health(&self) -> Result<()> {
+        let producer = self.producer()?;
+        let timeout = self.config.health_timeout;
+        let checked = tokio::task::spawn_blocking(move || request_metadata(&producer, timeout))
+            .await
+            .map_err(|e| {
+                Error::unavailable("the Kafka health check did not finish").with_source(e)
+            })?;
+        checked.map_err(|code| {
+            Error::unavailable(format!(
+                "Kafka at {} did not answer a metadata request within {:?}",
+                self.config.bootstrap_servers, timeout
+            ))
+            .with_source(KafkaError::MetadataFetch(code))
+        })
+    }
+
+    fn capabilities(&self) -> SinkCapabilities {
+        // The largest message depends on the topic's max.message.bytes, which the producer
+        // does not know: too large a message is reported and dead-lettered.
+        SinkCapabilities::default()
+            .with_deduplication(false)
+            .with_max_payload(None)
+    }
+}
+
+/// Errors after which an idempotent producer's id or epoch is no good any more.
+fn session_broken(code: RDKafkaErrorCode) -> bool {
+    matches!(
+        code,
+        RDKafkaErrorCode::ProducerFenced
+            | RDKafkaErrorCode::InvalidProducerEpoch
+            | RDKafkaErrorCode::UnknownProducerId
+            | RDKafkaErrorCode::OutOfOrderSequenceNumber
+            | RDKafkaErrorCode::Fenced
+            | RDKafkaErrorCode::Fatal
+    )
+}
+
+fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
+    config.create().map_err(config_error)
+}
+
+/// The Kafka headers of a message: its own, then ours (which win over its own of the same
+/// name).
+fn headers(message: &Message) -> OwnedHeaders {
+    let id = message.id.to_string();
+    let created = message
+        .created_at
+        .to_rfc3339_opts(SecondsFormat::Micros, true);
+    let mut ours: Vec<(&str, &str)> = vec![
+        (HEADER_ID, &id),
+        (HEADER_TOPIC, &message.topic),
+        (HEADER_CREATED_AT, &created),
+    ];
+    if let Some(trace) = &message.trace_context {
+        ours.push((HEADER_TRACEPARENT, &trace.traceparent));
+        if let Some(state) = &trace.tracestate {
+            ours.push((HEADER_TRACESTATE, state));
+        }
+    }
+    let own = message
+        .headers
+        .iter()
+        .filter(|(name, _)| !ours.iter().any(|(n, _)| n == name))
+        .map(|(name, value)| (name.as_str(), value.as_str()));
+    own.chain(ours.iter().copied()).fold(
+        OwnedHeaders::new_with_capacity(message.headers.len() + 5),
+        |h, (key, value)| {
+            h.insert(Header {
+                key,
+                value: Some(value),
+            })
+        },
+    )
+}
+
+/// A metadata request for the brokers and the topics this producer already uses (not the
+/// whole cluster's topics, which can be large), within `timeout`.
+fn request_metadata(
+    producer: &FutureProducer,
+    timeout: Duration,
+) -> std::result::Result<(), RDKafkaErrorCode> {
+    use rdkafka::bindings as rd;
+    let timeout_ms = i32::try_from(timeout.as_millis()).unwrap_or(i32::MAX);
+    let mut metadata: *const rd::rd_kafka_metadata_t = std::ptr::null();
+    // SAFETY: the client handle lives as long as `producer`, which we hold; with
+    // all_topics = 0 and no topic handle, librdkafka asks for the brokers and locally
+    // known topics, and on success hands us a metadata object that we free once below.
+    let err = unsafe {
+        rd::rd_kafka_metadata(
+            producer.client().native_ptr(),
+            0,
+            std::ptr::null_mut(),
+            &mut metadata,
+            timeout_ms,
+        )
+    };
+    if err != rd::rd_kafka_resp_err_t::RD_KAFKA_RESP_ERR_NO_ERROR {
+        return Err(err.into());
+    }
+    if !metadata.is_null() {
+        // SAFETY: `metadata` came from the successful call above and is freed only here.
+        unsafe { rd::rd_kafka_metadata_destroy(metadata) };
+    }
+    Ok(())
+}

@@ -1,0 +1,289 @@
+//! The sink against the real Kafka-protocol broker (tansu on 127.0.0.1:9092, or
+//! $OUTBOX_TEST_KAFKA_BROKERS).
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::*;
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
+use outbox_kafka::{KafkaConfig, KafkaSink};
+
+fn sink(brokers: &str) -> KafkaSink {
+    KafkaSink::new(KafkaConfig::new(brokers)).expect("sink")
+}
+
+fn receipts(outcomes: &[Outcome]) -> Vec<String> {
+    outcomes
+        .iter()
+        .map(|o| match o {
+            Outcome::Delivered(r) => r.0.clone(),
+            Outcome::Failed(e) => panic!("not delivered: {e}"),
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn round_trip_keeps_key_headers_and_payload_bytes() {
+    let brokers = require_broker();
+    let topic = unique_topic("rt");
+    create_topic(&brokers, &topic, 3, &[]).await;
+    let sink = sink(&brokers);
+    sink.health().await.expect("healthy");
+
+    let binary: Vec<u8> = (0..=255u8).chain([0, 0, 255]).collect();
+    let batch: Vec<Message> = vec![
+        NewMessage::new(&topic, binary.clone())
+            .key("order-1")
+            .header("content-type", "application/octet-stream")
+            .header("tenant", "acme")
+            .trace_context(TraceContext {
+                traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+                tracestate: Some("vendor=1".into()),
+            })
+            .into(),
+        NewMessage::new(&topic, b"no key".to_vec()).into(),
+        NewMessage::new(&topic, Vec::new()).key("order-2").into(),
+    ];
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    assert_eq!(outcomes.len(), batch.len());
+    let receipts = receipts(&outcomes);
+
+    let records = consume(&brokers, &topic, 3, batch.len(), Duration::from_secs(20)).await;
+    assert_eq!(
+        records.len(),
+        batch.len(),
+        "each message exactly once: {records:?}"
+    );
+    for (message, receipt) in batch.iter().zip(&receipts) {
+        let id = message.id.to_string();
+        let record = records
+            .iter()
+            .find(|r| r.header("outbox-id") == Some(id.as_str()))
+            .unwrap_or_else(|| panic!("message {id} not consumed"));
+        assert_eq!(receipt, &format!("{}:{}", record.partition, record.offset));
+        assert_eq!(record.payload, message.payload, "payload bytes exact");
+        assert_eq!(
+            record.key.as_deref(),
+            message.key.as_deref().map(str::as_bytes)
+        );
+        assert_eq!(record.header("outbox-topic"), Some(topic.as_str()));
+        let created = chrono::DateTime::parse_from_rfc3339(
+            record.header("outbox-created-at").expect("created"),
+        )
+        .expect("RFC 3339");
+        assert_eq!(
+            created.timestamp_micros(),
+            message.created_at.timestamp_micros()
+        );
+        for (name, value) in &message.headers {
+            assert_eq!(record.header(name), Some(value.as_str()), "header {name}");
+        }
+    }
+    let first = records
+        .iter()
+        .find(|r| r.key.as_deref() == Some(b"order-1"))
+        .unwrap();
+    assert_eq!(first.header("tenant"), Some("acme"));
+    assert_eq!(
+        first.header("traceparent"),
+        Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+    );
+    assert_eq!(first.header("tracestate"), Some("vendor=1"));
+    let keyless = records.iter().find(|r| r.payload == b"no key").unwrap();
+    assert_eq!(keyless.key, None, "no key when the message has none");
+    assert_eq!(keyless.header("traceparent"), None);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn same_key_same_partition_in_order_across_calls() {
+    let brokers = require_broker();
+    let topic = unique_topic("order");
+    create_topic(&brokers, &topic, 3, &[]).await;
+    let sink = sink(&brokers);
+    let (keys, per_key) = (20, 10);
+    let messages = keyed_messages(&topic, keys, per_key);
+    // One message per key per call, as the worker hands them over when the storage keeps
+    // per-key order.
+    for call in messages.chunks(keys) {
+        let outcomes = sink.publish(call).await.expect("publish");
+        receipts(&outcomes);
+    }
+    let records = consume(&brokers, &topic, 3, keys * per_key, Duration::from_secs(30)).await;
+    assert_eq!(records.len(), keys * per_key, "each message exactly once");
+    let grouped = by_key(&records);
+    assert_eq!(grouped.len(), keys);
+    let partitions: std::collections::HashSet<i32> = records.iter().map(|r| r.partition).collect();
+    assert!(
+        partitions.len() > 1,
+        "20 keys should spread over the 3 partitions: {partitions:?}"
+    );
+    for (key, records) in grouped {
+        assert!(
+            records.iter().all(|r| r.partition == records[0].partition),
+            "{key} in one partition"
+        );
+        let seqs: Vec<String> = records
+            .iter()
+            .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+            .collect();
+        let expected: Vec<String> = (0..per_key).map(|s| format!("{key}:{s}")).collect();
+        assert_eq!(seqs, expected, "{key} in enqueue order");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_topic_is_permanent_and_does_not_stop_the_others() {
+    let brokers = require_broker();
+    let topic = unique_topic("known");
+    create_topic(&brokers, &topic, 1, &[]).await;
+    let missing = unique_topic("missing");
+    let sink = sink(&brokers);
+    let batch: Vec<Message> = vec![
+        NewMessage::new(&topic, b"a".to_vec()).key("a").into(),
+        NewMessage::new(&missing, b"b".to_vec()).key("b").into(),
+        NewMessage::new(&topic, b"c".to_vec()).key("c").into(),
+    ];
+    let started = Instant::now();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    println!("unknown topic reported after {:?}", started.elapsed());
+    assert!(
+        matches!(outcomes[0], Outcome::Delivered(_)),
+        "{:?}",
+        outcomes[0]
+    );
+    assert!(
+        matches!(outcomes[2], Outcome::Delivered(_)),
+        "{:?}",
+        outcomes[2]
+    );
+    match &outcomes[1] {
+        Outcome::Failed(e) => {
+            assert_eq!(e.kind(), ErrorKind::Permanent, "{e}");
+            assert!(e.to_string().contains(&missing), "names the topic: {e}");
+        }
+        other => panic!("a missing topic must fail: {other:?}"),
+    }
+}
+
+/// tansu 0.6 does not enforce a topic's `max.message.bytes`, so this checks the producer's
+/// own limit (`message.max.bytes`, set to match the topic); the broker's refusal of a too
+/// large message is checked against the mock cluster.
+#[tokio::test(flavor = "multi_thread")]
+async fn too_large_for_the_producer_is_permanent() {
+    let brokers = require_broker();
+    let topic = unique_topic("small");
+    create_topic(&brokers, &topic, 1, &[("max.message.bytes", "8192")]).await;
+    let sink = KafkaSink::new(KafkaConfig::new(&brokers).property("message.max.bytes", "8192"))
+        .expect("sink");
+    let batch: Vec<Message> = vec![
+        NewMessage::new(&topic, b"fits".to_vec()).key("a").into(),
+        NewMessage::new(&topic, vec![7u8; 64 * 1024])
+            .key("b")
+            .into(),
+        NewMessage::new(&topic, b"fits too".to_vec())
+            .key("c")
+            .into(),
+    ];
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    assert!(
+        matches!(outcomes[0], Outcome::Delivered(_)),
+        "{:?}",
+        outcomes[0]
+    );
+    assert!(
+        matches!(outcomes[2], Outcome::Delivered(_)),
+        "{:?}",
+        outcomes[2]
+    );
+    match &outcomes[1] {
+        Outcome::Failed(e) => {
+            assert_eq!(e.kind(), ErrorKind::Permanent, "{e}");
+            assert!(
+                e.to_string().contains("MessageSizeTooLarge"),
+                "says why: {e}"
+            );
+        }
+        other => panic!("a message over max.message.bytes must fail: {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn closed_port_is_unavailable_within_the_time_outs() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut config = KafkaConfig::new(format!("127.0.0.1:{port}"));
+    config.delivery_timeout = Duration::from_secs(2);
+    config.health_timeout = Duration::from_secs(1);
+    let sink = KafkaSink::new(config).expect("made without connecting");
+
+    let started = Instant::now();
+    let err = sink.health().await.expect_err("nothing listens");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    assert!(
+        err.to_string().contains(&format!("127.0.0.1:{port}")),
+        "names the brokers: {err}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "health took {:?}",
+        started.elapsed()
+    );
+
+    let batch: Vec<Message> = (0..3)
+        .map(|i| {
+            NewMessage::new("orders", format!("m{i}"))
+                .key(format!("k{i}"))
+                .into()
+        })
+        .collect();
+    let started = Instant::now();
+    let outcomes = sink.publish(&batch).await.expect("per-message outcomes");
+    let took = started.elapsed();
+    assert_eq!(outcomes.len(), 3);
+    for outcome in &outcomes {
+        match outcome {
+            Outcome::Failed(e) => assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}"),
+            other => panic!("nothing listens, yet {other:?}"),
+        }
+    }
+    assert!(
+        took < Duration::from_secs(6),
+        "publish must end near the delivery time-out, took {took:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn librdkafka_refuses_bad_properties_as_config_errors() {
+    let err =
+        KafkaSink::new(KafkaConfig::new("127.0.0.1:9092").property("linger.mss", "5")).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(
+        err.to_string().contains("sink.properties.linger.mss"),
+        "{err}"
+    );
+
+    let err =
+        KafkaSink::new(KafkaConfig::new("127.0.0.1:9092").property("compression.type", "brotli"))
+            .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    assert!(err.to_string().contains("compression.type"), "{err}");
+
+    // With idempotence librdkafka allows at most 5 requests in flight.
+    let err = KafkaSink::new(
+        KafkaConfig::new("127.0.0.1:9092").property("max.in.flight.requests.per.connection", "10"),
+    )
+    .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Config);
+    println!("{err}");
+
+    // A secret's value never shows in the error.
+    let err =
+        KafkaSink::new(KafkaConfig::new("127.0.0.1:9092").property("sasl.passwordd", "hunter2"))
+            .unwrap_err();
+    assert!(!err.to_string().contains("hunter2"), "{err}");
+}

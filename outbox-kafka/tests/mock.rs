@@ -1,0 +1,356 @@
+//! Error handling against librdkafka's mock cluster, which can inject broker errors and
+//! take brokers down (tansu cannot).
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
+use outbox_kafka::rdkafka::mocking::MockCluster;
+use outbox_kafka::rdkafka::producer::DefaultProducerContext;
+use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr as Err};
+use outbox_kafka::{KafkaConfig, KafkaSink};
+
+fn cluster(topic: &str, partitions: i32) -> MockCluster<'static, DefaultProducerContext> {
+    let mock = MockCluster::new(1).expect("mock cluster");
+    mock.create_topic(topic, partitions, 1).expect("mock topic");
+    mock
+}
+
+fn sink(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaSink {
+    let mut config = KafkaConfig::new(mock.bootstrap_servers());
+    config.delivery_timeout = Duration::from_secs(3);
+    config.health_timeout = Duration::from_secs(1);
+    // Short librdkafka retry waits keep these tests quick.
+    let config = config
+        .property("retry.backoff.ms", "10")
+        .property("linger.ms", "0");
+    KafkaSink::new(config).expect("sink")
+}
+
+fn message(topic: &str, payload: &str) -> Message {
+    NewMessage::new(topic, payload.to_string())
+        .key(payload.to_string())
+        .into()
+}
+
+fn failed(outcome: &Outcome) -> &outbox_core::Error {
+    match outcome {
+        Outcome::Failed(e) => e,
+        Outcome::Delivered(r) => panic!("expected a failure, got delivered at {r}"),
+    }
+}
+
+fn delivered(outcome: &Outcome) {
+    if let Outcome::Failed(e) = outcome {
+        panic!("expected delivery: {e}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn retryable_broker_errors_are_retried_by_the_producer_and_written_once() {
+    let topic = unique_topic("retry");
+    let mock = cluster(&topic, 1);
+    let sink = sink(&mock);
+    sink.health().await.expect("healthy");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[
+            Err::RD_KAFKA_RESP_ERR_NOT_LEADER_FOR_PARTITION,
+            Err::RD_KAFKA_RESP_ERR_NOT_ENOUGH_REPLICAS,
+            Err::RD_KAFKA_RESP_ERR_LEADER_NOT_AVAILABLE,
+            Err::RD_KAFKA_RESP_ERR_REQUEST_TIMED_OUT,
+            Err::RD_KAFKA_RESP_ERR__TRANSPORT,
+        ],
+    );
+    let batch: Vec<Message> = (0..5).map(|i| message(&topic, &format!("m{i}"))).collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    outcomes.iter().for_each(delivered);
+
+    // Idempotence: the retries after a time-out or a dropped connection wrote nothing twice.
+    let records = consume(
+        &mock.bootstrap_servers(),
+        &topic,
+        1,
+        5,
+        Duration::from_secs(10),
+    )
+    .await;
+    let payloads: Vec<String> = records
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        payloads,
+        ["m0", "m1", "m2", "m3", "m4"],
+        "once each, in order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn fatal_broker_errors_fail_only_their_message_for_good() {
+    let mock = MockCluster::new(1).expect("mock cluster");
+    let sink = sink(&mock);
+    let mut written = Vec::new();
+    for (injected, reason) in [
+        (
+            Err::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
+            "MessageSizeTooLarge",
+        ),
+        (
+            Err::RD_KAFKA_RESP_ERR_TOPIC_AUTHORIZATION_FAILED,
+            "TopicAuthorizationFailed",
+        ),
+        (Err::RD_KAFKA_RESP_ERR_INVALID_RECORD, "InvalidRecord"),
+        (Err::RD_KAFKA_RESP_ERR_POLICY_VIOLATION, "PolicyViolation"),
+    ] {
+        // A topic per case: librdkafka refuses further messages to a topic it was told it
+        // may not write to, until its next metadata refresh.
+        let topic = unique_topic("fatal");
+        mock.create_topic(&topic, 1, 1).expect("mock topic");
+        mock.request_errors(RDKafkaApiKey::Produce, &[injected]);
+        let outcomes = sink
+            .publish(&[message(&topic, reason)])
+            .await
+            .expect("publish");
+        let error = failed(&outcomes[0]);
+        assert_eq!(error.kind(), ErrorKind::Permanent, "{reason}: {error}");
+        assert!(
+            error.to_string().contains(reason),
+            "the reason is kept: {error}"
+        );
+        // The next message goes through: one refused message does not stop the producer.
+        let next = unique_topic("next");
+        mock.create_topic(&next, 1, 1).expect("mock topic");
+        let outcomes = sink
+            .publish(&[message(&next, &format!("after {reason}"))])
+            .await
+            .expect("publish");
+        delivered(&outcomes[0]);
+        written.push((topic, next));
+    }
+    for (refused, next) in written {
+        let records = consume(
+            &mock.bootstrap_servers(),
+            &next,
+            1,
+            1,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(records.len(), 1);
+        let records = consume(
+            &mock.bootstrap_servers(),
+            &refused,
+            1,
+            0,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert!(
+            records.is_empty(),
+            "a refused message is not written: {records:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn unknown_topic_from_metadata_is_permanent() {
+    let topic = unique_topic("known");
+    let mock = cluster(&topic, 1);
+    let missing = unique_topic("missing");
+    mock.topic_error(&missing, Err::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
+        .expect("topic error");
+    let sink = sink(&mock);
+    let outcomes = sink
+        .publish(&[message(&missing, "lost"), message(&topic, "kept")])
+        .await
+        .expect("publish");
+    let error = failed(&outcomes[0]);
+    assert_eq!(error.kind(), ErrorKind::Permanent, "{error}");
+    assert!(error.to_string().contains(&missing), "{error}");
+    delivered(&outcomes[1]);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
+    let topic = unique_topic("down");
+    let mock = cluster(&topic, 1);
+    let sink = sink(&mock);
+    let outcomes = sink
+        .publish(&[message(&topic, "before")])
+        .await
+        .expect("publish");
+    delivered(&outcomes[0]);
+
+    mock.broker_down(1).expect("broker down");
+    let err = sink.health().await.expect_err("the only broker is down");
+    assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
+    let outcomes = sink
+        .publish(&[message(&topic, "during")])
+        .await
+        .expect("publish");
+    assert_eq!(failed(&outcomes[0]).kind(), ErrorKind::Unavailable);
+
+    mock.broker_up(1).expect("broker up");
+    // As the worker does: wait for the health check, publish, and on `Unavailable` (the
+    // partition leader's connection may still be in librdkafka's reconnect backoff when
+    // the check passes) try again; nothing may fail any other way.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(40);
+    for payload in ["during", "after"] {
+        loop {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no delivery 40 s after broker_up"
+            );
+            if sink.health().await.is_err() {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+            let outcomes = sink
+                .publish(&[message(&topic, payload)])
+                .await
+                .expect("publish");
+            match &outcomes[0] {
+                Outcome::Delivered(_) => break,
+                Outcome::Failed(e) => assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}"),
+            }
+        }
+    }
+    let records = consume(
+        &mock.bootstrap_servers(),
+        &topic,
+        1,
+        3,
+        Duration::from_secs(10),
+    )
+    .await;
+    let payloads: Vec<String> = records
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        payloads,
+        ["before", "during", "after"],
+        "once each, in order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
+    let topic = unique_topic("desync");
+    let mock = cluster(&topic, 1);
+    let sink = sink(&mock);
+    delivered(
+        &sink
+            .publish(&[message(&topic, "first")])
+            .await
+            .expect("publish")[0],
+    );
+    // A sequence gap at the head of the partition (librdkafka can no longer vouch for order
+    // or once-ness and raises a fatal error), and the broker refusing the producer's epoch:
+    // either way this producer is done for.
+    for (injected, name) in [
+        (
+            Err::RD_KAFKA_RESP_ERR_OUT_OF_ORDER_SEQUENCE_NUMBER,
+            "out of order",
+        ),
+        (Err::RD_KAFKA_RESP_ERR_PRODUCER_FENCED, "fenced"),
+        (
+            Err::RD_KAFKA_RESP_ERR_INVALID_PRODUCER_EPOCH,
+            "invalid epoch",
+        ),
+    ] {
+        mock.request_errors(RDKafkaApiKey::Produce, &[injected]);
+        let outcomes = sink
+            .publish(&[message(&topic, name)])
+            .await
+            .expect("publish");
+        let error = failed(&outcomes[0]);
+        assert_eq!(
+            error.kind(),
+            ErrorKind::Temporary,
+            "{name}: worth another attempt: {error}"
+        );
+        // The retry runs on a new producer and goes through.
+        sink.health().await.expect("healthy again");
+        let retried = format!("{name} retried");
+        delivered(
+            &sink
+                .publish(&[message(&topic, &retried)])
+                .await
+                .expect("publish")[0],
+        );
+    }
+    let records = consume(
+        &mock.bootstrap_servers(),
+        &topic,
+        1,
+        4,
+        Duration::from_secs(10),
+    )
+    .await;
+    let payloads: Vec<String> = records
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(
+        payloads,
+        [
+            "first",
+            "out of order retried",
+            "fenced retried",
+            "invalid epoch retried"
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
+    let topic = unique_topic("silent");
+    let mock = cluster(&topic, 1);
+    let sink = sink(&mock);
+    delivered(
+        &sink
+            .publish(&[message(&topic, "first")])
+            .await
+            .expect("publish")[0],
+    );
+
+    // Answers take a minute, far past the delivery time-out (3 s here): the publish must
+    // end near that time-out as Unavailable, not wait for the answer.
+    mock.broker_round_trip_time(1, Duration::from_secs(60))
+        .expect("slow broker");
+    let started = std::time::Instant::now();
+    let outcomes = sink
+        .publish(&[message(&topic, "stuck")])
+        .await
+        .expect("publish");
+    let took = started.elapsed();
+    assert_eq!(
+        failed(&outcomes[0]).kind(),
+        ErrorKind::Unavailable,
+        "{:?}",
+        outcomes[0]
+    );
+    assert!(
+        took < Duration::from_secs(10),
+        "3 s delivery time-out + 5 s, took {took:?}"
+    );
+
+    // Delivery resumes once the broker answers in time again.
+    mock.broker_round_trip_time(1, Duration::ZERO)
+        .expect("fast broker");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let outcomes = sink
+            .publish(&[message(&topic, "after")])
+            .await
+            .expect("publish");
+        match &outcomes[0] {
+            Outcome::Delivered(_) => break,
+            Outcome::Failed(e) => assert!(std::time::Instant::now() < deadline, "not back: {e}"),
+        }
+    }
+}
