@@ -393,3 +393,44 @@ mod tests {
         assert!(!shown.contains("hunter"), "{shown}");
     }
 }
+
+/// The keys of the `[sink]` table in the relay's configuration file (`type = "kafka"`);
+/// each is the [`KafkaConfig`] field of the same name. Unknown keys are refused.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct FileConfig {
+    bootstrap_servers: String,
+    topic_template: Option<String>,
+    #[serde(default)]
+    topics: BTreeMap<String, String>,
+    #[serde(default)]
+    properties: BTreeMap<String, String>,
+    #[serde(default, with = "humantime_serde")]
+    delivery_timeout: Option<Duration>,
+    #[serde(default, with = "humantime_serde")]
+    health_timeout: Option<Duration>,
+}
+
+impl KafkaConfig {
+    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
+    /// without `type`) and validates them. Errors name the bad key.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
+            let path = e.path().to_string();
+            let at = if path == "." {
+                String::new()
+            } else {
+                format!("sink.{path}: ")
+            };
+            Error::config(format!("kafka sink configuration: {at}{}", e.inner()))
+        })?;
+        let mut config = KafkaConfig::new(file.bootstrap_servers);
+        config.topic_template = file.topic_template.unwrap_or(config.topic_template);
+        config.topics = file.topics;
+        config.properties = file.properties;
+        config.delivery_timeout = file.delivery_timeout.unwrap_or(config.delivery_timeout);
+        config.health_timeout = file.health_timeout.unwrap_or(config.health_timeout);
+        config.validate()?;
+        Ok(config)
+    }
+}

@@ -13,3 +13,20 @@ pub use sink::{
 /// The Kafka client this sink is built on, for tests and tools that need an admin client
 /// or a consumer of the same version.
 pub use rdkafka;
+
+use std::sync::Arc;
+
+use outbox_core::{Sink, SinkRegistry};
+
+/// The sink type name in the relay's configuration: `[sink] type = "kafka"`.
+pub const TYPE: &str = "kafka";
+
+/// Registers the Kafka sink under [`TYPE`]: the factory reads a [`KafkaConfig`] from the
+/// `[sink]` table (see [`KafkaConfig::from_value`]) and builds the producer; brokers are
+/// reached when the first batch or health check needs them.
+pub fn register(registry: &mut SinkRegistry) {
+    registry.register(TYPE, |config| async move {
+        let sink = KafkaSink::new(KafkaConfig::from_value(config)?)?;
+        Ok(Arc::new(sink) as Arc<dyn Sink>)
+    });
+}

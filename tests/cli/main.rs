@@ -276,8 +276,8 @@ async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration(
     {
         let topic = kafka_topic(&name).await;
         let sink = format!(
-            "[sink]\ntype = \"kafka\"\nbootstrap_servers = \"{}\"\ntopic = \"{topic}\"\n",
-            kafka_brokers()
+            "[sink]\ntype = \"kafka\"\nbootstrap_servers = \"{}\"\ntopics = {{ orders = \"{topic}\" }}\n",
+            outbox_tests::kafka::brokers()
         );
         relay_once(&pool, &schema, &sink).await;
         check_sample(&kafka_read(&topic, 31).await, "kafka");
@@ -405,19 +405,20 @@ impl AmqpQueue {
 }
 
 #[cfg(feature = "kafka")]
-fn kafka_brokers() -> String {
-    std::env::var("OUTBOX_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-#[cfg(feature = "kafka")]
 async fn kafka_topic(name: &str) -> String {
-    outbox_tests_kafka::create_topic(&kafka_brokers(), name, 1).await;
+    let brokers = outbox_tests::kafka::require_broker();
+    outbox_tests::kafka::create_topic(&brokers, name, 1).await;
     name.to_string()
 }
 
 #[cfg(feature = "kafka")]
 async fn kafka_read(topic: &str, n: usize) -> Vec<(Option<String>, Vec<u8>)> {
-    outbox_tests_kafka::read(&kafka_brokers(), topic, n).await
+    let brokers = outbox_tests::kafka::brokers();
+    outbox_tests::kafka::consume(&brokers, topic, 1, n, Duration::from_secs(30))
+        .await
+        .into_iter()
+        .map(|r| (r.key, r.payload))
+        .collect()
 }
 
 /// Redis with a payload limit small enough to reject one message as too large: a permanent
@@ -750,4 +751,30 @@ sink = {{ type = "redis", url = "redis://127.0.0.1:6379", stream_prefix = "{name
     assert!(text(&unknown.stderr).contains("orders, billing"));
     drop_schema(&pool, &orders).await;
     drop_schema(&pool, &billing).await;
+}
+
+#[test]
+fn every_example_configuration_is_valid() {
+    let examples = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&examples).expect("examples/") {
+        let path = entry.expect("entry").path();
+        if path.extension().is_some_and(|e| e == "toml") {
+            // `check` exits 78 on any configuration error, 1 if a service is unreachable or
+            // the tables are missing, which is fine here.
+            let out = outbox(&path, &["check"]);
+            assert_ne!(
+                out.status.code(),
+                Some(EXIT_CONFIG),
+                "{}: {}",
+                path.display(),
+                text(&out.stderr)
+            );
+            checked += 1;
+        }
+    }
+    assert!(
+        checked >= 5,
+        "expected an example per sink and one with several relays"
+    );
 }

@@ -5,6 +5,7 @@
 //! with a message naming it; nothing is skipped.
 
 pub mod conformance;
+pub mod kafka;
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};

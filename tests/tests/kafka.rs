@@ -10,145 +10,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_core::{NewMessage, TraceContext};
-use outbox_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
-use outbox_kafka::rdkafka::client::DefaultClientContext;
-use outbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
-use outbox_kafka::rdkafka::message::{Headers, Message as _};
 use outbox_kafka::rdkafka::mocking::MockCluster;
 use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use outbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use outbox_kafka::{HEADER_CREATED_AT, HEADER_ID, HEADER_TOPIC, KafkaConfig, KafkaSink};
+use outbox_kafka::{HEADER_CREATED_AT, HEADER_TOPIC, KafkaConfig, KafkaSink};
+use outbox_tests::kafka::{Record, consume, create_topic, require_broker};
 use outbox_tests::{Proxy, TestOutbox, unique_name};
 use uuid::Uuid;
 
-/// The broker under test: `$OUTBOX_TEST_KAFKA_BROKERS` or the local tansu.
-fn brokers() -> String {
-    std::env::var("OUTBOX_TEST_KAFKA_BROKERS").unwrap_or_else(|_| "127.0.0.1:9092".into())
-}
-
-/// Panics, naming the address, when no broker listens there.
-fn require_broker() -> String {
-    let brokers = brokers();
-    let first = brokers
-        .split(',')
-        .next()
-        .unwrap_or_default()
-        .trim()
-        .to_string();
-    let addr = first
-        .parse()
-        .unwrap_or_else(|e| panic!("OUTBOX_TEST_KAFKA_BROKERS `{first}` is not ip:port: {e}"));
-    if let Err(e) = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(3)) {
-        panic!(
-            "Kafka (tansu) must be running at {first} (start it with `cargo xtask services`): {e}"
-        );
-    }
-    brokers
-}
-
 fn sink(config: KafkaConfig) -> Arc<KafkaSink> {
     Arc::new(KafkaSink::new(config).expect("valid sink configuration"))
-}
-
-async fn create_topic(brokers: &str, topic: &str, partitions: i32) {
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .expect("admin client");
-    let new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let results = tokio::time::timeout(
-        Duration::from_secs(20),
-        admin.create_topics([&new], &options),
-    )
-    .await
-    .unwrap_or_else(|_| panic!("creating topic {topic} on {brokers} timed out"))
-    .unwrap_or_else(|e| panic!("creating topic {topic} on {brokers}: {e}"));
-    for result in results {
-        result.unwrap_or_else(|(t, code)| panic!("creating topic {t} on {brokers}: {code:?}"));
-    }
-}
-
-/// One consumed record.
-#[derive(Debug, Clone)]
-struct Record {
-    partition: i32,
-    offset: i64,
-    key: Option<String>,
-    payload: Vec<u8>,
-    headers: BTreeMap<String, String>,
-}
-
-impl Record {
-    fn id(&self) -> Uuid {
-        self.headers[HEADER_ID].parse().expect("outbox-id header")
-    }
-}
-
-/// Reads every partition of `topic` from the start with `assign()` until `count` records
-/// came (then half a second more, to catch duplicates); panics with the count on time-out.
-async fn consume(
-    brokers: &str,
-    topic: &str,
-    partitions: i32,
-    count: usize,
-    timeout: Duration,
-) -> Vec<Record> {
-    let (brokers, topic) = (brokers.to_string(), topic.to_string());
-    tokio::task::spawn_blocking(move || {
-        let consumer: BaseConsumer = ClientConfig::new()
-            .set("bootstrap.servers", &brokers)
-            .set("group.id", format!("outbox-test-{topic}"))
-            .set("enable.auto.commit", "false")
-            .create()
-            .expect("consumer");
-        let mut assignment = TopicPartitionList::new();
-        for partition in 0..partitions {
-            assignment
-                .add_partition_offset(&topic, partition, Offset::Beginning)
-                .expect("assignment");
-        }
-        consumer.assign(&assignment).expect("assign");
-        let deadline = Instant::now() + timeout;
-        let mut settle: Option<Instant> = None;
-        let mut records = Vec::new();
-        while settle.is_none_or(|t| Instant::now() < t) {
-            assert!(
-                Instant::now() < deadline,
-                "consumed {} of {count} records of {topic} on {brokers} within {timeout:?}",
-                records.len()
-            );
-            if let Some(message) = consumer.poll(Duration::from_millis(100)) {
-                let m = message.unwrap_or_else(|e| panic!("consuming {topic}: {e}"));
-                let headers = m
-                    .headers()
-                    .map(|h| {
-                        h.iter()
-                            .map(|h| {
-                                let value = String::from_utf8(h.value.unwrap_or_default().to_vec());
-                                (h.key.to_string(), value.expect("UTF-8 header"))
-                            })
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                records.push(Record {
-                    partition: m.partition(),
-                    offset: m.offset(),
-                    key: m
-                        .key()
-                        .map(|k| String::from_utf8(k.to_vec()).expect("UTF-8 key")),
-                    payload: m.payload().unwrap_or_default().to_vec(),
-                    headers,
-                });
-            }
-            if records.len() >= count && settle.is_none() {
-                settle = Some(Instant::now() + Duration::from_millis(500));
-            }
-        }
-        records
-    })
-    .await
-    .expect("consumer task")
 }
 
 /// Receipts kept with the delivered rows (retention on): id → `partition:offset`.
@@ -644,4 +514,88 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
             format!("{}:{}", record.partition, record.offset)
         );
     }
+}
+
+/// The Kafka sink under the shared conformance suite: each destination is a topic of its own
+/// with three partitions, read back partition after partition.
+struct Harness {
+    brokers: String,
+}
+
+impl Harness {
+    /// librdkafka's delivery time-out; a publish gives up at most a few seconds after it.
+    const DELIVERY: Duration = Duration::from_secs(2);
+
+    fn new() -> Harness {
+        Harness {
+            brokers: require_broker(),
+        }
+    }
+
+    fn config(brokers: &str) -> KafkaConfig {
+        let mut config = KafkaConfig::new(brokers);
+        config.delivery_timeout = Self::DELIVERY;
+        config.health_timeout = Self::DELIVERY;
+        config
+    }
+}
+
+#[async_trait::async_trait]
+impl outbox_tests::conformance::SinkHarness for Harness {
+    fn timeout(&self) -> Duration {
+        // A publish waits up to the delivery time-out plus the sink's 5 s grace.
+        Self::DELIVERY * 2
+    }
+
+    async fn destination(&self) -> outbox_tests::conformance::Destination {
+        let topic = unique_name("conformance");
+        create_topic(&self.brokers, &topic, 3).await;
+        outbox_tests::conformance::Destination {
+            sink: sink(Self::config(&self.brokers)),
+            topic,
+        }
+    }
+
+    async fn read(
+        &self,
+        destination: &outbox_tests::conformance::Destination,
+        at_least: usize,
+    ) -> Vec<outbox_tests::conformance::Received> {
+        let mut records = outbox_tests::kafka::consume_until(
+            &self.brokers,
+            &destination.topic,
+            3,
+            at_least,
+            Duration::from_secs(10),
+        )
+        .await;
+        records.sort_by_key(|r| (r.partition, r.offset));
+        records
+            .into_iter()
+            .map(|r| outbox_tests::conformance::Received {
+                payload: r.payload,
+                headers: r.headers,
+                key: r.key,
+            })
+            .collect()
+    }
+
+    async fn sink_at(&self, addr: &str) -> Arc<dyn outbox_core::Sink> {
+        sink(Self::config(addr))
+    }
+
+    /// A message for a topic that does not exist (tansu does not create topics).
+    async fn refused(
+        &self,
+        _destination: &outbox_tests::conformance::Destination,
+    ) -> Option<outbox_core::Message> {
+        Some(outbox_core::Message::from(NewMessage::new(
+            unique_name("missing"),
+            "refused",
+        )))
+    }
+}
+
+mod conformance {
+    outbox_tests::sink_conformance_tests!(super::Harness::new());
 }
