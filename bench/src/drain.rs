@@ -143,6 +143,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         SinkKind::Redis,
         SinkKind::Amqp,
         SinkKind::Nats,
+        SinkKind::Kafka,
     ] {
         // The database ceiling and Redis are the headline figures: the median of every run.
         // The other brokers get one run each, to keep the whole benchmark within minutes.

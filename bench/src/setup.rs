@@ -139,10 +139,12 @@ pub enum SinkKind {
     Redis,
     Amqp,
     Nats,
+    Kafka,
 }
 
 const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 const NATS_URL: &str = "nats://127.0.0.1:4222";
+const KAFKA_BROKERS: &str = "127.0.0.1:9092";
 
 impl SinkKind {
     pub fn name(self) -> &'static str {
@@ -151,6 +153,7 @@ impl SinkKind {
             SinkKind::Redis => "redis",
             SinkKind::Amqp => "amqp",
             SinkKind::Nats => "nats",
+            SinkKind::Kafka => "kafka",
         }
     }
 
@@ -211,6 +214,29 @@ impl SinkKind {
                     .await
                     .map_err(text)?;
             }
+            SinkKind::Kafka => {
+                use outbox_kafka::rdkafka::admin::{
+                    AdminClient, AdminOptions, NewTopic, TopicReplication,
+                };
+                let admin: AdminClient<outbox_kafka::rdkafka::client::DefaultClientContext> =
+                    outbox_kafka::rdkafka::ClientConfig::new()
+                        .set("bootstrap.servers", KAFKA_BROKERS)
+                        .create()
+                        .map_err(text)?;
+                let topic = format!("{run}.bench");
+                let options =
+                    AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
+                for result in admin
+                    .create_topics(
+                        [&NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
+                        &options,
+                    )
+                    .await
+                    .map_err(text)?
+                {
+                    result.map_err(|(t, e)| format!("creating topic {t}: {e}"))?;
+                }
+            }
             SinkKind::Null | SinkKind::Redis => {}
         }
         Ok(())
@@ -237,6 +263,12 @@ impl SinkKind {
                 )
                 .map_err(text)?,
             ),
+            SinkKind::Kafka => {
+                let mut config = outbox_kafka::KafkaConfig::new(KAFKA_BROKERS);
+                config.topic_template = format!("{run}.{{topic}}");
+                config.properties.insert("linger.ms".into(), "5".into());
+                Arc::new(outbox_kafka::KafkaSink::new(config).map_err(text)?)
+            }
         })
     }
 
@@ -287,6 +319,18 @@ impl SinkKind {
                     .map_err(text)?;
                 outbox_nats::async_nats::jetstream::new(client)
                     .delete_stream(run)
+                    .await
+                    .map_err(text)?;
+            }
+            SinkKind::Kafka => {
+                use outbox_kafka::rdkafka::admin::{AdminClient, AdminOptions};
+                let admin: AdminClient<outbox_kafka::rdkafka::client::DefaultClientContext> =
+                    outbox_kafka::rdkafka::ClientConfig::new()
+                        .set("bootstrap.servers", KAFKA_BROKERS)
+                        .create()
+                        .map_err(text)?;
+                admin
+                    .delete_topics(&[&format!("{run}.bench")], &AdminOptions::new())
                     .await
                     .map_err(text)?;
             }
