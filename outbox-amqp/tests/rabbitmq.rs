@@ -129,6 +129,12 @@ impl Broker {
         {
             panic!("more messages than expected in {queue}: {extra:?}");
         }
+        // Cancel at the broker, or it keeps delivering to this consumer after it is dropped
+        // and a later take on the same queue misses those messages.
+        self.channel
+            .basic_cancel(tag.as_str().into(), Default::default())
+            .await
+            .expect("cancel consumer");
         got
     }
 }
