@@ -20,6 +20,9 @@ use uuid::Uuid;
 use crate::error::db_error;
 use crate::{OutboxTable, PostgresConfig};
 
+/// Most messages of one partition key in one claim (with per-key order).
+const MAX_PER_KEY: usize = 8;
+
 /// How soon a relay whose last claim found messages claims again.
 const BUSY_POLL: Duration = Duration::from_millis(2);
 
@@ -79,23 +82,46 @@ impl Statements {
         } else {
             String::new()
         };
-        // Without per-key order claims run concurrently and skip each other's rows.
-        let skip = if per_key_order { "" } else { "SKIP LOCKED" };
-        let claim = format!(
-            "WITH due AS (
-                SELECT o.seq FROM {outbox} o
-                WHERE o.available_at <= now() {key_rule}
-                ORDER BY o.seq LIMIT $1 FOR UPDATE {skip})
-             UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
-                    available_at = now() + $4 * interval '1 millisecond'
-             FROM due WHERE o.seq = due.seq
-             RETURNING o.seq, {cols}",
-            cols = MESSAGE_COLUMNS
-                .split(", ")
-                .map(|c| format!("o.{c}"))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
+        let cols = MESSAGE_COLUMNS
+            .split(", ")
+            .map(|c| format!("o.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let claim = if per_key_order {
+            // Claims are serialised by the advisory lock, so the candidates need no row locks;
+            // the UPDATE re-checks each row. At most MAX_PER_KEY messages of one key per claim:
+            // the worker publishes a key's messages one round trip after another, and a claim
+            // holding many messages of few keys would hold those keys (and the other relays)
+            // for as many round trips. `scanned` tells whether the candidates filled the limit.
+            format!(
+                "WITH candidates AS MATERIALIZED (
+                    SELECT o.seq, o.partition_key FROM {outbox} o
+                    WHERE o.available_at <= now() {key_rule}
+                    ORDER BY o.seq LIMIT $1),
+                 capped AS (
+                    SELECT seq FROM (
+                        SELECT seq, partition_key,
+                               row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS n
+                        FROM candidates) c
+                    WHERE c.partition_key IS NULL OR c.n <= {MAX_PER_KEY})
+                 UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
+                        available_at = now() + $4 * interval '1 millisecond'
+                 FROM capped WHERE o.seq = capped.seq AND o.available_at <= now()
+                 RETURNING o.seq, {cols}, (SELECT count(*) FROM candidates) AS scanned"
+            )
+        } else {
+            // Without per-key order claims run concurrently and skip each other's rows.
+            format!(
+                "WITH due AS (
+                    SELECT o.seq FROM {outbox} o
+                    WHERE o.available_at <= now()
+                    ORDER BY o.seq LIMIT $1 FOR UPDATE SKIP LOCKED)
+                 UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
+                        available_at = now() + $4 * interval '1 millisecond'
+                 FROM due WHERE o.seq = due.seq
+                 RETURNING o.seq, {cols}, 0::bigint AS scanned"
+            )
+        };
         let ack = if retention {
             format!(
                 "WITH done AS (
@@ -196,6 +222,9 @@ pub struct PgStorage {
     /// Whether the last claim found messages: then more are likely on their way, and the
     /// relay polls again shortly instead of asking writers to notify.
     busy: AtomicBool,
+    /// Whether the last claim filled its candidate limit but returned fewer messages (the
+    /// per-key cap): more are due now, so the relay claims again at once.
+    more: AtomicBool,
 }
 
 impl std::fmt::Debug for PgStorage {
@@ -255,6 +284,7 @@ impl PgStorage {
             listener: OnceCell::new(),
             armed: AtomicBool::new(false),
             busy: AtomicBool::new(false),
+            more: AtomicBool::new(false),
         })
     }
 
@@ -620,6 +650,14 @@ impl Storage for PgStorage {
             })
             .collect::<Result<Vec<_>>>()?;
         numbered.sort_unstable_by_key(|(seq, _)| *seq);
+        let scanned = match rows.first() {
+            Some(row) => row.try_get::<i64, _>("scanned").map_err(fail)?,
+            None => 0,
+        };
+        self.more.store(
+            scanned >= i64::try_from(limit).unwrap_or(i64::MAX) && numbered.len() < limit,
+            Ordering::SeqCst,
+        );
         let messages: Vec<Message> = numbered.into_iter().map(|(_, m)| m).collect();
         // Idle to busy: writers need not notify until a claim comes back empty again. Any
         // relay clears the flag (another relay may have set it); a no-op when already clear.
@@ -708,6 +746,9 @@ impl Storage for PgStorage {
     }
 
     async fn wait_for_work(&self) -> Result<()> {
+        if self.more.load(Ordering::SeqCst) {
+            return Ok(());
+        }
         if self.busy.load(Ordering::SeqCst) {
             // The last claim found messages: under a steady load, look again soon rather
             // than make every writer's commit notify.

@@ -696,3 +696,27 @@ async fn a_database_that_is_down_is_unavailable_not_a_crash() {
         .unwrap_err();
     assert!(err.is_retryable());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_takes_at_most_eight_messages_of_one_key() {
+    let outbox = TestOutbox::new().await;
+    let mut messages: Vec<NewMessage> = (0..20)
+        .map(|i| NewMessage::new("t", format!("{i:02}")).key("hot"))
+        .collect();
+    messages.push(NewMessage::new("t", "other").key("cold"));
+    outbox.enqueue(&messages).await;
+    let claim = outbox
+        .storage
+        .claim("w", 100, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let got: Vec<String> = claim.messages.iter().map(|m| text(&m.payload)).collect();
+    let expected: Vec<String> = (0..8)
+        .map(|i| format!("{i:02}"))
+        .chain(["other".to_string()])
+        .collect();
+    assert_eq!(
+        got, expected,
+        "eight of the hot key, in order, and the cold key"
+    );
+}
