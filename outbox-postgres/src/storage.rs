@@ -67,48 +67,13 @@ impl Statements {
         } else {
             (String::new(), "")
         };
-        // A key's unavailable rows (in flight, or waiting to retry) always form a prefix of
-        // its rows: claims take due rows in `seq` order, settlements only ever hold back a
-        // key's first rows. So a row may go only if its key's first row is due. Asking for the
-        // first row stops at the first live index entry, where a NOT EXISTS over all earlier
-        // rows would visit every dead tuple of the key's past deliveries.
-        let key_rule = if per_key_order {
-            format!(
-                "AND (o.partition_key IS NULL OR (
-                    (SELECT h.available_at <= now() FROM {outbox} h
-                     WHERE h.partition_key = o.partition_key ORDER BY h.seq LIMIT 1)
-                    AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = o.partition_key)))"
-            )
-        } else {
-            String::new()
-        };
         let cols = MESSAGE_COLUMNS
             .split(", ")
             .map(|c| format!("o.{c}"))
             .collect::<Vec<_>>()
             .join(", ");
         let claim = if per_key_order {
-            // Claims are serialised by the advisory lock, so the candidates need no row locks;
-            // the UPDATE re-checks each row. At most MAX_PER_KEY messages of one key per claim:
-            // the worker publishes a key's messages one round trip after another, and a claim
-            // holding many messages of few keys would hold those keys (and the other relays)
-            // for as many round trips. `scanned` tells whether the candidates filled the limit.
-            format!(
-                "WITH candidates AS MATERIALIZED (
-                    SELECT o.seq, o.partition_key FROM {outbox} o
-                    WHERE o.available_at <= now() {key_rule}
-                    ORDER BY o.seq LIMIT $1),
-                 capped AS (
-                    SELECT seq FROM (
-                        SELECT seq, partition_key,
-                               row_number() OVER (PARTITION BY partition_key ORDER BY seq) AS n
-                        FROM candidates) c
-                    WHERE c.partition_key IS NULL OR c.n <= {MAX_PER_KEY})
-                 UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
-                        available_at = now() + $4 * interval '1 millisecond'
-                 FROM capped WHERE o.seq = capped.seq AND o.available_at <= now()
-                 RETURNING o.seq, {cols}, (SELECT count(*) FROM candidates) AS scanned"
-            )
+            Self::ordered_claim(&outbox, &parked, &cols)
         } else {
             // Without per-key order claims run concurrently and skip each other's rows.
             format!(
@@ -119,7 +84,7 @@ impl Statements {
                  UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
                         available_at = now() + $4 * interval '1 millisecond'
                  FROM due WHERE o.seq = due.seq
-                 RETURNING o.seq, {cols}, 0::bigint AS scanned"
+                 RETURNING o.seq, {cols}, NULL::text AS cursor"
             )
         };
         let ack = if retention {
@@ -205,6 +170,68 @@ impl Statements {
             ),
         }
     }
+
+    /// The claim with per-key order: a sweep over the partition keys rather than the rows.
+    ///
+    /// A key's unavailable rows (in flight, or waiting to retry) always form a prefix of its
+    /// rows: claims take a key's rows from its first, and settlements only ever hold back a
+    /// key's first rows. So a key is free when its first row is due and it is not parked, and
+    /// then its first rows may go. The sweep visits each key once, in key order, starting
+    /// after the key where this relay's last claim stopped (`$5`) and wrapping around: a key
+    /// another relay holds costs one index descent, however many rows it has waiting, and
+    /// keys take turns. It takes at most MAX_PER_KEY rows of a key (the worker publishes a
+    /// key's rows one round after another) and stops once it has the batch.
+    ///
+    /// Rows without a key need no order: the oldest due ones take turns with the keyed rows,
+    /// so neither kind starves the other. Claims are serialised by the advisory lock, so the
+    /// candidates need no row locks; the UPDATE re-checks each row. Every returned row carries
+    /// the key the next sweep starts after, the last one taken in sweep order.
+    fn ordered_claim(outbox: &str, parked: &str, cols: &str) -> String {
+        let head = format!("SELECT o.partition_key, o.seq, o.available_at FROM {outbox} o");
+        format!(
+            "WITH RECURSIVE
+             after_cursor AS (
+                ({head} WHERE o.partition_key > $5 ORDER BY o.partition_key, o.seq LIMIT 1)
+                UNION ALL
+                SELECT n.* FROM after_cursor a CROSS JOIN LATERAL (
+                    {head} WHERE o.partition_key > a.partition_key
+                    ORDER BY o.partition_key, o.seq LIMIT 1) n),
+             up_to_cursor AS (
+                ({head} WHERE o.partition_key <= $5 ORDER BY o.partition_key, o.seq LIMIT 1)
+                UNION ALL
+                SELECT n.* FROM up_to_cursor a CROSS JOIN LATERAL (
+                    {head} WHERE o.partition_key > a.partition_key AND o.partition_key <= $5
+                    ORDER BY o.partition_key, o.seq LIMIT 1) n),
+             heads AS (
+                SELECT * FROM after_cursor UNION ALL SELECT * FROM up_to_cursor),
+             free_keys AS (
+                SELECT h.partition_key FROM heads h
+                WHERE h.available_at <= now()
+                  AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = h.partition_key)),
+             keyed AS (
+                SELECT r.seq, r.partition_key FROM free_keys f CROSS JOIN LATERAL (
+                    SELECT o.seq, o.partition_key FROM {outbox} o
+                    WHERE o.partition_key = f.partition_key
+                    ORDER BY o.seq LIMIT {MAX_PER_KEY}) r
+                LIMIT $1),
+             unkeyed AS (
+                SELECT o.seq, o.partition_key FROM {outbox} o
+                WHERE o.partition_key IS NULL AND o.available_at <= now()
+                ORDER BY o.seq LIMIT $1),
+             picked AS MATERIALIZED (
+                SELECT seq, partition_key FROM (
+                    SELECT seq, partition_key, row_number() OVER (ORDER BY seq) AS turn FROM unkeyed
+                    UNION ALL
+                    SELECT seq, partition_key, row_number() OVER () AS turn FROM keyed) t
+                ORDER BY turn LIMIT $1)
+             UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
+                    available_at = now() + $4 * interval '1 millisecond'
+             FROM picked WHERE o.seq = picked.seq AND o.available_at <= now()
+             RETURNING o.seq, {cols},
+                (SELECT p.partition_key FROM picked p WHERE p.partition_key IS NOT NULL
+                 ORDER BY p.partition_key <= $5 DESC, p.partition_key DESC LIMIT 1) AS cursor"
+        )
+    }
 }
 
 /// The PostgreSQL [`Storage`]: claims with `FOR UPDATE` under leases on the database clock,
@@ -222,9 +249,8 @@ pub struct PgStorage {
     /// Whether the last claim found messages: then more are likely on their way, and the
     /// relay polls again shortly instead of asking writers to notify.
     busy: AtomicBool,
-    /// Whether the last claim filled its candidate limit but returned fewer messages (the
-    /// per-key cap): more are due now, so the relay claims again at once.
-    more: AtomicBool,
+    /// The partition key after which the next ordered claim starts its sweep.
+    cursor: std::sync::Mutex<String>,
 }
 
 impl std::fmt::Debug for PgStorage {
@@ -284,7 +310,7 @@ impl PgStorage {
             listener: OnceCell::new(),
             armed: AtomicBool::new(false),
             busy: AtomicBool::new(false),
-            more: AtomicBool::new(false),
+            cursor: std::sync::Mutex::new(String::new()),
         })
     }
 
@@ -627,6 +653,16 @@ impl Storage for PgStorage {
             .bind(token.0)
             .bind(worker_id)
             .bind(millis(lease));
+        let query = if self.config.per_key_order {
+            let cursor = self
+                .cursor
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            query.bind(cursor)
+        } else {
+            query
+        };
         let rows = if self.config.per_key_order {
             let mut tx = self.pool.begin().await.map_err(fail)?;
             sqlx::query("SELECT pg_advisory_xact_lock($1)")
@@ -650,14 +686,11 @@ impl Storage for PgStorage {
             })
             .collect::<Result<Vec<_>>>()?;
         numbered.sort_unstable_by_key(|(seq, _)| *seq);
-        let scanned = match rows.first() {
-            Some(row) => row.try_get::<i64, _>("scanned").map_err(fail)?,
-            None => 0,
-        };
-        self.more.store(
-            scanned >= i64::try_from(limit).unwrap_or(i64::MAX) && numbered.len() < limit,
-            Ordering::SeqCst,
-        );
+        if let Some(row) = rows.first()
+            && let Some(cursor) = row.try_get::<Option<String>, _>("cursor").map_err(fail)?
+        {
+            *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = cursor;
+        }
         let messages: Vec<Message> = numbered.into_iter().map(|(_, m)| m).collect();
         // Idle to busy: writers need not notify until a claim comes back empty again. Any
         // relay clears the flag (another relay may have set it); a no-op when already clear.
@@ -746,9 +779,6 @@ impl Storage for PgStorage {
     }
 
     async fn wait_for_work(&self) -> Result<()> {
-        if self.more.load(Ordering::SeqCst) {
-            return Ok(());
-        }
         if self.busy.load(Ordering::SeqCst) {
             // The last claim found messages: under a steady load, look again soon rather
             // than make every writer's commit notify.

@@ -239,7 +239,8 @@ fn trace_columns(message: &NewMessage) -> (Option<&str>, Option<&str>) {
 }
 
 /// Schema migrations, applied in order; never edit one that has shipped, add another.
-const MIGRATIONS: &[&str] = &[r#"
+const MIGRATIONS: &[&str] = &[
+    r#"
 CREATE TABLE {outbox} (
     seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     id            uuid NOT NULL DEFAULT gen_random_uuid(),
@@ -329,7 +330,13 @@ END
 $fn$;
 CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
     FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
-"#];
+"#,
+    r#"
+-- Claims with per-key order sweep the keys through {table}_key_seq and find the rows without
+-- a key here, instead of stepping over every keyed row in `seq` order.
+CREATE INDEX {table}_unkeyed_seq ON {outbox} (seq) WHERE partition_key IS NULL;
+"#,
+];
 
 #[cfg(test)]
 mod tests {

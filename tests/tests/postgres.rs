@@ -7,7 +7,8 @@ use std::time::Duration;
 
 use outbox_core::memory::MemorySink;
 use outbox_core::{
-    Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, TraceContext, WorkerConfig,
+    Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, TraceContext,
+    WorkerConfig,
 };
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{TestOutbox, postgres_url, test_worker_config};
@@ -300,7 +301,6 @@ async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
     outbox
         .enqueue(&[
             NewMessage::new("t", "k1").key("k"),
-            NewMessage::new("t", "free"),
             NewMessage::new("t", "k2").key("k"),
         ])
         .await;
@@ -309,7 +309,8 @@ async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
         .claim("a", 1, Duration::from_secs(30))
         .await
         .unwrap();
-    assert_eq!(first.messages.len(), 1);
+    assert_eq!(text(&first.messages[0].payload), "k1");
+    outbox.enqueue(&[NewMessage::new("t", "free")]).await;
     let second = outbox
         .storage
         .claim("b", 10, Duration::from_secs(30))
@@ -333,6 +334,106 @@ async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
         third.messages.is_empty(),
         "k2 overtook a message waiting to retry"
     );
+}
+
+fn payloads(claim: &Claim) -> Vec<String> {
+    claim.messages.iter().map(|m| text(&m.payload)).collect()
+}
+
+const LEASE: Duration = Duration::from_secs(30);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_busy_key_does_not_hold_other_keys_back() {
+    let outbox = TestOutbox::new().await;
+    let hot: Vec<NewMessage> = (0..100)
+        .map(|i| NewMessage::new("t", format!("hot-{i}")).key("hot"))
+        .collect();
+    outbox.enqueue(&hot).await;
+    outbox
+        .enqueue(&[NewMessage::new("t", "cold-0").key("cold")])
+        .await;
+    let claim = outbox.storage.claim("w", 20, LEASE).await.unwrap();
+    let got = payloads(&claim);
+    assert!(
+        got.contains(&"cold-0".to_string()),
+        "the key behind a busy key goes in the same claim: {got:?}"
+    );
+    let hot: Vec<&String> = got.iter().filter(|p| p.starts_with("hot-")).collect();
+    let first_eight: Vec<String> = (0..8).map(|i| format!("hot-{i}")).collect();
+    assert_eq!(
+        hot,
+        first_eight.iter().collect::<Vec<_>>(),
+        "at most 8 messages of one key per claim, its first ones in order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_take_turns_across_claims() {
+    let outbox = TestOutbox::new().await;
+    let messages: Vec<NewMessage> = (0..16)
+        .flat_map(|i| ["a", "b", "c"].map(|k| NewMessage::new("t", format!("{k}-{i}")).key(k)))
+        .collect();
+    outbox.enqueue(&messages).await;
+    let mut turns = Vec::new();
+    for _ in 0..6 {
+        let claim = outbox.storage.claim("w", 8, LEASE).await.unwrap();
+        let got = payloads(&claim);
+        let key = got[0].split('-').next().unwrap().to_string();
+        assert!(
+            got.iter().all(|p| p.starts_with(&format!("{key}-"))),
+            "one key fills a claim of 8: {got:?}"
+        );
+        let deliveries: Vec<Delivery> = claim
+            .messages
+            .iter()
+            .map(|m| Delivery {
+                id: m.id,
+                receipt: Receipt::new("r"),
+            })
+            .collect();
+        outbox.storage.ack(&claim.token, &deliveries).await.unwrap();
+        turns.push((key, got[0].clone()));
+    }
+    let keys: Vec<&str> = turns.iter().map(|(k, _)| k.as_str()).collect();
+    assert_eq!(
+        keys,
+        ["a", "b", "c", "a", "b", "c"],
+        "each key gets a turn before any key gets a second"
+    );
+    assert_eq!(
+        turns[3].1, "a-8",
+        "a key's second turn starts where its first ended"
+    );
+    assert_eq!(outbox.stats().await.pending, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_without_a_key_take_turns_with_keyed_ones() {
+    let outbox = TestOutbox::new().await;
+    let unkeyed: Vec<NewMessage> = (0..10)
+        .map(|i| NewMessage::new("t", format!("u-{i}")))
+        .collect();
+    let keyed: Vec<NewMessage> = (0..10)
+        .map(|i| NewMessage::new("t", format!("k-{i}")).key(format!("k{i}")))
+        .collect();
+    outbox.enqueue(&unkeyed).await;
+    outbox.enqueue(&keyed).await;
+    let claim = outbox.storage.claim("w", 10, LEASE).await.unwrap();
+    let got = payloads(&claim);
+    assert_eq!(
+        got.iter().filter(|p| p.starts_with("u-")).count(),
+        5,
+        "half the claim for messages without a key: {got:?}"
+    );
+    assert_eq!(
+        got.iter()
+            .filter(|p| p.starts_with("u-"))
+            .collect::<Vec<_>>(),
+        ["u-0", "u-1", "u-2", "u-3", "u-4"],
+        "messages without a key go oldest first"
+    );
+    let rest = outbox.storage.claim("w", 100, LEASE).await.unwrap();
+    assert_eq!(rest.messages.len(), 10, "the rest in the next claim");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
