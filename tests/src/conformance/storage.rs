@@ -200,7 +200,7 @@ pub async fn storage_fields_survive_exactly(h: &dyn StorageHarness) {
     }
 }
 
-/// Claims return messages in enqueue order, at most `limit` at a time, each once.
+/// Claims return messages without a key in enqueue order, at most `limit` at a time, each once.
 pub async fn storage_claims_in_enqueue_order_up_to_the_limit(h: &dyn StorageHarness) {
     let f = h.fresh(true).await;
     let storage = f.storage();
