@@ -7,5 +7,5 @@ mod storage;
 mod table;
 
 pub use config::PostgresConfig;
-pub use storage::{DeadLetterFilter, DeadLetterRow, PgStorage, TopicStats};
+pub use storage::{DeadLetterFilter, DeadLetterRow, MAX_PER_KEY, PgStorage, TopicStats};
 pub use table::OutboxTable;
