@@ -45,7 +45,8 @@ pub async fn drain(
             poll_interval: Duration::from_millis(50),
             ..WorkerConfig::new(format!("bench-{i}"))
         };
-        workers.push(Worker::new(config, outbox.storage(per_key_order)?, sink).map_err(text)?);
+        let storage = outbox.storage_with(per_key_order, kind.max_per_key())?;
+        workers.push(Worker::new(config, storage, sink).map_err(text)?);
     }
     let resources = Resources::start();
     let started = Instant::now();

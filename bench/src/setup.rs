@@ -50,8 +50,18 @@ impl BenchOutbox {
 
     /// A relay's storage with a pool of its own, as a separate relay process would have.
     pub fn storage(&self, per_key_order: bool) -> Result<Arc<PgStorage>, String> {
+        self.storage_with(per_key_order, outbox_postgres::DEFAULT_MAX_PER_KEY)
+    }
+
+    /// A relay's storage with its own pool and the given `max_per_key`.
+    pub fn storage_with(
+        &self,
+        per_key_order: bool,
+        max_per_key: usize,
+    ) -> Result<Arc<PgStorage>, String> {
         let mut config = PostgresConfig::new(postgres_url()).table(&self.schema, "outbox");
         config.per_key_order = per_key_order;
+        config.max_per_key = max_per_key;
         Ok(Arc::new(PgStorage::new(config).map_err(text)?))
     }
 
@@ -147,6 +157,15 @@ const NATS_URL: &str = "nats://127.0.0.1:4222";
 const KAFKA_BROKERS: &str = "127.0.0.1:9092";
 
 impl SinkKind {
+    /// The relay's `max_per_key` for this sink: examples/kafka.toml lowers it for Kafka,
+    /// whose round trips take milliseconds; the others keep the default.
+    pub fn max_per_key(self) -> usize {
+        match self {
+            SinkKind::Kafka => 4,
+            _ => outbox_postgres::DEFAULT_MAX_PER_KEY,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             SinkKind::Null => "none",

@@ -236,7 +236,7 @@ impl KafkaConfig {
             .set("partitioner", "murmur2_random")
             // The worker hands over a whole round at once and waits for its reports, so the
             // batch is already formed: librdkafka's 5 ms default wait for more messages would
-            // be paid once per round (with per-key order, up to 4 rounds per claim).
+            // be paid once per round (with per-key order, as many rounds per claim as it holds messages of one key).
             .set("linger.ms", "1")
             // Fail messages for a missing topic well before the delivery time-out, so they
             // are dead-lettered as "unknown topic" rather than retried as time-outs.

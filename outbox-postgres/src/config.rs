@@ -4,6 +4,12 @@ use std::time::Duration;
 
 use outbox_core::{Error, Result, redact_url};
 
+/// The default of [`PostgresConfig::max_per_key`].
+pub const DEFAULT_MAX_PER_KEY: usize = 8;
+
+/// The largest [`PostgresConfig::max_per_key`] accepted.
+const MAX_MAX_PER_KEY: usize = 10_000;
+
 /// Settings of the PostgreSQL storage. `Debug` hides the password in the URL.
 #[derive(Clone, PartialEq)]
 pub struct PostgresConfig {
@@ -16,6 +22,11 @@ pub struct PostgresConfig {
     pub table: String,
     /// Deliver messages that share a partition key in enqueue order (default on).
     pub per_key_order: bool,
+    /// With per-key order, the most messages of one key in one claim (default 8). The
+    /// worker publishes a key's messages one round after another, so this bounds the rounds
+    /// per batch: lower it (2–4) for brokers whose round trip takes milliseconds (Kafka);
+    /// each claim then spreads over more keys, which costs the database more.
+    pub max_per_key: usize,
     /// Wake the relay with LISTEN/NOTIFY when it is idle (default on); polling remains
     /// the fallback.
     pub wakeup: bool,
@@ -36,6 +47,7 @@ impl std::fmt::Debug for PostgresConfig {
             .field("schema", &self.schema)
             .field("table", &self.table)
             .field("per_key_order", &self.per_key_order)
+            .field("max_per_key", &self.max_per_key)
             .field("wakeup", &self.wakeup)
             .field("retention", &self.retention)
             .field("max_connections", &self.max_connections)
@@ -52,6 +64,7 @@ impl PostgresConfig {
             schema: "outbox".into(),
             table: "outbox".into(),
             per_key_order: true,
+            max_per_key: DEFAULT_MAX_PER_KEY,
             wakeup: true,
             retention: None,
             max_connections: 4,
@@ -80,6 +93,12 @@ impl PostgresConfig {
             return Err(Error::config(format!(
                 "storage.max_connections is {}; it must be at least {min} (the wake-up listener holds one)",
                 self.max_connections
+            )));
+        }
+        if !(1..=MAX_MAX_PER_KEY).contains(&self.max_per_key) {
+            return Err(Error::config(format!(
+                "relay.max_per_key is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
+                self.max_per_key
             )));
         }
         if self.retention.is_some_and(|r| r.is_zero()) {

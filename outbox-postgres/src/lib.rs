@@ -6,6 +6,6 @@ mod error;
 mod storage;
 mod table;
 
-pub use config::PostgresConfig;
-pub use storage::{DeadLetterFilter, DeadLetterRow, MAX_PER_KEY, PgStorage, TopicStats};
+pub use config::{DEFAULT_MAX_PER_KEY, PostgresConfig};
+pub use storage::{DeadLetterFilter, DeadLetterRow, PgStorage, TopicStats};
 pub use table::OutboxTable;

@@ -20,12 +20,6 @@ use uuid::Uuid;
 use crate::error::db_error;
 use crate::{OutboxTable, PostgresConfig};
 
-/// Most messages of one partition key in one claim, with per-key order. The worker publishes
-/// a key's messages one round after another, so this bounds the rounds per claim: 8 let one
-/// relay to Kafka drain at a third of its rate without key order; fewer spread a claim over
-/// more keys, which the other relays must then step over.
-pub const MAX_PER_KEY: usize = 4;
-
 /// How soon a relay whose last claim found messages claims again.
 const BUSY_POLL: Duration = Duration::from_millis(2);
 
@@ -47,7 +41,8 @@ struct Statements {
 }
 
 impl Statements {
-    fn new(t: &OutboxTable, per_key_order: bool, retention: bool) -> Self {
+    fn new(t: &OutboxTable, config: &PostgresConfig) -> Self {
+        let (per_key_order, retention) = (config.per_key_order, config.retention.is_some());
         let outbox = t.qualified("");
         let dead = t.qualified("_dead_letters");
         let parked = t.qualified("_parked_keys");
@@ -76,7 +71,7 @@ impl Statements {
             .collect::<Vec<_>>()
             .join(", ");
         let claim = if per_key_order {
-            Self::ordered_claim(&outbox, &parked, &cols)
+            Self::ordered_claim(&outbox, &parked, &cols, config.max_per_key)
         } else {
             // Without per-key order claims run concurrently and skip each other's rows.
             format!(
@@ -182,14 +177,14 @@ impl Statements {
     /// then its first rows may go. The sweep visits each key once, in key order, starting
     /// after the key where this relay's last claim stopped (`$5`) and wrapping around: a key
     /// another relay holds costs one index descent, however many rows it has waiting, and
-    /// keys take turns. It takes at most MAX_PER_KEY rows of a key (the worker publishes a
+    /// keys take turns. It takes at most `max_per_key` rows of a key (the worker publishes a
     /// key's rows one round after another) and stops once it has the batch.
     ///
     /// Rows without a key need no order: the oldest due ones take turns with the keyed rows,
     /// so neither kind starves the other. Claims are serialised by the advisory lock, so the
     /// candidates need no row locks; the UPDATE re-checks each row. Every returned row carries
     /// the key the next sweep starts after, the last one taken in sweep order.
-    fn ordered_claim(outbox: &str, parked: &str, cols: &str) -> String {
+    fn ordered_claim(outbox: &str, parked: &str, cols: &str, max_per_key: usize) -> String {
         let head = format!("SELECT o.partition_key, o.seq, o.available_at FROM {outbox} o");
         format!(
             "WITH RECURSIVE
@@ -215,7 +210,7 @@ impl Statements {
                 SELECT r.seq, r.partition_key FROM free_keys f CROSS JOIN LATERAL (
                     SELECT o.seq, o.partition_key FROM {outbox} o
                     WHERE o.partition_key = f.partition_key
-                    ORDER BY o.seq LIMIT {MAX_PER_KEY}) r
+                    ORDER BY o.seq LIMIT {max_per_key}) r
                 LIMIT $1),
              unkeyed AS (
                 SELECT o.seq, o.partition_key FROM {outbox} o
@@ -303,7 +298,7 @@ impl PgStorage {
             })
             .connect_lazy_with(options);
         let table = OutboxTable::new(&config.schema, &config.table)?;
-        let sql = Statements::new(&table, config.per_key_order, config.retention.is_some());
+        let sql = Statements::new(&table, &config);
         Ok(PgStorage {
             config,
             table,

@@ -19,7 +19,7 @@
 //! the check and the checks run in parallel); the test crate needs `tokio` with the
 //! `macros` and `rt-multi-thread` features:
 //!
-//! ```ignore
+//! ```text
 //! struct MyHarness;                    // implements SinkHarness
 //! outbox_tests::sink_conformance_tests!(MyHarness::new().await);
 //!

@@ -10,7 +10,7 @@ use outbox_core::{
     Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, TraceContext,
     WorkerConfig,
 };
-use outbox_postgres::{MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
+use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{TestOutbox, postgres_url, test_worker_config};
 
 fn text(payload: &[u8]) -> String {
@@ -779,6 +779,15 @@ async fn bad_configuration_is_refused_with_the_key_named() {
             .to_string()
             .contains("storage.max_connections")
     );
+    for max_per_key in [0, 10_001] {
+        let config = PostgresConfig {
+            max_per_key,
+            ..PostgresConfig::new(postgres_url())
+        };
+        let error = PgStorage::new(config).unwrap_err();
+        assert_eq!(error.kind(), ErrorKind::Config);
+        assert!(error.to_string().contains("relay.max_per_key"), "{error}");
+    }
     assert!(OutboxTable::new("ok", "").is_err());
     let debug = format!("{:?}", PostgresConfig::new("postgres://app:hunter2@db/x"));
     assert!(!debug.contains("hunter2"), "{debug}");

@@ -123,6 +123,7 @@ struct RelaySettings {
     #[serde(default, with = "humantime_serde")]
     shutdown_timeout: Option<Duration>,
     per_key_order: Option<bool>,
+    max_per_key: Option<usize>,
     wakeup: Option<bool>,
     #[serde(default, with = "humantime_serde")]
     retention: Option<Duration>,
@@ -341,6 +342,7 @@ fn relay_def(
     postgres.max_connections = storage.max_connections.unwrap_or(postgres.max_connections);
     postgres.connect_timeout = storage.connect_timeout.unwrap_or(postgres.connect_timeout);
     postgres.per_key_order = settings.per_key_order.unwrap_or(postgres.per_key_order);
+    postgres.max_per_key = settings.max_per_key.unwrap_or(postgres.max_per_key);
     postgres.wakeup = settings.wakeup.unwrap_or(postgres.wakeup);
     postgres.retention = settings.retention;
     postgres

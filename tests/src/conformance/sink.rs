@@ -36,7 +36,7 @@ pub struct Destination {
 /// What a sink backend gives the suite. Each method works on the real broker; a broker that
 /// is not running must make the method panic with a message naming it and its address.
 ///
-/// ```ignore
+/// ```text
 /// use outbox_tests::conformance::{Destination, Received, SinkHarness};
 ///
 /// struct RedisHarness { url: String }

@@ -35,7 +35,7 @@ pub trait StorageFixture: Send + Sync {
 
 /// What a storage backend gives the suite.
 ///
-/// ```ignore
+/// ```text
 /// use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
 ///
 /// struct PgHarness;
