@@ -609,6 +609,12 @@ impl Sink for AmqpSink {
     fn capabilities(&self) -> SinkCapabilities {
         SinkCapabilities::default().with_max_payload(Some(self.config.max_payload))
     }
+
+    /// Reconnecting (within `connect_timeout`) then publishing and confirming the batch
+    /// (within `publish_timeout`).
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.config.connect_timeout + self.config.publish_timeout)
+    }
 }
 
 /// Replaces `{topic}` and `{key}` in a routing key template.

@@ -21,7 +21,8 @@ pub use redact::redact_url;
 pub use registry::{BoxFuture, SinkFactory, SinkRegistry};
 pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
 pub use storage::{
-    Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Storage, StorageCapabilities,
+    Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Settlement, Storage,
+    StorageCapabilities,
 };
 #[cfg(feature = "runner")]
 pub use tokio_util::sync::CancellationToken;

@@ -13,12 +13,14 @@ use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::{
-    Claim, ClaimToken, DeadLetter, Delivery, Error, Message, NewMessage, Outcome, QueueStats,
-    Receipt, Result, Retry, Sink, Storage, StorageCapabilities,
+    Claim, ClaimToken, Error, Message, NewMessage, Outcome, QueueStats, Receipt, Result,
+    Settlement, Sink, Storage, StorageCapabilities,
 };
 
 struct Row {
     message: Message,
+    /// False while the transaction that wrote it is open.
+    visible: bool,
     due: Instant,
     token: Option<ClaimToken>,
     last_error: Option<String>,
@@ -29,12 +31,19 @@ struct State {
     next_seq: u64,
     rows: BTreeMap<u64, Row>,
     delivered: Vec<(Message, Receipt)>,
-    dead: Vec<(Message, String)>,
+    /// Dead letters with the sequence number they keep for a replay.
+    dead: Vec<(u64, Message, String)>,
     parked: HashSet<String>,
+    /// How far [`MemoryStorage::advance`] moved this storage's clock ahead of tokio's.
+    offset: Duration,
 }
 
 impl State {
-    fn seq_of(&self, id: Uuid, token: &ClaimToken) -> Option<u64> {
+    fn now(&self) -> Instant {
+        Instant::now() + self.offset
+    }
+
+    fn held(&mut self, id: Uuid, token: &ClaimToken) -> Option<u64> {
         self.rows
             .iter()
             .find(|(_, r)| r.message.id == id && r.token.as_ref() == Some(token))
@@ -42,7 +51,15 @@ impl State {
     }
 }
 
-/// A [`Storage`] in memory with the same claim rules as the PostgreSQL one.
+/// Messages written by [`MemoryStorage::begin`] and not yet committed or rolled back.
+#[derive(Debug)]
+#[must_use = "commit or roll back the transaction"]
+pub struct MemoryTransaction {
+    seqs: Vec<u64>,
+}
+
+/// A [`Storage`] in memory with the same claim rules as the PostgreSQL one; the reference
+/// that the conformance suite and the randomised tests hold real storages to.
 pub struct MemoryStorage {
     state: Mutex<State>,
     per_key_order: bool,
@@ -65,22 +82,62 @@ impl MemoryStorage {
             .unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    /// Enqueues a message and wakes a waiting worker.
+    /// Enqueues a message (a committed transaction of one) and wakes a waiting worker.
     pub fn enqueue(&self, message: NewMessage) {
+        let tx = self.begin(vec![message]);
+        self.commit(tx);
+    }
+
+    /// Writes `messages` as an application transaction would: they take their sequence
+    /// numbers now, in order, but stay invisible to claims until [`commit`](Self::commit).
+    pub fn begin(&self, messages: Vec<NewMessage>) -> MemoryTransaction {
         let mut state = self.lock();
-        state.next_seq += 1;
-        let seq = state.next_seq;
-        state.rows.insert(
-            seq,
-            Row {
-                message: message.into(),
-                due: Instant::now(),
-                token: None,
-                last_error: None,
-            },
-        );
+        let now = state.now();
+        let mut seqs = Vec::with_capacity(messages.len());
+        for message in messages {
+            state.next_seq += 1;
+            let seq = state.next_seq;
+            state.rows.insert(
+                seq,
+                Row {
+                    message: message.into(),
+                    visible: false,
+                    due: now,
+                    token: None,
+                    last_error: None,
+                },
+            );
+            seqs.push(seq);
+        }
+        MemoryTransaction { seqs }
+    }
+
+    /// Commits a transaction: its messages become claimable.
+    pub fn commit(&self, tx: MemoryTransaction) {
+        let mut state = self.lock();
+        let now = state.now();
+        for seq in tx.seqs {
+            if let Some(row) = state.rows.get_mut(&seq) {
+                row.visible = true;
+                row.due = now;
+            }
+        }
         drop(state);
         self.notify.notify_one();
+    }
+
+    /// Rolls a transaction back: its messages are gone.
+    pub fn rollback(&self, tx: MemoryTransaction) {
+        let mut state = self.lock();
+        for seq in tx.seqs {
+            state.rows.remove(&seq);
+        }
+    }
+
+    /// Moves this storage's clock ahead by `by` (leases and retry delays run out sooner),
+    /// for tests that cannot pause tokio's clock.
+    pub fn advance(&self, by: Duration) {
+        self.lock().offset += by;
     }
 
     /// Delivered messages with their receipts, in acknowledgement order.
@@ -90,14 +147,65 @@ impl MemoryStorage {
 
     /// Dead-lettered messages with their last error.
     pub fn dead_letters(&self) -> Vec<(Message, String)> {
-        self.lock().dead.clone()
+        self.lock()
+            .dead
+            .iter()
+            .map(|(_, m, e)| (m.clone(), e.clone()))
+            .collect()
     }
 
-    /// Messages still in the queue (pending, in flight or waiting to retry), in order.
+    /// Puts dead letters back at their original place in their key's order, with their
+    /// attempts reset, and unparks each key once none of its dead letters remain. Returns
+    /// how many were replayed.
+    pub fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        let mut state = self.lock();
+        let now = state.now();
+        let (back, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut state.dead)
+            .into_iter()
+            .partition(|(_, m, _)| ids.contains(&m.id));
+        state.dead = kept;
+        let n = back.len() as u64;
+        for (seq, mut message, error) in back {
+            message.attempts = 0;
+            if let Some(key) = &message.key
+                && !state
+                    .dead
+                    .iter()
+                    .any(|(_, m, _)| m.key.as_ref() == Some(key))
+            {
+                state.parked.remove(key);
+            }
+            state.rows.insert(
+                seq,
+                Row {
+                    message,
+                    visible: true,
+                    due: now,
+                    token: None,
+                    last_error: Some(error),
+                },
+            );
+        }
+        drop(state);
+        self.notify.notify_one();
+        n
+    }
+
+    /// Lets a parked key's messages flow again without replaying its dead letter. Returns
+    /// whether the key was parked.
+    pub fn release_parked_key(&self, key: &str) -> bool {
+        let released = self.lock().parked.remove(key);
+        self.notify.notify_one();
+        released
+    }
+
+    /// Messages still in the queue (pending, in flight or waiting to retry), in order;
+    /// uncommitted ones are not counted.
     pub fn pending(&self) -> Vec<Message> {
         self.lock()
             .rows
             .values()
+            .filter(|r| r.visible)
             .map(|r| r.message.clone())
             .collect()
     }
@@ -115,26 +223,26 @@ impl MemoryStorage {
 #[async_trait]
 impl Storage for MemoryStorage {
     async fn claim(&self, _worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
-        let now = Instant::now();
         let token = ClaimToken(Uuid::now_v7());
         let mut state = self.lock();
+        let now = state.now();
         let parked = state.parked.clone();
-        let mut blocked: HashSet<String> = HashSet::new();
+        // Keys stopped at a message that is not due: nothing after it may go.
+        let mut stopped: HashSet<String> = HashSet::new();
         let mut messages = Vec::new();
-        for row in state.rows.values_mut() {
+        for row in state.rows.values_mut().filter(|r| r.visible) {
             if messages.len() == limit {
                 break;
             }
-            let key = row.message.key.clone();
-            if self.per_key_order
-                && let Some(k) = &key
-                && (parked.contains(k) || blocked.contains(k))
+            let key = row.message.key.clone().filter(|_| self.per_key_order);
+            if let Some(k) = &key
+                && (parked.contains(k) || stopped.contains(k))
             {
                 continue;
             }
             if row.due > now {
                 if let Some(k) = key {
-                    blocked.insert(k);
+                    stopped.insert(k);
                 }
                 continue;
             }
@@ -145,60 +253,63 @@ impl Storage for MemoryStorage {
         Ok(Claim { token, messages })
     }
 
-    async fn ack(&self, token: &ClaimToken, delivered: &[Delivery]) -> Result<u64> {
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
         let mut state = self.lock();
+        let now = state.now();
         let mut n = 0;
-        for d in delivered {
-            if let Some(seq) = state.seq_of(d.id, token) {
-                let row = state.rows.remove(&seq).expect("row found above");
-                state.delivered.push((row.message, d.receipt.clone()));
+        for d in &settlement.dead {
+            if let Some(seq) = state.held(d.id, token) {
+                let Some(mut row) = state.rows.remove(&seq) else {
+                    continue;
+                };
+                row.message.attempts += 1;
+                if let (true, Some(key)) = (self.per_key_order, &row.message.key) {
+                    state.parked.insert(key.clone());
+                }
+                state.dead.push((seq, row.message, d.error.clone()));
                 n += 1;
             }
         }
-        Ok(n)
-    }
-
-    async fn retry(&self, token: &ClaimToken, failed: &[Retry]) -> Result<u64> {
-        let mut state = self.lock();
-        let mut n = 0;
-        for f in failed {
-            if let Some(seq) = state.seq_of(f.id, token) {
-                let row = state.rows.get_mut(&seq).expect("row found above");
+        for f in &settlement.retries {
+            if let Some(seq) = state.held(f.id, token)
+                && let Some(row) = state.rows.get_mut(&seq)
+            {
                 row.message.attempts += 1;
-                row.due = Instant::now() + f.delay;
+                row.due = now + f.delay;
                 row.token = None;
                 row.last_error = Some(f.error.clone());
                 n += 1;
             }
         }
-        Ok(n)
-    }
-
-    async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64> {
-        let mut state = self.lock();
-        let mut n = 0;
-        for d in dead {
-            if let Some(seq) = state.seq_of(d.id, token) {
-                let mut row = state.rows.remove(&seq).expect("row found above");
-                row.message.attempts += 1;
-                if let (true, Some(key)) = (self.per_key_order, &row.message.key) {
-                    state.parked.insert(key.clone());
-                }
-                state.dead.push((row.message, d.error.clone()));
+        for d in &settlement.delivered {
+            if let Some(seq) = state.held(d.id, token)
+                && let Some(row) = state.rows.remove(&seq)
+            {
+                state.delivered.push((row.message, d.receipt.clone()));
+                n += 1;
+            }
+        }
+        for id in &settlement.released {
+            if let Some(seq) = state.held(*id, token)
+                && let Some(row) = state.rows.get_mut(&seq)
+            {
+                row.due = now;
+                row.token = None;
                 n += 1;
             }
         }
         Ok(n)
     }
 
-    async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64> {
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
         let mut state = self.lock();
+        let until = state.now() + lease;
         let mut n = 0;
         for id in ids {
-            if let Some(seq) = state.seq_of(*id, token) {
-                let row = state.rows.get_mut(&seq).expect("row found above");
-                row.due = Instant::now();
-                row.token = None;
+            if let Some(seq) = state.held(*id, token)
+                && let Some(row) = state.rows.get_mut(&seq)
+            {
+                row.due = until;
                 n += 1;
             }
         }
@@ -211,24 +322,13 @@ impl Storage for MemoryStorage {
 
     async fn stats(&self) -> Result<QueueStats> {
         let state = self.lock();
-        let now = Instant::now();
+        let now = state.now();
+        let rows = || state.rows.values().filter(|r| r.visible);
+        let waiting = |r: &&Row| r.token.is_none() || r.due <= now;
         Ok(QueueStats {
-            pending: state
-                .rows
-                .values()
-                .filter(|r| r.token.is_none() || r.due <= now)
-                .count() as u64,
-            oldest_pending: state
-                .rows
-                .values()
-                .filter(|r| r.token.is_none() || r.due <= now)
-                .map(|r| r.message.created_at)
-                .min(),
-            in_flight: state
-                .rows
-                .values()
-                .filter(|r| r.token.is_some() && r.due > now)
-                .count() as u64,
+            pending: rows().filter(waiting).count() as u64,
+            oldest_pending: rows().filter(waiting).map(|r| r.message.created_at).min(),
+            in_flight: rows().filter(|r| !waiting(r)).count() as u64,
             dead_lettered: state.dead.len() as u64,
             parked_keys: state.parked.len() as u64,
         })

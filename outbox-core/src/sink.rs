@@ -94,4 +94,12 @@ pub trait Sink: Send + Sync {
     fn capabilities(&self) -> SinkCapabilities {
         SinkCapabilities::default()
     }
+
+    /// The longest one `publish` call can take before it gives up with an
+    /// [`Unavailable`](crate::ErrorKind::Unavailable) error, if the sink bounds it (its
+    /// configured time-out plus any grace). The worker refuses a lease shorter than the
+    /// worst case of a batch: this times the rounds a batch may take.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
 }

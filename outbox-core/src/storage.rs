@@ -51,6 +51,37 @@ pub struct DeadLetter {
     pub error: String,
 }
 
+/// The outcome of one claimed batch, written by [`Storage::settle`] in one atomic step.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Settlement {
+    /// Messages the sink accepted: deleted, or kept with their receipt.
+    pub delivered: Vec<Delivery>,
+    /// Messages that failed and are tried again after a delay (an attempt is charged).
+    pub retries: Vec<Retry>,
+    /// Messages moved to the dead letters (with per-key order, their keys are parked).
+    pub dead: Vec<DeadLetter>,
+    /// Messages given back unpublished, without charging an attempt.
+    pub released: Vec<Uuid>,
+}
+
+impl Settlement {
+    /// How many messages this settlement is about.
+    pub fn len(&self) -> usize {
+        self.delivered.len() + self.retries.len() + self.dead.len() + self.released.len()
+    }
+
+    /// Whether it is about no message at all.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether it holds back a key's first message (a retry or a dead letter): the writes a
+    /// claim must never see half done.
+    pub fn holds_back(&self) -> bool {
+        !self.retries.is_empty() || !self.dead.is_empty()
+    }
+}
+
 /// Queue figures, for status commands, metrics and health.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct QueueStats {
@@ -75,12 +106,25 @@ pub struct StorageCapabilities {
     /// pending, in flight or waiting to retry, and claims return one key's messages in order.
     /// The worker then publishes them in order and stops a key at its first failure.
     pub per_key_order: bool,
+    /// With per-key order, the most messages of one key a claim returns (`None`: up to the
+    /// claim's limit). The worker publishes a key's messages one round after another, so this
+    /// bounds the rounds of a batch, which the worker checks against the lease at start-up.
+    pub max_per_key: Option<usize>,
 }
 
 impl StorageCapabilities {
     /// Capabilities with per-key order set as given.
     pub fn new(per_key_order: bool) -> Self {
-        StorageCapabilities { per_key_order }
+        StorageCapabilities {
+            per_key_order,
+            max_per_key: None,
+        }
+    }
+
+    /// Sets the most messages of one key a claim returns.
+    pub fn with_max_per_key(mut self, max_per_key: Option<usize>) -> Self {
+        self.max_per_key = max_per_key;
+        self
     }
 }
 
@@ -89,26 +133,28 @@ impl StorageCapabilities {
 /// Every write after [`claim`](Storage::claim) takes the claim's token and returns how many
 /// messages it changed: a message whose claim was taken over by another worker (its lease
 /// expired) is left alone, so a stalled relay can never complete another relay's work.
-/// Writes are atomic per call.
+///
+/// **The claim rule with per-key order.** A claim takes a key's messages from its first one
+/// that is still in the storage, in order, and stops the key at its first message that is
+/// not due (in flight under another claim, or waiting to retry), whatever state the later
+/// ones are in; it takes nothing of a parked key. Messages of uncommitted transactions are
+/// invisible and hold nothing back.
 #[async_trait]
 pub trait Storage: Send + Sync {
     /// Claims up to `limit` messages that are due, for `worker_id`, under a lease of `lease`
-    /// counted on the storage's clock. Returns an empty claim when nothing is due.
+    /// counted on the storage's clock from the moment the claim is made (not from when its
+    /// call or transaction began). Returns an empty claim when nothing is due.
     async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim>;
 
-    /// Records that these messages were delivered (deleting them, or keeping them with
-    /// their receipt).
-    async fn ack(&self, token: &ClaimToken, delivered: &[Delivery]) -> Result<u64>;
+    /// Writes the outcome of a claimed batch atomically: every delivery, retry, dead letter
+    /// and release in it, or (on error) none of them. Each message is changed only if it is
+    /// still held under `token`. Returns how many messages were changed.
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64>;
 
-    /// Charges an attempt and makes each message due again after its delay.
-    async fn retry(&self, token: &ClaimToken, failed: &[Retry]) -> Result<u64>;
-
-    /// Moves messages to the dead letters. With per-key order, the rest of each message's
-    /// key is parked until an operator replays or releases it.
-    async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64>;
-
-    /// Gives messages back without charging an attempt (transport failure, shutdown).
-    async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64>;
+    /// Renews the lease of messages still held under `token` for another `lease` from now,
+    /// on the storage's clock. Returns how many were renewed: fewer than `ids` means some
+    /// were taken over (the lease had run out), and the batch must stop publishing.
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64>;
 
     /// Checks that the storage answers.
     async fn health(&self) -> Result<()>;
@@ -130,5 +176,45 @@ pub trait Storage: Send + Sync {
     /// the worker now and then. Must do a bounded amount of work per call.
     async fn maintain(&self) -> Result<()> {
         Ok(())
+    }
+
+    /// Records that these messages were delivered: [`settle`](Storage::settle) with
+    /// deliveries only.
+    async fn ack(&self, token: &ClaimToken, delivered: &[Delivery]) -> Result<u64> {
+        let settlement = Settlement {
+            delivered: delivered.to_vec(),
+            ..Settlement::default()
+        };
+        self.settle(token, &settlement).await
+    }
+
+    /// Charges an attempt and makes each message due again after its delay:
+    /// [`settle`](Storage::settle) with retries only.
+    async fn retry(&self, token: &ClaimToken, failed: &[Retry]) -> Result<u64> {
+        let settlement = Settlement {
+            retries: failed.to_vec(),
+            ..Settlement::default()
+        };
+        self.settle(token, &settlement).await
+    }
+
+    /// Moves messages to the dead letters (with per-key order, parking their keys):
+    /// [`settle`](Storage::settle) with dead letters only.
+    async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64> {
+        let settlement = Settlement {
+            dead: dead.to_vec(),
+            ..Settlement::default()
+        };
+        self.settle(token, &settlement).await
+    }
+
+    /// Gives messages back without charging an attempt: [`settle`](Storage::settle) with
+    /// releases only.
+    async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64> {
+        let settlement = Settlement {
+            released: ids.to_vec(),
+            ..Settlement::default()
+        };
+        self.settle(token, &settlement).await
     }
 }

@@ -11,7 +11,7 @@ use uuid::Uuid;
 
 use crate::{
     Backoff, Claim, ClaimToken, DeadLetter, Delivery, Error, ErrorKind, Message, Outcome, Result,
-    Retry, Sink, Storage,
+    Retry, Settlement, Sink, Storage,
 };
 
 /// How often the worker calls [`Storage::maintain`].
@@ -37,8 +37,10 @@ pub struct WorkerConfig {
     pub batch_size: usize,
     /// Wait after an under-full batch when no wake-up comes (default 1 s).
     pub poll_interval: Duration,
-    /// How long a claim holds its messages before another worker may take them (default 30 s).
-    /// Must be longer than the sink's publish time-out.
+    /// How long a claim holds its messages before another worker may take them (default
+    /// 2 min). The worker renews it while a batch is still publishing, so it bounds how long
+    /// the batch of a relay that died waits for another. It must cover the worst case of a
+    /// batch: the storage's rounds per batch (`max_per_key`) × the sink's publish time-out.
     pub lease: Duration,
     /// Attempts before a message is dead-lettered (default 10).
     pub max_attempts: u32,
@@ -56,7 +58,7 @@ impl WorkerConfig {
             worker_id: worker_id.into(),
             batch_size: 100,
             poll_interval: Duration::from_secs(1),
-            lease: Duration::from_secs(30),
+            lease: Duration::from_secs(120),
             max_attempts: 10,
             backoff: Backoff::default(),
             shutdown_timeout: Duration::from_secs(10),
@@ -98,30 +100,32 @@ pub struct Worker {
 
 /// What happened to one claimed batch.
 #[derive(Default)]
-struct Settlement {
-    delivered: Vec<Delivery>,
-    retries: Vec<Retry>,
-    dead: Vec<DeadLetter>,
-    released: Vec<Uuid>,
+struct Published {
+    /// What to write to the storage.
+    settlement: Settlement,
+    /// The sink dropped out during the batch.
     sink_unavailable: bool,
+    /// The claim's lease was lost (taken over, or ran out unrenewed): the batch stopped.
+    lease_lost: bool,
 }
 
-impl Settlement {
+impl Published {
     /// Adds this batch's outcomes to the per-topic counters, one increment per topic.
     fn count(&self, worker: &str, topics: &HashMap<Uuid, String>) {
         let mut counts: HashMap<(&'static str, &str), u64> = HashMap::new();
+        let s = &self.settlement;
         let ids = [
             (
                 "outbox_delivered_total",
-                self.delivered.iter().map(|d| d.id).collect::<Vec<_>>(),
+                s.delivered.iter().map(|d| d.id).collect::<Vec<_>>(),
             ),
             (
                 "outbox_retried_total",
-                self.retries.iter().map(|r| r.id).collect(),
+                s.retries.iter().map(|r| r.id).collect(),
             ),
             (
                 "outbox_dead_lettered_total",
-                self.dead.iter().map(|d| d.id).collect(),
+                s.dead.iter().map(|d| d.id).collect(),
             ),
         ];
         for (name, ids) in &ids {
@@ -142,13 +146,31 @@ impl Settlement {
 }
 
 impl Worker {
-    /// A worker with validated settings.
+    /// A worker with validated settings. Refuses a lease shorter than the worst case of a
+    /// batch: the rounds the storage may give it times the sink's publish time-out.
     pub fn new(
         config: WorkerConfig,
         storage: Arc<dyn Storage>,
         sink: Arc<dyn Sink>,
     ) -> Result<Self> {
         config.validate()?;
+        if let Some(timeout) = sink.publish_timeout() {
+            let capabilities = storage.capabilities();
+            let (rounds, setting) = match (capabilities.per_key_order, capabilities.max_per_key) {
+                (false, _) => (1, "one round without per-key order"),
+                (true, Some(n)) => (n.min(config.batch_size), "relay.max_per_key"),
+                (true, None) => (config.batch_size, "relay.batch_size"),
+            };
+            let worst = timeout.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX));
+            if config.lease < worst {
+                return Err(Error::config(format!(
+                    "relay.lease is {:?}, shorter than the worst case of a batch: {rounds} rounds \
+                     ({setting}) × the sink's publish time-out of {timeout:?} = {worst:?}; raise \
+                     relay.lease to at least {worst:?}, or lower {setting} or the sink's time-out",
+                    config.lease
+                )));
+            }
+        }
         Ok(Worker {
             config,
             storage,
@@ -215,6 +237,9 @@ impl Worker {
                 sink_checked = true;
             }
 
+            // The lease runs on the storage's clock from the claim statement; counting it
+            // from before the call keeps this worker's view of it on the safe side.
+            let asked_at = Instant::now();
             let claim = self
                 .storage
                 .claim(
@@ -225,7 +250,7 @@ impl Worker {
                 .await?;
             let claimed = claim.messages.len();
             if claimed > 0 {
-                if self.relay_batch(claim, shutdown).await? {
+                if self.relay_batch(claim, asked_at, shutdown).await? {
                     if sink_failures > 0 {
                         tracing::info!(worker = %self.config.worker_id, "sink is back");
                     }
@@ -263,7 +288,12 @@ impl Worker {
     /// Publishes one claimed batch and records the outcomes. Returns false when the sink
     /// turned out to be unavailable. Once shutdown is requested the batch gets
     /// `shutdown_timeout` to finish; after that its messages are released.
-    async fn relay_batch(&self, claim: Claim, shutdown: &CancellationToken) -> Result<bool> {
+    async fn relay_batch(
+        &self,
+        claim: Claim,
+        asked_at: Instant,
+        shutdown: &CancellationToken,
+    ) -> Result<bool> {
         let started = Instant::now();
         let token = claim.token;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
@@ -272,10 +302,15 @@ impl Worker {
             .iter()
             .map(|m| (m.id, m.topic.clone()))
             .collect();
-        let publish = self.publish(claim.messages);
+        let mut lease = Lease {
+            token,
+            ids: ids.clone(),
+            expires: asked_at + self.config.lease,
+        };
+        let publish = self.publish(claim.messages, &mut lease);
         tokio::pin!(publish);
-        let settlement = tokio::select! {
-            settlement = &mut publish => settlement,
+        let published = tokio::select! {
+            published = &mut publish => published,
             _ = async {
                 shutdown.cancelled().await;
                 sleep(self.config.shutdown_timeout).await;
@@ -285,35 +320,53 @@ impl Worker {
                 return Ok(true);
             }
         };
-        self.record(&token, &settlement).await?;
-        settlement.count(&self.config.worker_id, &topics);
+        self.record(&token, &published).await?;
+        published.count(&self.config.worker_id, &topics);
         metrics::histogram!("outbox_batch_duration_seconds", "worker" => self.config.worker_id.clone())
             .record(started.elapsed().as_secs_f64());
-        Ok(!settlement.sink_unavailable)
+        Ok(!published.sink_unavailable)
     }
 
     /// Publishes a batch in rounds: with per-key order, each round holds at most one message
-    /// per key, and a key whose message failed publishes nothing more in this batch.
-    async fn publish(&self, messages: Vec<Message>) -> Settlement {
+    /// per key, and a key whose message failed publishes nothing more in this batch. The
+    /// lease is renewed while a round is out; once it is lost nothing more is published.
+    async fn publish(&self, messages: Vec<Message>, lease: &mut Lease) -> Published {
         let per_key_order = self.storage.capabilities().per_key_order;
         let rounds = if per_key_order {
             split_into_rounds(messages)
         } else {
             vec![messages]
         };
-        let mut settlement = Settlement::default();
+        let mut published = Published::default();
         let mut stopped_keys: HashSet<String> = HashSet::new();
         for round in rounds {
+            if !published.lease_lost && Instant::now() >= lease.expires {
+                tracing::warn!(worker = %self.config.worker_id, "the claim's lease ran out before the batch was done; stopping it");
+                published.lease_lost = true;
+            }
             let (ready, held): (Vec<Message>, Vec<Message>) = round.into_iter().partition(|m| {
-                !settlement.sink_unavailable
+                !published.sink_unavailable
+                    && !published.lease_lost
                     && m.key.as_ref().is_none_or(|k| !stopped_keys.contains(k))
             });
-            settlement.released.extend(held.iter().map(|m| m.id));
+            published
+                .settlement
+                .released
+                .extend(held.iter().map(|m| m.id));
             if ready.is_empty() {
                 continue;
             }
             let started = Instant::now();
-            let outcomes = match self.sink.publish(&ready).await {
+            let result = tokio::select! {
+                result = self.sink.publish(&ready) => result,
+                () = self.keep(lease) => {
+                    // Another relay may publish these now: stop, whatever this round does.
+                    published.lease_lost = true;
+                    published.settlement.released.extend(ready.iter().map(|m| m.id));
+                    continue;
+                }
+            };
+            let outcomes = match result {
                 Ok(outcomes) if outcomes.len() == ready.len() => outcomes,
                 Ok(outcomes) => {
                     let error = Error::temporary(format!(
@@ -341,7 +394,7 @@ impl Worker {
             tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), ?elapsed, "published");
             for (message, outcome) in ready.into_iter().zip(outcomes) {
                 match outcome {
-                    Outcome::Delivered(receipt) => settlement.delivered.push(Delivery {
+                    Outcome::Delivered(receipt) => published.settlement.delivered.push(Delivery {
                         id: message.id,
                         receipt,
                     }),
@@ -349,21 +402,51 @@ impl Worker {
                         if let Some(key) = &message.key {
                             stopped_keys.insert(key.clone());
                         }
-                        self.settle_failure(&message, &error, &mut settlement);
+                        self.settle_failure(&message, &error, &mut published);
                     }
                 }
             }
         }
-        settlement
+        published
     }
 
-    fn settle_failure(&self, message: &Message, error: &Error, settlement: &mut Settlement) {
+    /// Renews `lease` each time a third of it is left; resolves only once it is lost: taken
+    /// over by another relay, or run out while the storage could not be reached.
+    async fn keep(&self, lease: &mut Lease) {
+        let length = self.config.lease;
+        loop {
+            sleep_until_renewal(lease.expires, length).await;
+            if Instant::now() >= lease.expires {
+                tracing::warn!(worker = %self.config.worker_id, "the claim's lease ran out before it could be renewed");
+                return;
+            }
+            let asked_at = Instant::now();
+            match self
+                .storage
+                .extend_lease(&lease.token, &lease.ids, length)
+                .await
+            {
+                Ok(n) if n as usize == lease.ids.len() => lease.expires = asked_at + length,
+                Ok(n) => {
+                    tracing::warn!(worker = %self.config.worker_id, renewed = n, claimed = lease.ids.len(), "the claim was taken over; stopping the batch");
+                    return;
+                }
+                Err(error) => {
+                    tracing::warn!(worker = %self.config.worker_id, %error, "cannot renew the claim's lease; trying again");
+                    sleep(Duration::from_millis(200)).await;
+                }
+            }
+        }
+    }
+
+    fn settle_failure(&self, message: &Message, error: &Error, published: &mut Published) {
         let worker = &self.config.worker_id;
         let attempt = message.attempts.saturating_add(1);
+        let settlement = &mut published.settlement;
         match error.kind() {
             ErrorKind::Unavailable => {
                 tracing::warn!(%worker, id = %message.id, %error, "sink unavailable; releasing without charging an attempt");
-                settlement.sink_unavailable = true;
+                published.sink_unavailable = true;
                 settlement.released.push(message.id);
             }
             ErrorKind::Temporary if attempt < self.config.max_attempts => {
@@ -390,28 +473,15 @@ impl Worker {
         }
     }
 
-    /// Writes the outcomes. Dead letters and retries first, so that a key's head is settled
-    /// before anything released behind it can be claimed again.
-    async fn record(&self, token: &ClaimToken, s: &Settlement) -> Result<()> {
-        let storage = &self.storage;
-        let mut expected = 0;
-        let mut applied = 0;
-        if !s.dead.is_empty() {
-            expected += s.dead.len() as u64;
-            applied += storage.dead_letter(token, &s.dead).await?;
+    /// Writes the outcomes of a batch in one atomic settlement, so no crash or error leaves
+    /// a retry written without the acknowledgements and releases around it.
+    async fn record(&self, token: &ClaimToken, published: &Published) -> Result<()> {
+        let settlement = &published.settlement;
+        if settlement.is_empty() {
+            return Ok(());
         }
-        if !s.retries.is_empty() {
-            expected += s.retries.len() as u64;
-            applied += storage.retry(token, &s.retries).await?;
-        }
-        if !s.delivered.is_empty() {
-            expected += s.delivered.len() as u64;
-            applied += storage.ack(token, &s.delivered).await?;
-        }
-        if !s.released.is_empty() {
-            expected += s.released.len() as u64;
-            applied += storage.release(token, &s.released).await?;
-        }
+        let expected = settlement.len() as u64;
+        let applied = self.storage.settle(token, settlement).await?;
         if applied < expected {
             tracing::warn!(
                 worker = %self.config.worker_id,
@@ -421,6 +491,20 @@ impl Worker {
         }
         Ok(())
     }
+}
+
+/// A claim's hold on its messages, as this worker counts it.
+struct Lease {
+    token: ClaimToken,
+    ids: Vec<Uuid>,
+    /// When the lease runs out, on this worker's clock (never later than the storage's).
+    expires: Instant,
+}
+
+/// Sleeps until a third of a lease of `length` ending at `expires` is left.
+async fn sleep_until_renewal(expires: Instant, length: Duration) {
+    let renew_at = expires.checked_sub(length / 3).unwrap_or(expires);
+    tokio::time::sleep_until(renew_at).await;
 }
 
 /// Splits a claimed batch so that each round holds at most one message per key, keeping

@@ -244,6 +244,11 @@ impl Sink for KafkaSink {
             .with_deduplication(false)
             .with_max_payload(None)
     }
+
+    /// librdkafka's `delivery_timeout`, plus the grace the sink gives late delivery reports.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.config.delivery_timeout + REPORT_GRACE)
+    }
 }
 
 /// Errors after which an idempotent producer's id or epoch is no good any more.

@@ -330,4 +330,10 @@ impl Sink for NatsSink {
             .with_deduplication(true)
             .with_max_payload(max_payload)
     }
+
+    /// Once connected, a window of `max_pending_acks` messages within `timeout`; a window
+    /// that times out fails the rest of the batch at once as unavailable.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.config.timeout)
+    }
 }

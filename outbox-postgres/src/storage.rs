@@ -9,7 +9,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use outbox_core::{
-    Claim, ClaimToken, DeadLetter, Delivery, Error, Message, QueueStats, Result, Retry, Storage,
+    Claim, ClaimToken, Error, Message, QueueStats, Result, Settlement, Storage,
     StorageCapabilities, TraceContext,
 };
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
@@ -28,12 +28,17 @@ const MESSAGE_COLUMNS: &str =
     "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at, attempts";
 
 /// The SQL of one outbox table, built once from validated names.
+///
+/// Times come from `statement_timestamp()`, never `now()`: `now()` is when the transaction
+/// began, and a claim waits for the claim lock inside its transaction, so a lease counted
+/// from `now()` would already be partly spent when the claim is made.
 struct Statements {
     claim: String,
-    ack: String,
-    retry: String,
-    dead_letter: String,
-    release: String,
+    /// The outcome of a batch that holds no key back (deliveries and releases only).
+    settle: String,
+    /// The outcome of a batch with retries or dead letters: under the shared claim lock.
+    settle_holding_back: String,
+    extend_lease: String,
     stats: String,
     arm_wakeup: String,
     disarm_wakeup: String,
@@ -42,105 +47,61 @@ struct Statements {
 
 impl Statements {
     fn new(t: &OutboxTable, config: &PostgresConfig) -> Self {
-        let (per_key_order, retention) = (config.per_key_order, config.retention.is_some());
+        let per_key_order = config.per_key_order;
         let outbox = t.qualified("");
-        let dead = t.qualified("_dead_letters");
-        let parked = t.qualified("_parked_keys");
-        let delivered = t.qualified("_delivered");
         let wakeup = t.qualified("_wakeup");
-        // With per-key order, claims hold the table's advisory lock exclusively, and the
-        // settlements that hold a key's first row back (retry, dead-letter) hold it shared:
-        // a claim then never sees one of those half done, which (when the row's lease had
-        // run out) could let a later row of its key through. Acks and releases need no lock:
-        // a claim that misses one only sees a key as busier than it is (see ARCHITECTURE.md).
-        // The key is a number we computed from the validated names, so it is written inline.
-        let (lock_cte, locked) = if per_key_order {
-            (
-                format!(
-                    "lock AS (SELECT pg_advisory_xact_lock_shared({})),",
-                    t.lock_key()
-                ),
-                "AND EXISTS (SELECT 1 FROM lock)",
-            )
-        } else {
-            (String::new(), "")
-        };
+        let delivered = t.qualified("_delivered");
         let cols = MESSAGE_COLUMNS
             .split(", ")
             .map(|c| format!("o.{c}"))
             .collect::<Vec<_>>()
             .join(", ");
         let claim = if per_key_order {
-            Self::ordered_claim(&outbox, &parked, &cols, config.max_per_key)
+            Self::ordered_claim(
+                &outbox,
+                &t.qualified("_parked_keys"),
+                &cols,
+                config.max_per_key,
+            )
         } else {
             // Without per-key order claims run concurrently and skip each other's rows.
             format!(
                 "WITH due AS (
                     SELECT o.seq FROM {outbox} o
-                    WHERE o.available_at <= now()
+                    WHERE o.available_at <= statement_timestamp()
                     ORDER BY o.seq LIMIT $1 FOR UPDATE SKIP LOCKED)
                  UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
-                        available_at = now() + $4 * interval '1 millisecond'
+                        available_at = statement_timestamp() + $4 * interval '1 millisecond'
                  FROM due WHERE o.seq = due.seq
                  RETURNING o.seq, {cols}, NULL::text AS cursor"
             )
         };
-        let ack = if retention {
-            format!(
-                "WITH done AS (
-                    DELETE FROM {outbox} o USING unnest($1::uuid[], $3::text[]) AS r(id, receipt)
-                    WHERE o.id = r.id AND o.claim_token = $2
-                    RETURNING o.*, r.receipt)
-                 INSERT INTO {delivered} (seq, id, topic, partition_key, payload, headers,
-                        traceparent, tracestate, created_at, attempts, receipt)
-                 SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
-                        created_at, attempts, receipt FROM done"
-            )
-        } else {
-            format!(
-                "WITH done AS (
-                    DELETE FROM {outbox} o WHERE o.id = ANY($1) AND o.claim_token = $2
-                    RETURNING 1)
-                 SELECT count(*) FROM done"
-            )
+        // With per-key order, claims hold the table's advisory lock exclusively, and the
+        // writes that hold a key's first row back (retries, dead letters) or lengthen a
+        // lease hold it shared: a claim then never reads the old version of a row such a
+        // write is changing (its lease run out, so seemingly due) and lets the rows behind
+        // it through. Deliveries and releases need no lock: a claim that misses one only
+        // sees a key as busier than it is (see ARCHITECTURE.md). The key is a number we
+        // computed from the validated names, so it is written inline.
+        let lock = |locked: bool| {
+            if per_key_order && locked {
+                (
+                    format!(
+                        "lock AS (SELECT pg_advisory_xact_lock_shared({})),",
+                        t.lock_key()
+                    ),
+                    "AND EXISTS (SELECT 1 FROM lock)",
+                )
+            } else {
+                (String::new(), "")
+            }
         };
-        let retry = format!(
+        let (lock_cte, locked) = lock(true);
+        let extend_lease = format!(
             "WITH {lock_cte} done AS (
-                UPDATE {outbox} o SET attempts = o.attempts + 1, claim_token = NULL, claimed_by = NULL,
-                       available_at = now() + r.delay_ms * interval '1 millisecond', last_error = r.error
-                FROM unnest($1::uuid[], $3::bigint[], $4::text[]) AS r(id, delay_ms, error)
-                WHERE o.id = r.id AND o.claim_token = $2 {locked}
-                RETURNING 1)
-             SELECT count(*) FROM done"
-        );
-        let park = if per_key_order {
-            format!(
-                ", parked AS (
-                    INSERT INTO {parked} (partition_key, dead_letter_id)
-                    SELECT DISTINCT ON (partition_key) partition_key, id FROM moved
-                    WHERE partition_key IS NOT NULL ORDER BY partition_key, seq
-                    ON CONFLICT (partition_key) DO NOTHING)"
-            )
-        } else {
-            String::new()
-        };
-        let dead_letter = format!(
-            "WITH {lock_cte} gone AS (
-                DELETE FROM {outbox} o USING unnest($1::uuid[], $3::text[]) AS r(id, error)
-                WHERE o.id = r.id AND o.claim_token = $2 {locked}
-                RETURNING o.*, r.error),
-             moved AS (
-                INSERT INTO {dead} (seq, id, topic, partition_key, payload, headers, traceparent,
-                       tracestate, created_at, attempts, last_error)
-                SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
-                       created_at, attempts + 1, error FROM gone
-                RETURNING seq, id, partition_key) {park}
-             SELECT count(*) FROM moved"
-        );
-        let release = format!(
-            "WITH done AS (
-                UPDATE {outbox} o SET claim_token = NULL, claimed_by = NULL, available_at = now()
-                WHERE o.id = ANY($1) AND o.claim_token = $2
+                UPDATE {outbox} o
+                SET available_at = statement_timestamp() + $3 * interval '1 millisecond'
+                WHERE o.id = ANY($1) AND o.claim_token = $2 {locked}
                 RETURNING 1)
              SELECT count(*) FROM done"
         );
@@ -148,16 +109,17 @@ impl Statements {
             "SELECT count(*) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
                     min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
                     count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()),
-                    (SELECT count(*) FROM {dead}),
-                    (SELECT count(*) FROM {parked})
-             FROM {outbox}"
+                    (SELECT count(*) FROM {}),
+                    (SELECT count(*) FROM {})
+             FROM {outbox}",
+            t.qualified("_dead_letters"),
+            t.qualified("_parked_keys"),
         );
         Statements {
             claim,
-            ack,
-            retry,
-            dead_letter,
-            release,
+            settle: Self::settle(t, config, lock(false)),
+            settle_holding_back: Self::settle(t, config, lock(true)),
+            extend_lease,
             stats,
             arm_wakeup: format!("UPDATE {wakeup} SET relay_idle = true WHERE NOT relay_idle"),
             disarm_wakeup: format!("UPDATE {wakeup} SET relay_idle = false WHERE relay_idle"),
@@ -169,20 +131,98 @@ impl Statements {
         }
     }
 
+    /// The outcome of a batch in one statement, so it is written whole or not at all:
+    /// dead letters (moved, their keys parked), retries, deliveries (deleted, or kept with
+    /// their receipt) and releases. Each row changes only while it is still held under the
+    /// claim's token (`$1`). Returns how many rows changed.
+    fn settle(
+        t: &OutboxTable,
+        config: &PostgresConfig,
+        (lock_cte, locked): (String, &str),
+    ) -> String {
+        let outbox = t.qualified("");
+        let dead = t.qualified("_dead_letters");
+        let parked = t.qualified("_parked_keys");
+        let delivered = t.qualified("_delivered");
+        let park = if config.per_key_order {
+            format!(
+                "parked AS (
+                    INSERT INTO {parked} (partition_key, dead_letter_id)
+                    SELECT DISTINCT ON (partition_key) partition_key, id FROM moved
+                    WHERE partition_key IS NOT NULL ORDER BY partition_key, seq
+                    ON CONFLICT (partition_key) DO NOTHING),"
+            )
+        } else {
+            String::new()
+        };
+        let (kept, acked_count) = if config.retention.is_some() {
+            (
+                format!(
+                    "kept AS (
+                        INSERT INTO {delivered} (seq, id, topic, partition_key, payload, headers,
+                               traceparent, tracestate, created_at, attempts, receipt)
+                        SELECT seq, id, topic, partition_key, payload, headers, traceparent,
+                               tracestate, created_at, attempts, receipt FROM acked
+                        RETURNING 1),"
+                ),
+                "kept",
+            )
+        } else {
+            (String::new(), "acked")
+        };
+        format!(
+            "WITH {lock_cte}
+             gone AS (
+                DELETE FROM {outbox} o USING unnest($2::uuid[], $3::text[]) AS r(id, error)
+                WHERE o.id = r.id AND o.claim_token = $1 {locked}
+                RETURNING o.*, r.error),
+             moved AS (
+                INSERT INTO {dead} (seq, id, topic, partition_key, payload, headers, traceparent,
+                       tracestate, created_at, attempts, last_error)
+                SELECT seq, id, topic, partition_key, payload, headers, traceparent, tracestate,
+                       created_at, attempts + 1, error FROM gone
+                RETURNING seq, id, partition_key),
+             {park}
+             retried AS (
+                UPDATE {outbox} o SET attempts = o.attempts + 1, claim_token = NULL,
+                       claimed_by = NULL, last_error = r.error,
+                       available_at = statement_timestamp() + r.delay_ms * interval '1 millisecond'
+                FROM unnest($4::uuid[], $5::bigint[], $6::text[]) AS r(id, delay_ms, error)
+                WHERE o.id = r.id AND o.claim_token = $1 {locked}
+                RETURNING 1),
+             acked AS (
+                DELETE FROM {outbox} o USING unnest($7::uuid[], $8::text[]) AS r(id, receipt)
+                WHERE o.id = r.id AND o.claim_token = $1
+                RETURNING o.*, r.receipt),
+             {kept}
+             released AS (
+                UPDATE {outbox} o SET claim_token = NULL, claimed_by = NULL,
+                       available_at = statement_timestamp()
+                WHERE o.id = ANY($9) AND o.claim_token = $1
+                RETURNING 1)
+             SELECT (SELECT count(*) FROM moved) + (SELECT count(*) FROM retried)
+                  + (SELECT count(*) FROM {acked_count}) + (SELECT count(*) FROM released)"
+        )
+    }
+
     /// The claim with per-key order: a sweep over the partition keys rather than the rows.
     ///
-    /// A key's unavailable rows (in flight, or waiting to retry) always form a prefix of its
-    /// rows: claims take a key's rows from its first, and settlements only ever hold back a
-    /// key's first rows. So a key is free when its first row is due and it is not parked, and
-    /// then its first rows may go. The sweep visits each key once, in key order, starting
-    /// after the key where this relay's last claim stopped (`$5`) and wrapping around: a key
-    /// another relay holds costs one index descent, however many rows it has waiting, and
-    /// keys take turns. It takes at most `max_per_key` rows of a key (the worker publishes a
-    /// key's rows one round after another) and stops once it has the batch.
+    /// A key is free when its first row is due and it is not parked. The sweep visits each
+    /// key once, in key order, starting after the key where this relay's last claim stopped
+    /// (`$5`) and wrapping around: a key another relay holds costs one index descent,
+    /// however many rows it has waiting, and keys take turns. Of a free key it takes its
+    /// first rows, at most `max_per_key` (the worker publishes a key's rows one round after
+    /// another), and stops at the first row that is not due: rows behind one that is in
+    /// flight or waiting to retry never go ahead of it, whatever their own state (a row of
+    /// a late commit, a released or replayed row can be due behind one that is not). It
+    /// stops once it has the batch.
     ///
     /// Rows without a key need no order: the oldest due ones take turns with the keyed rows,
     /// so neither kind starves the other. Claims are serialised by the advisory lock, so the
-    /// candidates need no row locks; the UPDATE re-checks each row. Every returned row carries
+    /// candidates need no row locks, and the UPDATE takes every picked row without checking
+    /// it again: the only writes that can change a picked row meanwhile are deliveries
+    /// (the row is gone, and skipped) and releases (the row is due anyway); re-checking
+    /// would drop a released row and keep the rows behind it. Every returned row carries
     /// the key the next sweep starts after, the last one taken in sweep order.
     fn ordered_claim(outbox: &str, parked: &str, cols: &str, max_per_key: usize) -> String {
         let head = format!("SELECT o.partition_key, o.seq, o.available_at FROM {outbox} o");
@@ -204,27 +244,37 @@ impl Statements {
                 SELECT * FROM after_cursor UNION ALL SELECT * FROM up_to_cursor),
              free_keys AS (
                 SELECT h.partition_key FROM heads h
-                WHERE h.available_at <= now()
+                WHERE h.available_at <= statement_timestamp()
                   AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = h.partition_key)),
              keyed AS (
                 SELECT r.seq, r.partition_key FROM free_keys f CROSS JOIN LATERAL (
-                    SELECT o.seq, o.partition_key FROM {outbox} o
-                    WHERE o.partition_key = f.partition_key
-                    ORDER BY o.seq LIMIT {max_per_key}) r
+                    SELECT w.seq, w.partition_key FROM (
+                        SELECT k.seq, k.partition_key,
+                               bool_and(k.available_at <= statement_timestamp())
+                                   OVER (ORDER BY k.seq) AS all_due_so_far
+                        FROM (SELECT o.seq, o.partition_key, o.available_at FROM {outbox} o
+                              WHERE o.partition_key = f.partition_key
+                              ORDER BY o.seq LIMIT {max_per_key}) k) w
+                    WHERE w.all_due_so_far) r
+                -- Stops the sweep once it has a batch: rows come key after key in sweep
+                -- order, each key's in seq order, so the cut drops only a key's last rows.
                 LIMIT $1),
              unkeyed AS (
                 SELECT o.seq, o.partition_key FROM {outbox} o
-                WHERE o.partition_key IS NULL AND o.available_at <= now()
+                WHERE o.partition_key IS NULL AND o.available_at <= statement_timestamp()
                 ORDER BY o.seq LIMIT $1),
              picked AS MATERIALIZED (
                 SELECT seq, partition_key FROM (
                     SELECT seq, partition_key, row_number() OVER (ORDER BY seq) AS turn FROM unkeyed
                     UNION ALL
-                    SELECT seq, partition_key, row_number() OVER () AS turn FROM keyed) t
+                    -- Sweep order, each key's rows in order: a cut at the limit drops only
+                    -- the last rows of a key, never a row ahead of one it keeps.
+                    SELECT seq, partition_key, row_number() OVER (
+                        ORDER BY partition_key <= $5, partition_key, seq) AS turn FROM keyed) t
                 ORDER BY turn LIMIT $1)
              UPDATE {outbox} o SET claim_token = $2, claimed_by = $3,
-                    available_at = now() + $4 * interval '1 millisecond'
-             FROM picked WHERE o.seq = picked.seq AND o.available_at <= now()
+                    available_at = statement_timestamp() + $4 * interval '1 millisecond'
+             FROM picked WHERE o.seq = picked.seq
              RETURNING o.seq, {cols},
                 (SELECT p.partition_key FROM picked p WHERE p.partition_key IS NOT NULL
                  ORDER BY p.partition_key <= $5 DESC, p.partition_key DESC LIMIT 1) AS cursor"
@@ -351,8 +401,8 @@ impl PgStorage {
         self.table.lock_key()
     }
 
-    /// Runs a settlement statement that returns a count.
-    async fn settle(
+    /// Runs a statement that returns a count.
+    async fn count(
         &self,
         what: &str,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
@@ -703,48 +753,50 @@ impl Storage for PgStorage {
         Ok(Claim { token, messages })
     }
 
-    async fn ack(&self, token: &ClaimToken, delivered: &[Delivery]) -> Result<u64> {
-        let ids: Vec<Uuid> = delivered.iter().map(|d| d.id).collect();
-        let query = sqlx::query(&self.sql.ack).bind(ids).bind(token.0);
-        if self.config.retention.is_some() {
-            let receipts: Vec<&str> = delivered.iter().map(|d| d.receipt.0.as_str()).collect();
-            let done = query
-                .bind(receipts)
-                .execute(&self.pool)
-                .await
-                .map_err(|e| db_error("ack failed", e))?;
-            return Ok(done.rows_affected());
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        if settlement.is_empty() {
+            return Ok(0);
         }
-        self.settle("ack failed", query).await
-    }
-
-    async fn retry(&self, token: &ClaimToken, failed: &[Retry]) -> Result<u64> {
-        let ids: Vec<Uuid> = failed.iter().map(|f| f.id).collect();
-        let delays: Vec<i64> = failed.iter().map(|f| millis(f.delay)).collect();
-        let errors: Vec<&str> = failed.iter().map(|f| f.error.as_str()).collect();
-        let query = sqlx::query(&self.sql.retry)
-            .bind(ids)
+        let sql = if settlement.holds_back() {
+            &self.sql.settle_holding_back
+        } else {
+            &self.sql.settle
+        };
+        let s = settlement;
+        let query = sqlx::query(sql)
             .bind(token.0)
-            .bind(delays)
-            .bind(errors);
-        self.settle("recording a retry failed", query).await
+            .bind(s.dead.iter().map(|d| d.id).collect::<Vec<Uuid>>())
+            .bind(s.dead.iter().map(|d| d.error.as_str()).collect::<Vec<_>>())
+            .bind(s.retries.iter().map(|r| r.id).collect::<Vec<Uuid>>())
+            .bind(
+                s.retries
+                    .iter()
+                    .map(|r| millis(r.delay))
+                    .collect::<Vec<i64>>(),
+            )
+            .bind(
+                s.retries
+                    .iter()
+                    .map(|r| r.error.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(s.delivered.iter().map(|d| d.id).collect::<Vec<Uuid>>())
+            .bind(
+                s.delivered
+                    .iter()
+                    .map(|d| d.receipt.0.as_str())
+                    .collect::<Vec<_>>(),
+            )
+            .bind(s.released.clone());
+        self.count("settling a batch failed", query).await
     }
 
-    async fn dead_letter(&self, token: &ClaimToken, dead: &[DeadLetter]) -> Result<u64> {
-        let ids: Vec<Uuid> = dead.iter().map(|d| d.id).collect();
-        let errors: Vec<&str> = dead.iter().map(|d| d.error.as_str()).collect();
-        let query = sqlx::query(&self.sql.dead_letter)
-            .bind(ids)
-            .bind(token.0)
-            .bind(errors);
-        self.settle("dead-lettering failed", query).await
-    }
-
-    async fn release(&self, token: &ClaimToken, ids: &[Uuid]) -> Result<u64> {
-        let query = sqlx::query(&self.sql.release)
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
+        let query = sqlx::query(&self.sql.extend_lease)
             .bind(ids.to_vec())
-            .bind(token.0);
-        self.settle("release failed", query).await
+            .bind(token.0)
+            .bind(millis(lease));
+        self.count("renewing a lease failed", query).await
     }
 
     async fn health(&self) -> Result<()> {
@@ -773,7 +825,9 @@ impl Storage for PgStorage {
     }
 
     fn capabilities(&self) -> StorageCapabilities {
-        StorageCapabilities::new(self.config.per_key_order)
+        let per_key_order = self.config.per_key_order;
+        StorageCapabilities::new(per_key_order)
+            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
     }
 
     async fn wait_for_work(&self) -> Result<()> {

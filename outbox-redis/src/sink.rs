@@ -391,6 +391,11 @@ impl Sink for RedisSink {
             .with_deduplication(self.dedup.is_some())
             .with_max_payload(Some(self.config.max_payload))
     }
+
+    /// A batch is one pipelined round trip within `command_timeout`.
+    fn publish_timeout(&self) -> Option<std::time::Duration> {
+        Some(self.config.command_timeout)
+    }
 }
 
 #[cfg(test)]

@@ -93,16 +93,10 @@ impl Storage for BrokenStorage {
         self.calls.lock().unwrap().push(self.start.elapsed());
         Err(Error::unavailable("database is down"))
     }
-    async fn ack(&self, _: &ClaimToken, _: &[Delivery]) -> Result<u64> {
+    async fn settle(&self, _: &ClaimToken, _: &Settlement) -> Result<u64> {
         unreachable!("nothing was claimed")
     }
-    async fn retry(&self, _: &ClaimToken, _: &[Retry]) -> Result<u64> {
-        unreachable!("nothing was claimed")
-    }
-    async fn dead_letter(&self, _: &ClaimToken, _: &[DeadLetter]) -> Result<u64> {
-        unreachable!("nothing was claimed")
-    }
-    async fn release(&self, _: &ClaimToken, _: &[Uuid]) -> Result<u64> {
+    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
         unreachable!("nothing was claimed")
     }
     async fn health(&self) -> Result<()> {
@@ -396,4 +390,173 @@ fn config_validation_names_the_setting() {
     .unwrap();
     assert_eq!(err.kind(), ErrorKind::Config);
     assert!(err.to_string().contains("batch_size"));
+}
+
+/// A sink that takes `delay` per publish, delivers everything, and reports `timeout`.
+struct SlowSink {
+    delay: Duration,
+    timeout: Option<Duration>,
+    calls: Mutex<Vec<Vec<String>>>,
+}
+
+impl SlowSink {
+    fn new(delay: Duration, timeout: Option<Duration>) -> Self {
+        SlowSink {
+            delay,
+            timeout,
+            calls: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn calls(&self) -> Vec<Vec<String>> {
+        self.calls.lock().unwrap().clone()
+    }
+}
+
+#[async_trait]
+impl Sink for SlowSink {
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+        let payloads = batch
+            .iter()
+            .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+            .collect();
+        self.calls.lock().unwrap().push(payloads);
+        sleep(self.delay).await;
+        Ok(batch
+            .iter()
+            .map(|_| Outcome::Delivered(crate::Receipt::new("slow")))
+            .collect())
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+    fn publish_timeout(&self) -> Option<Duration> {
+        self.timeout
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_that_outlives_its_lease_keeps_it_renewed() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    storage.enqueue(NewMessage::new("t", "k1").key("k"));
+    storage.enqueue(NewMessage::new("t", "k2").key("k"));
+    // Each round takes 2.5 leases; the lease must be renewed, or another relay takes over.
+    let lease = Duration::from_secs(4);
+    let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
+    let cfg = WorkerConfig { lease, ..config() };
+    let worker = Worker::new(cfg, storage.clone(), sink.clone()).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    for _ in 0..19 {
+        sleep(Duration::from_secs(1)).await;
+        let other = storage.claim("other", 10, lease).await.unwrap();
+        assert!(
+            other.messages.is_empty(),
+            "another relay claimed {:?} while the batch was still publishing",
+            other.messages
+        );
+    }
+    sleep(Duration::from_secs(2)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(sink.calls(), [vec!["k1"], vec!["k2"]]);
+    let delivered: Vec<Vec<u8>> = storage
+        .delivered()
+        .into_iter()
+        .map(|(m, _)| m.payload)
+        .collect();
+    assert_eq!(delivered, [b"k1".to_vec(), b"k2".to_vec()]);
+}
+
+/// A storage whose leases cannot be renewed (the database went away during a batch).
+struct NoRenewal(MemoryStorage);
+
+#[async_trait]
+impl Storage for NoRenewal {
+    async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        self.0.claim(worker, limit, lease).await
+    }
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        self.0.settle(token, settlement).await
+    }
+    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
+        Err(Error::unavailable("database is down"))
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+    async fn stats(&self) -> Result<QueueStats> {
+        self.0.stats().await
+    }
+    fn capabilities(&self) -> StorageCapabilities {
+        self.0.capabilities()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
+    let storage = Arc::new(NoRenewal(MemoryStorage::new(true)));
+    storage.0.enqueue(NewMessage::new("t", "k1").key("k"));
+    storage.0.enqueue(NewMessage::new("t", "k2").key("k"));
+    let lease = Duration::from_secs(4);
+    let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
+    let cfg = WorkerConfig { lease, ..config() };
+    let worker = Worker::new(cfg, storage.clone(), sink.clone()).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    // The first round outlives the lease, which cannot be renewed: the batch stops at the
+    // lease's end and k2 is not published by this batch.
+    sleep(Duration::from_millis(4500)).await;
+    assert_eq!(sink.calls(), [vec!["k1"]], "k2 went out on a lost lease");
+    let stats = storage.stats().await.unwrap();
+    assert_eq!(
+        (stats.in_flight, stats.pending),
+        (0, 2),
+        "the lost batch gives its messages back uncharged while they are still its own"
+    );
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
+}
+
+#[test]
+fn a_lease_shorter_than_the_worst_batch_is_refused_naming_both_settings() {
+    let sink = Arc::new(SlowSink::new(Duration::ZERO, Some(Duration::from_secs(10))));
+    let cfg = WorkerConfig {
+        lease: Duration::from_secs(60),
+        batch_size: 8,
+        ..config()
+    };
+    let err = Worker::new(
+        cfg.clone(),
+        Arc::new(MemoryStorage::new(true)),
+        sink.clone(),
+    )
+    .err()
+    .expect("8 rounds of 10 s do not fit a 60 s lease");
+    assert_eq!(err.kind(), ErrorKind::Config);
+    let text = err.to_string();
+    for needle in ["relay.lease", "relay.batch_size", "80s"] {
+        assert!(text.contains(needle), "{needle} missing from: {text}");
+    }
+    // Without per-key order a batch is one round.
+    assert!(
+        Worker::new(
+            cfg.clone(),
+            Arc::new(MemoryStorage::new(false)),
+            sink.clone()
+        )
+        .is_ok()
+    );
+    let long = WorkerConfig {
+        lease: Duration::from_secs(80),
+        ..cfg
+    };
+    assert!(Worker::new(long, Arc::new(MemoryStorage::new(true)), sink).is_ok());
 }
