@@ -31,9 +31,11 @@
 //! Every check panics with a message saying what broke; none is skipped silently: a check
 //! that does not apply prints why on stderr.
 
+mod model;
 mod sink;
 mod storage;
 
+pub use model::*;
 pub use sink::*;
 pub use storage::*;
 
@@ -106,6 +108,12 @@ macro_rules! storage_conformance_tests {
             storage_without_key_order_keys_do_not_block,
             storage_out_of_order_commits_lose_nothing,
             storage_stats_count_the_queue,
+            storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
+            storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
+            storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
+            storage_settle_writes_the_whole_outcome,
+            storage_extend_lease_holds_the_claim,
+            storage_random_operations_keep_key_order,
         );
     };
 }

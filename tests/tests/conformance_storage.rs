@@ -2,13 +2,15 @@
 //! in-memory storage of outbox-core.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::memory::MemoryStorage;
+use outbox_core::memory::{MemoryStorage, MemoryTransaction};
 use outbox_core::{NewMessage, Storage};
 use outbox_postgres::OutboxTable;
 use outbox_tests::TestOutbox;
 use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+use uuid::Uuid;
 
 /// PostgreSQL: each fixture is a fresh migrated schema, dropped with it.
 struct Postgres;
@@ -42,6 +44,35 @@ impl StorageFixture for PgFixture {
             .expect("enqueue");
         Box::new(PgWrite(tx))
     }
+
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.0
+            .storage
+            .replay_dead_letters(ids)
+            .await
+            .expect("replay")
+    }
+
+    async fn release_parked_key(&self, key: &str) -> bool {
+        self.0
+            .storage
+            .release_parked_key(key)
+            .await
+            .expect("release parked key")
+    }
+
+    async fn advance(&self, by: Duration) {
+        // The database clock cannot move: move every stored time back instead.
+        let sql = format!(
+            "UPDATE {} SET available_at = available_at - $1 * interval '1 millisecond'",
+            self.0.table.qualified("")
+        );
+        sqlx::query(&sql)
+            .bind(by.as_millis() as i64)
+            .execute(&self.0.pool)
+            .await
+            .expect("moving stored times back");
+    }
 }
 
 #[async_trait]
@@ -66,17 +97,17 @@ struct MemoryFixture(Arc<MemoryStorage>);
 
 struct MemoryWrite {
     storage: Arc<MemoryStorage>,
-    messages: Vec<NewMessage>,
+    tx: MemoryTransaction,
 }
 
 #[async_trait]
 impl PendingWrite for MemoryWrite {
     async fn commit(self: Box<Self>) {
-        for message in self.messages {
-            self.storage.enqueue(message);
-        }
+        self.storage.commit(self.tx);
     }
-    async fn rollback(self: Box<Self>) {}
+    async fn rollback(self: Box<Self>) {
+        self.storage.rollback(self.tx);
+    }
 }
 
 #[async_trait]
@@ -88,8 +119,20 @@ impl StorageFixture for MemoryFixture {
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
         Box::new(MemoryWrite {
             storage: self.0.clone(),
-            messages: messages.to_vec(),
+            tx: self.0.begin(messages.to_vec()),
         })
+    }
+
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.0.replay_dead_letters(ids)
+    }
+
+    async fn release_parked_key(&self, key: &str) -> bool {
+        self.0.release_parked_key(key)
+    }
+
+    async fn advance(&self, by: Duration) {
+        self.0.advance(by);
     }
 }
 

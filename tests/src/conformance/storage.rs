@@ -5,7 +5,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{Claim, DeadLetter, Delivery, NewMessage, Receipt, Retry, Storage, TraceContext};
+use outbox_core::{
+    Claim, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement, Storage, TraceContext,
+};
 use uuid::Uuid;
 
 /// Writes that a storage holds back until they commit: the application's transaction.
@@ -31,6 +33,19 @@ pub trait StorageFixture: Send + Sync {
     async fn enqueue(&self, messages: &[NewMessage]) {
         self.begin(messages).await.commit().await;
     }
+
+    /// The operator's replay: puts these dead letters back at their original place in their
+    /// key's order and unparks each key once none of its dead letters remain. Returns how
+    /// many were replayed.
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64;
+
+    /// The operator's release of a parked key: its later messages flow without its dead
+    /// letter. Returns whether it was parked.
+    async fn release_parked_key(&self, key: &str) -> bool;
+
+    /// Moves the storage's clock ahead by `by`, as if that much time had passed: leases
+    /// and retry delays run out sooner. (For a database: shift the stored times back.)
+    async fn advance(&self, by: Duration);
 }
 
 /// What a storage backend gives the suite.
@@ -59,6 +74,8 @@ pub trait StorageHarness: Send + Sync {
 }
 
 const LEASE: Duration = Duration::from_secs(30);
+/// A retry delay that no check waits out.
+const LONG: Duration = Duration::from_secs(3600);
 /// A lease or delay short enough to wait out in a test.
 const SHORT: Duration = Duration::from_millis(300);
 /// Comfortably longer than [`SHORT`], also on a loaded machine's clock.
@@ -103,7 +120,10 @@ async fn claim(storage: &dyn Storage, worker: &str, limit: usize, lease: Duratio
 }
 
 /// A fixture whose capabilities are checked to be what the check needs.
-async fn fixture(h: &dyn StorageHarness, per_key_order: bool) -> Option<Box<dyn StorageFixture>> {
+pub(crate) async fn fixture(
+    h: &dyn StorageHarness,
+    per_key_order: bool,
+) -> Option<Box<dyn StorageFixture>> {
     let f = h.fresh(per_key_order).await;
     if f.storage().capabilities().per_key_order == per_key_order {
         Some(f)
@@ -637,6 +657,236 @@ pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
     );
 }
 
+fn retry(m: &outbox_core::Message, delay: Duration) -> Retry {
+    Retry {
+        id: m.id,
+        delay,
+        error: "refused".into(),
+    }
+}
+
+/// One relay, no crash: writer A's message commits late, behind a message of its key that
+/// waits to retry; writer C's message, written after B's committed, must not overtake B's.
+pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
+    h: &dyn StorageHarness,
+) {
+    let check = "late commit behind a retry";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    let a = f.begin(&[keyed("k", "a")]).await;
+    f.enqueue(&[keyed("k", "b")]).await;
+    let first = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&first), ["b"], "{check}: A has not committed yet");
+    storage
+        .retry(&first.token, &[retry(&first.messages[0], SHORT)])
+        .await
+        .expect("retry");
+    f.enqueue(&[keyed("k", "c")]).await;
+    a.commit().await;
+    let second = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        payloads(&second),
+        ["a"],
+        "{check}: the claim must stop the key at b, which waits to retry; c began after b committed"
+    );
+    assert!(
+        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
+        "{check}: a second relay may take nothing of the key while a is in flight and b waits"
+    );
+    storage
+        .ack(&second.token, &deliveries(&second))
+        .await
+        .expect("ack");
+    tokio::time::sleep(WAIT_OUT).await;
+    let third = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        payloads(&third),
+        ["b", "c"],
+        "{check}: after b's delay the key goes on in order"
+    );
+}
+
+/// A batch settled only in part (the relay died after writing a retry) or after its lease
+/// ran out: the messages behind the retry stay behind it once the lease is over.
+pub async fn storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h: &dyn StorageHarness) {
+    let check = "rows behind a retry after the lease";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    let sent: Vec<NewMessage> = (1..=4).map(|i| keyed("k", &format!("m{i}"))).collect();
+    f.enqueue(&sent).await;
+    // The relay delivered m1 and m2 was refused; only the retry was written before it died
+    // (a relay that writes a batch's outcome in several steps, or a crash between them).
+    let c = claim(&*storage, "w1", 10, SHORT).await;
+    assert_eq!(payloads(&c), ["m1", "m2", "m3", "m4"], "{check}: the claim");
+    assert_eq!(
+        storage
+            .retry(&c.token, &[retry(&c.messages[1], LONG)])
+            .await
+            .expect("retry"),
+        1
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    assert_eq!(
+        payloads(&claim(&*storage, "w2", 10, LEASE).await),
+        ["m1"],
+        "{check}: once w1's lease ran out m1 goes again, but m3 and m4 must wait behind m2"
+    );
+    // A batch that outlived its lease and settles late, with nobody having claimed since.
+    f.enqueue(&[keyed("j", "j1"), keyed("j", "j2"), keyed("j", "j3")])
+        .await;
+    let late = claim(&*storage, "w3", 10, SHORT).await;
+    assert_eq!(
+        payloads(&late),
+        ["j1", "j2", "j3"],
+        "{check}: the late batch"
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    let settlement = Settlement {
+        delivered: deliveries(&late)[..1].to_vec(),
+        retries: vec![retry(&late.messages[1], LONG)],
+        released: vec![late.messages[2].id],
+        ..Settlement::default()
+    };
+    assert_eq!(
+        storage
+            .settle(&late.token, &settlement)
+            .await
+            .expect("settle"),
+        3,
+        "{check}: a late settlement is accepted while nobody claimed the rows"
+    );
+    assert!(
+        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
+        "{check}: j3 was released but must wait behind j2"
+    );
+}
+
+/// An operator replays a dead letter after releasing its key: it goes first in its key, and
+/// the messages behind a later retry stay behind it.
+pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
+    h: &dyn StorageHarness,
+) {
+    let check = "replay behind a retry";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    f.enqueue(&[keyed("k", "m1"), keyed("k", "m2"), keyed("k", "m3")])
+        .await;
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), ["m1"], "{check}: the head");
+    let dead = DeadLetter {
+        id: c.messages[0].id,
+        error: "poison".into(),
+    };
+    storage.dead_letter(&c.token, &[dead]).await.expect("dead");
+    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    let rest = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&rest), ["m2", "m3"], "{check}: after the release");
+    let settlement = Settlement {
+        retries: vec![retry(&rest.messages[0], LONG)],
+        released: vec![rest.messages[1].id],
+        ..Settlement::default()
+    };
+    storage
+        .settle(&rest.token, &settlement)
+        .await
+        .expect("settle");
+    assert_eq!(
+        f.replay_dead_letters(&ids(&c)).await,
+        1,
+        "{check}: replayed"
+    );
+    let next = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(
+        payloads(&next),
+        ["m1"],
+        "{check}: the replayed m1 goes, m3 must wait behind m2"
+    );
+    assert_eq!(
+        next.messages[0].attempts, 0,
+        "{check}: a replay resets attempts"
+    );
+}
+
+/// `settle` writes deliveries, retries, dead letters and releases of one batch in one call,
+/// each only under the claim's token.
+pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
+    let check = "settle";
+    let f = h.fresh(false).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("a"), msg("b"), msg("c"), msg("d")]).await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    let m = &c.messages;
+    let settlement = Settlement {
+        delivered: deliveries(&c)[..1].to_vec(),
+        retries: vec![retry(&m[1], LONG)],
+        dead: vec![DeadLetter {
+            id: m[2].id,
+            error: "bad".into(),
+        }],
+        released: vec![m[3].id],
+    };
+    assert_eq!(
+        storage.settle(&c.token, &settlement).await.expect("settle"),
+        4,
+        "{check}: count"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.dead_lettered),
+        (2, 0, 1),
+        "{check}: b waits to retry, c is dead, d is back: {stats:?}"
+    );
+    assert_eq!(
+        payloads(&claim(&*storage, "w1", 10, LEASE).await),
+        ["d"],
+        "{check}: only the released message is due"
+    );
+    assert_eq!(
+        storage.settle(&c.token, &settlement).await.expect("settle"),
+        0,
+        "{check}: settling again changes nothing"
+    );
+}
+
+/// `extend_lease` keeps a claim's messages from other relays past the first lease, and
+/// renews nothing once the claim was taken over.
+pub async fn storage_extend_lease_holds_the_claim(h: &dyn StorageHarness) {
+    let check = "extend lease";
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[msg("a"), keyed("k", "b")]).await;
+    let c = claim(&*storage, "w1", 10, SHORT).await;
+    assert_eq!(
+        storage
+            .extend_lease(&c.token, &ids(&c), LEASE)
+            .await
+            .expect("extend"),
+        2,
+        "{check}: both renewed"
+    );
+    tokio::time::sleep(WAIT_OUT).await;
+    assert!(
+        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
+        "{check}: claimed again although the lease was renewed"
+    );
+    let short = storage
+        .extend_lease(&c.token, &ids(&c), SHORT)
+        .await
+        .expect("extend");
+    assert_eq!(short, 2, "{check}: renewed for a short lease");
+    tokio::time::sleep(WAIT_OUT).await;
+    let taken = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(ids(&taken), ids(&c), "{check}: taken over after the lease");
+    assert_eq!(
+        storage
+            .extend_lease(&c.token, &ids(&c), LEASE)
+            .await
+            .expect("extend"),
+        0,
+        "{check}: a taken-over claim renews nothing"
+    );
+}
+
 /// Runs every storage check in turn.
 pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_declares_what_was_asked(h).await;
@@ -654,4 +904,10 @@ pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_without_key_order_keys_do_not_block(h).await;
     storage_out_of_order_commits_lose_nothing(h).await;
     storage_stats_count_the_queue(h).await;
+    storage_a_late_commit_does_not_let_later_messages_pass_a_retry(h).await;
+    storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h).await;
+    storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(h).await;
+    storage_settle_writes_the_whole_outcome(h).await;
+    storage_extend_lease_holds_the_claim(h).await;
+    super::storage_random_operations_keep_key_order(h).await;
 }

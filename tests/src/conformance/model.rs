@@ -1,0 +1,477 @@
+//! The randomised storage check: random sequences of application transactions (committing
+//! late or rolling back), claims by several relays, settlements, relays that die, leases and
+//! retry delays running out, dead letters, replays and releases, driven against a storage and
+//! checked after every step against a reference model of what the contract allows.
+//!
+//! `OUTBOX_MODEL_SEED` replays one seed; `OUTBOX_MODEL_RUNS` and `OUTBOX_MODEL_STEPS` set how
+//! many sequences and how long (default 6 × 120). A failure prints the seed.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use outbox_core::{
+    Claim, ClaimToken, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement,
+};
+use uuid::Uuid;
+
+use super::storage::{PendingWrite, StorageHarness};
+
+/// Leases and delays are hours long, so the seconds a run takes never expire one: time
+/// moves only when the model says so, by [`ADVANCE`].
+const HOUR: Duration = Duration::from_secs(3600);
+/// Runs out one-hour leases and delays but not three-hour ones.
+const ADVANCE: Duration = Duration::from_secs(2 * 3600);
+const KEYS: [Option<&str>; 4] = [Some("a"), Some("b"), Some("c"), None];
+const RELAYS: usize = 3;
+
+fn env_number(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|v| v.parse().ok())
+}
+
+/// Where a message is, as the model sees it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Written by a transaction that is still open: invisible.
+    Open,
+    RolledBack,
+    /// Waiting; due once the model clock reaches `at`.
+    Waiting {
+        at: Duration,
+    },
+    /// Claimed under `token` until `until` on the model clock.
+    Held {
+        token: ClaimToken,
+        until: Duration,
+    },
+    Delivered,
+    Dead,
+}
+
+#[derive(Debug)]
+struct Msg {
+    id: Uuid,
+    key: Option<String>,
+    state: State,
+}
+
+/// The reference: every message in write (sequence) order, the parked keys and the clock.
+#[derive(Default)]
+struct Model {
+    msgs: Vec<Msg>,
+    index: HashMap<Uuid, usize>,
+    parked: HashSet<String>,
+    now: Duration,
+}
+
+impl Model {
+    /// In the storage: committed and not yet delivered or dead-lettered.
+    fn stored(&self, m: &Msg) -> bool {
+        matches!(m.state, State::Waiting { .. } | State::Held { .. })
+    }
+
+    fn due(&self, m: &Msg) -> bool {
+        match m.state {
+            State::Waiting { at } => at <= self.now,
+            State::Held { until, .. } => until <= self.now,
+            _ => false,
+        }
+    }
+
+    fn held_by(&self, i: usize, token: &ClaimToken) -> bool {
+        matches!(self.msgs[i].state, State::Held { token: t, .. } if t == *token)
+    }
+
+    /// Checks a claim against the claim rule; returns what is wrong, if anything.
+    fn check_claim(&self, claim: &Claim, limit: usize) -> Result<(), String> {
+        if claim.messages.len() > limit {
+            return Err(format!(
+                "{} messages claimed with limit {limit}",
+                claim.messages.len()
+            ));
+        }
+        let mut taken: Vec<usize> = Vec::new();
+        for message in &claim.messages {
+            let Some(&i) = self.index.get(&message.id) else {
+                return Err(format!("claimed an unknown message {}", message.id));
+            };
+            let m = &self.msgs[i];
+            if !self.due(m) {
+                return Err(format!(
+                    "claimed message #{i} ({:?}) that is not due",
+                    m.state
+                ));
+            }
+            if let Some(key) = &m.key {
+                if self.parked.contains(key) {
+                    return Err(format!("claimed message #{i} of parked key {key}"));
+                }
+                // Every earlier message of its key still in the storage comes in this claim,
+                // ahead of it.
+                for (j, earlier) in self.msgs[..i].iter().enumerate() {
+                    if earlier.key.as_deref() == Some(key)
+                        && self.stored(earlier)
+                        && !taken.contains(&j)
+                    {
+                        return Err(format!(
+                            "claimed #{i} of key {key} while earlier #{j} is {:?} and not ahead of it in the claim",
+                            earlier.state
+                        ));
+                    }
+                }
+            }
+            taken.push(i);
+        }
+        // With room for everything, no key with a due first message is left out.
+        let visible = self.msgs.iter().filter(|m| self.stored(m)).count();
+        if limit >= visible {
+            let mut firsts: HashSet<&str> = HashSet::new();
+            for (i, m) in self.msgs.iter().enumerate() {
+                if !self.stored(m) {
+                    continue;
+                }
+                let first_of_key = match &m.key {
+                    Some(k) => firsts.insert(k.as_str()),
+                    None => true,
+                };
+                let free = m.key.as_ref().is_none_or(|k| !self.parked.contains(k));
+                if first_of_key && free && self.due(m) && !taken.contains(&i) {
+                    return Err(format!(
+                        "a claim with room for everything left out #{i} (key {:?}), which is due and first of its key",
+                        m.key
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Prints the seed when the sequence it drives panics.
+struct SeedGuard(u64);
+
+impl Drop for SeedGuard {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            eprintln!(
+                "[conformance] random operations failed with seed {0}; replay it with OUTBOX_MODEL_SEED={0}",
+                self.0
+            );
+        }
+    }
+}
+
+/// Random sequences of operations keep the claim rule, per-key order and the settlement
+/// counts of the reference model, and everything committed is delivered in the end.
+pub async fn storage_random_operations_keep_key_order(h: &dyn StorageHarness) {
+    let (seed, runs) = match env_number("OUTBOX_MODEL_SEED") {
+        Some(seed) => (seed, 1),
+        None => (
+            fastrand::u64(..),
+            env_number("OUTBOX_MODEL_RUNS").unwrap_or(6),
+        ),
+    };
+    let steps = env_number("OUTBOX_MODEL_STEPS").unwrap_or(120) as usize;
+    for run in 0..runs {
+        run_sequence(h, seed.wrapping_add(run), steps).await;
+    }
+    super::note(
+        "random operations",
+        format!("{runs} sequences of {steps} steps from seed {seed}"),
+    );
+}
+
+async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
+    let _guard = SeedGuard(seed);
+    let mut rng = fastrand::Rng::with_seed(seed);
+    let Some(f) = super::storage::fixture(h, true).await else {
+        super::note(
+            "random operations",
+            "skipped: the storage cannot keep per-key order",
+        );
+        return;
+    };
+    let storage = f.storage();
+    let mut model = Model::default();
+    let mut open: Vec<(Vec<usize>, Box<dyn PendingWrite>)> = Vec::new();
+    let mut claims: Vec<Option<Claim>> = (0..RELAYS).map(|_| None).collect();
+    let mut written = 0usize;
+
+    for step in 0..steps {
+        let what = rng.u8(..100);
+        let context = |op: &str| format!("seed {seed}, step {step}, {op}");
+        match what {
+            // An application transaction writes one to three messages.
+            0..=17 if open.len() < 3 => {
+                let mut batch = Vec::new();
+                let mut idx = Vec::new();
+                for _ in 0..rng.usize(1..=3) {
+                    let key = KEYS[rng.usize(..KEYS.len())];
+                    let mut message = NewMessage::new("model", format!("m{written}"));
+                    written += 1;
+                    if let Some(k) = key {
+                        message = message.key(k);
+                    }
+                    model.index.insert(message.id, model.msgs.len());
+                    idx.push(model.msgs.len());
+                    model.msgs.push(Msg {
+                        id: message.id,
+                        key: key.map(str::to_string),
+                        state: State::Open,
+                    });
+                    batch.push(message);
+                }
+                open.push((idx, f.begin(&batch).await));
+            }
+            // One open transaction commits (or, now and then, rolls back).
+            18..=35 if !open.is_empty() => {
+                let (idx, tx) = open.remove(rng.usize(..open.len()));
+                let commit = rng.u8(..10) < 8;
+                if commit {
+                    tx.commit().await;
+                } else {
+                    tx.rollback().await;
+                }
+                for i in idx {
+                    model.msgs[i].state = if commit {
+                        State::Waiting { at: model.now }
+                    } else {
+                        State::RolledBack
+                    };
+                }
+            }
+            // A relay without a batch claims one.
+            36..=59 => {
+                let r = rng.usize(..RELAYS);
+                if claims[r].is_some() {
+                    continue;
+                }
+                let limit = if rng.bool() { rng.usize(1..=4) } else { 100 };
+                let lease = if rng.u8(..4) == 0 { 3 * HOUR } else { HOUR };
+                let claim = storage
+                    .claim(&format!("relay-{r}"), limit, lease)
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: {e}", context("claim")));
+                if let Err(why) = model.check_claim(&claim, limit) {
+                    panic!("{}: {why}", context("claim"));
+                }
+                for message in &claim.messages {
+                    let i = model.index[&message.id];
+                    model.msgs[i].state = State::Held {
+                        token: claim.token,
+                        until: model.now + lease,
+                    };
+                }
+                claims[r] = Some(claim);
+            }
+            // A relay publishes its batch as the worker does and settles it in one call.
+            60..=79 => {
+                let r = rng.usize(..RELAYS);
+                let Some(claim) = claims[r].take() else {
+                    continue;
+                };
+                let settlement = publish_like_the_worker(&claim, &mut rng);
+                let expected = settlement_count(&model, &claim.token, &settlement);
+                let applied = storage
+                    .settle(&claim.token, &settlement)
+                    .await
+                    .unwrap_or_else(|e| panic!("{}: {e}", context("settle")));
+                assert_eq!(
+                    applied,
+                    expected,
+                    "{}: the settlement changed another number of messages than the model",
+                    context("settle")
+                );
+                apply_settlement(&mut model, &claim.token, &settlement);
+            }
+            // A relay dies with its batch: nothing is written, the lease runs out later.
+            80..=84 => claims[rng.usize(..RELAYS)] = None,
+            // Time passes: one-hour leases and delays run out.
+            85..=91 => {
+                f.advance(ADVANCE).await;
+                model.now += ADVANCE;
+            }
+            // The operator replays a dead letter.
+            92..=95 => {
+                let dead: Vec<usize> = (0..model.msgs.len())
+                    .filter(|&i| model.msgs[i].state == State::Dead)
+                    .collect();
+                if dead.is_empty() {
+                    continue;
+                }
+                let i = dead[rng.usize(..dead.len())];
+                let n = f.replay_dead_letters(&[model.msgs[i].id]).await;
+                assert_eq!(n, 1, "{}: replay count", context("replay"));
+                replay(&mut model, i);
+            }
+            // The operator releases a parked key.
+            96..=99 => {
+                let Some(key) = model.parked.iter().next().cloned() else {
+                    continue;
+                };
+                assert!(
+                    f.release_parked_key(&key).await,
+                    "{}: key {key} was parked",
+                    context("release key")
+                );
+                model.parked.remove(&key);
+            }
+            _ => {}
+        }
+    }
+
+    // The end: open transactions commit, time passes, dead letters are replayed, and the
+    // relays drain everything; every committed message is delivered.
+    for (idx, tx) in open.drain(..) {
+        tx.commit().await;
+        for i in idx {
+            model.msgs[i].state = State::Waiting { at: model.now };
+        }
+    }
+    f.advance(4 * HOUR).await;
+    model.now += 4 * HOUR;
+    let dead: Vec<usize> = (0..model.msgs.len())
+        .filter(|&i| model.msgs[i].state == State::Dead)
+        .collect();
+    for &i in &dead {
+        assert_eq!(f.replay_dead_letters(&[model.msgs[i].id]).await, 1);
+        replay(&mut model, i);
+    }
+    for key in std::mem::take(&mut model.parked) {
+        f.release_parked_key(&key).await;
+    }
+    for round in 0.. {
+        assert!(round < 200, "seed {seed}: the storage never drained");
+        let claim = storage
+            .claim("drain", 100, HOUR)
+            .await
+            .expect("drain claim");
+        if claim.messages.is_empty() {
+            break;
+        }
+        if let Err(why) = model.check_claim(&claim, 100) {
+            panic!("seed {seed}, draining: {why}");
+        }
+        let settlement = Settlement {
+            delivered: claim
+                .messages
+                .iter()
+                .map(|m| Delivery {
+                    id: m.id,
+                    receipt: Receipt::new("drained"),
+                })
+                .collect(),
+            ..Settlement::default()
+        };
+        for message in &claim.messages {
+            let i = model.index[&message.id];
+            model.msgs[i].state = State::Held {
+                token: claim.token,
+                until: model.now + HOUR,
+            };
+        }
+        storage
+            .settle(&claim.token, &settlement)
+            .await
+            .expect("drain settle");
+        apply_settlement(&mut model, &claim.token, &settlement);
+    }
+    let left: Vec<(usize, State)> = model
+        .msgs
+        .iter()
+        .enumerate()
+        .filter(|(_, m)| m.state != State::Delivered && m.state != State::RolledBack)
+        .map(|(i, m)| (i, m.state))
+        .collect();
+    assert!(left.is_empty(), "seed {seed}: never delivered: {left:?}");
+}
+
+/// The worker's rules: a key's messages go in order, and at a key's first failure the rest
+/// of the key in the batch is released. Outcomes are drawn at random.
+fn publish_like_the_worker(claim: &Claim, rng: &mut fastrand::Rng) -> Settlement {
+    let mut settlement = Settlement::default();
+    let mut stopped: HashSet<&str> = HashSet::new();
+    for m in &claim.messages {
+        if m.key.as_deref().is_some_and(|k| stopped.contains(k)) {
+            settlement.released.push(m.id);
+            continue;
+        }
+        match rng.u8(..100) {
+            0..=64 => {
+                settlement.delivered.push(Delivery {
+                    id: m.id,
+                    receipt: Receipt::new("model"),
+                });
+                continue;
+            }
+            65..=79 => settlement.retries.push(Retry {
+                id: m.id,
+                delay: if rng.bool() { Duration::ZERO } else { HOUR },
+                error: "refused".into(),
+            }),
+            80..=86 => settlement.dead.push(DeadLetter {
+                id: m.id,
+                error: "poison".into(),
+            }),
+            _ => settlement.released.push(m.id),
+        }
+        if let Some(k) = m.key.as_deref() {
+            stopped.insert(k);
+        }
+    }
+    settlement
+}
+
+/// How many messages of `settlement` the storage must change: those still held under
+/// `token`.
+fn settlement_count(model: &Model, token: &ClaimToken, s: &Settlement) -> u64 {
+    let ids = s
+        .delivered
+        .iter()
+        .map(|d| d.id)
+        .chain(s.retries.iter().map(|r| r.id))
+        .chain(s.dead.iter().map(|d| d.id))
+        .chain(s.released.iter().copied());
+    ids.filter(|id| model.held_by(model.index[id], token))
+        .count() as u64
+}
+
+fn apply_settlement(model: &mut Model, token: &ClaimToken, s: &Settlement) {
+    let now = model.now;
+    let set = |model: &mut Model, id: &Uuid, state: State| {
+        let i = model.index[id];
+        if model.held_by(i, token) {
+            model.msgs[i].state = state;
+            true
+        } else {
+            false
+        }
+    };
+    for d in &s.dead {
+        if set(model, &d.id, State::Dead)
+            && let Some(key) = model.msgs[model.index[&d.id]].key.clone()
+        {
+            model.parked.insert(key);
+        }
+    }
+    for r in &s.retries {
+        set(model, &r.id, State::Waiting { at: now + r.delay });
+    }
+    for d in &s.delivered {
+        set(model, &d.id, State::Delivered);
+    }
+    for id in &s.released {
+        set(model, id, State::Waiting { at: now });
+    }
+}
+
+fn replay(model: &mut Model, i: usize) {
+    model.msgs[i].state = State::Waiting { at: model.now };
+    if let Some(key) = model.msgs[i].key.clone()
+        && !model
+            .msgs
+            .iter()
+            .any(|m| m.state == State::Dead && m.key.as_ref() == Some(&key))
+    {
+        model.parked.remove(&key);
+    }
+}
