@@ -331,9 +331,10 @@ impl Sink for NatsSink {
             .with_max_payload(max_payload)
     }
 
-    /// Once connected, a window of `max_pending_acks` messages within `timeout`; a window
-    /// that times out fails the rest of the batch at once as unavailable.
+    /// Once connected, a window of `max_pending_acks` messages is handed over within
+    /// `timeout` and acknowledged within another; a window that times out fails the rest of
+    /// the batch at once as unavailable.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
-        Some(self.config.timeout)
+        Some(self.config.timeout * 2)
     }
 }
