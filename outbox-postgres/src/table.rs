@@ -1,14 +1,22 @@
 //! The outbox table as a contract: its names, its migrations, and enqueueing into it from
 //! the caller's own transaction.
 
+use std::time::Duration;
+
 use outbox_core::{Error, NewMessage, Result};
-use sqlx::PgConnection;
+use sqlx::{Connection, Executor, PgConnection, Row};
 
 use crate::error::db_error;
 
 /// Longest schema or table name accepted, leaving room for the suffixes of the companion
 /// tables within PostgreSQL's 63-byte identifiers.
 const MAX_NAME: usize = 40;
+
+/// PostgreSQL's longest identifier (NAMEDATALEN - 1); `pg_notify` refuses longer channels.
+const MAX_IDENTIFIER: usize = 63;
+
+/// How often a migrator retries the migration lock while another process holds it.
+const MIGRATION_LOCK_POLL: Duration = Duration::from_millis(100);
 
 /// The outbox table and its companions (`<table>_dead_letters`, `<table>_parked_keys`,
 /// `<table>_delivered`, `<table>_wakeup`, `<table>_migrations`) in one schema, with the SQL
@@ -74,20 +82,36 @@ impl OutboxTable {
         format!(r#""{}"."{}{suffix}""#, self.schema, self.table)
     }
 
-    /// The LISTEN/NOTIFY channel of the wake-up.
+    /// The LISTEN/NOTIFY channel of the wake-up: `schema.table`, or, when that is longer
+    /// than PostgreSQL's 63-byte limit, `outbox_` and 16 hex digits of a hash of it.
     pub fn channel(&self) -> String {
-        format!("{}.{}", self.schema, self.table)
+        let name = format!("{}.{}", self.schema, self.table);
+        if name.len() <= MAX_IDENTIFIER {
+            // Existing deployments keep their channel.
+            name
+        } else {
+            // The hash must never change: relays and the trigger of an already migrated
+            // table would part ways.
+            format!("outbox_{:016x}", fnv1a(&format!("outbox:{name}")))
+        }
     }
 
-    /// The advisory lock key that serialises claims against settlements of this table.
-    pub(crate) fn lock_key(&self) -> i64 {
-        // FNV-1a: stable across processes and versions, unlike std's hasher.
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in format!("outbox:{}.{}", self.schema, self.table).bytes() {
-            hash ^= u64::from(byte);
-            hash = hash.wrapping_mul(0x0100_0000_01b3);
-        }
-        hash as i64
+    /// The advisory lock key that serialises claims against settlements of this table (as
+    /// seen in `pg_locks`, `objid` and `classid` of an advisory lock).
+    pub fn lock_key(&self) -> i64 {
+        fnv1a(&format!("outbox:{}.{}", self.schema, self.table)) as i64
+    }
+
+    /// The advisory lock key that serialises migrators of this table. Not [`Self::lock_key`]:
+    /// it is held across `CREATE INDEX CONCURRENTLY`, which must not stall claims.
+    fn migration_key(&self) -> i64 {
+        fnv1a(&format!("outbox-migrate:{}.{}", self.schema, self.table)) as i64
+    }
+
+    /// The advisory lock key that serialises `CREATE SCHEMA` of migrators of any table in
+    /// this schema.
+    fn schema_key(&self) -> i64 {
+        fnv1a(&format!("outbox-schema:{}", self.schema)) as i64
     }
 
     /// Enqueues `message` on `conn`, normally the caller's open transaction
@@ -159,52 +183,196 @@ impl OutboxTable {
         Ok(())
     }
 
-    /// Creates or upgrades the tables. Safe to run concurrently and repeatedly.
+    /// Creates or upgrades the tables. Safe to run concurrently and repeatedly. An upgrade
+    /// that adds an index to an existing outbox table builds it with `CREATE INDEX
+    /// CONCURRENTLY`, so writers are not blocked; that step runs outside a transaction.
     pub async fn migrate(&self, conn: &mut PgConnection) -> Result<()> {
-        let fail = |e| db_error("migration failed", e);
-        let mut tx = sqlx::Connection::begin(conn).await.map_err(fail)?;
-        sqlx::query("SELECT pg_advisory_xact_lock($1)")
-            .bind(self.lock_key())
-            .execute(&mut *tx)
+        self.migrate_to(conn, MIGRATIONS.len()).await
+    }
+
+    /// Applies the migrations up to version `target` only, as an older release would have:
+    /// for tests of upgrades. Not part of the stable API.
+    #[doc(hidden)]
+    pub async fn migrate_to(&self, conn: &mut PgConnection, target: usize) -> Result<()> {
+        // Statements here go through `Executor`, whose futures are boxed: sqlx's `execute`
+        // and `fetch_one` on a `&mut PgConnection` would make this future unusable in
+        // `tokio::spawn` ("implementation of `Executor` is not general enough").
+        self.create_schema(conn).await?;
+        self.lock_migrations(conn).await?;
+        let result = self.apply(conn, target.min(MIGRATIONS.len())).await;
+        // A session lock outlives the call: release it even after a failure, since the
+        // connection usually goes back to a pool. (If this future is dropped midway, the lock
+        // lasts until the pool closes that connection.)
+        let unlocked = conn
+            .execute(sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.migration_key()))
+            .await;
+        result?;
+        unlocked.map_err(fail)?;
+        Ok(())
+    }
+
+    /// Creates the schema if it is missing. Two migrators (of different tables) creating it
+    /// at once would both pass `IF NOT EXISTS`, and one would fail on a unique violation, so
+    /// creation is serialised by a lock on the schema's name.
+    async fn create_schema(&self, conn: &mut PgConnection) -> Result<()> {
+        // An existing schema needs no lock, nor the CREATE privilege on the database.
+        let exists: bool = conn
+            .fetch_one(
+                sqlx::query("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
+                    .bind(&self.schema),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        if exists {
+            return Ok(());
+        }
+        let mut tx = conn.begin().await.map_err(fail)?;
+        tx.execute(sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(self.schema_key()))
             .await
             .map_err(fail)?;
-        sqlx::raw_sql(&format!(
-            r#"CREATE SCHEMA IF NOT EXISTS "{}";
-               CREATE TABLE IF NOT EXISTS {} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"#,
-            self.schema,
-            self.qualified("_migrations")
-        ))
-        .execute(&mut *tx)
-        .await
-        .map_err(fail)?;
-        let applied: Option<i32> = sqlx::query_scalar(&format!(
-            "SELECT max(version) FROM {}",
-            self.qualified("_migrations")
-        ))
-        .fetch_one(&mut *tx)
-        .await
-        .map_err(fail)?;
-        for (version, template) in MIGRATIONS.iter().enumerate() {
-            let version = version as i32 + 1;
-            if applied.is_some_and(|a| a >= version) {
+        let create = format!(r#"CREATE SCHEMA IF NOT EXISTS "{}""#, self.schema);
+        tx.execute(create.as_str()).await.map_err(fail)?;
+        tx.commit().await.map_err(fail)
+    }
+
+    /// Takes this table's session-level migration lock, retrying until it is free. It is
+    /// polled with `pg_try_advisory_lock`, never awaited with `pg_advisory_lock`: a session
+    /// blocked in a statement keeps its snapshot, and `CREATE INDEX CONCURRENTLY` in the
+    /// session holding the lock waits for every older snapshot to go: a deadlock.
+    async fn lock_migrations(&self, conn: &mut PgConnection) -> Result<()> {
+        let mut logged = false;
+        loop {
+            let locked: bool = conn
+                .fetch_one(
+                    sqlx::query("SELECT pg_try_advisory_lock($1)").bind(self.migration_key()),
+                )
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(fail)?;
+            if locked {
+                return Ok(());
+            }
+            if !logged {
+                tracing::info!(schema = %self.schema, table = %self.table, "another process is migrating the outbox tables; waiting");
+                logged = true;
+            }
+            tokio::time::sleep(MIGRATION_LOCK_POLL).await;
+        }
+    }
+
+    /// Applies the migrations after the recorded version up to `target`, holding the
+    /// migration lock. Consecutive steps share one transaction; an index on an outbox table
+    /// that existed before this run is built concurrently between transactions.
+    async fn apply(&self, conn: &mut PgConnection, target: usize) -> Result<()> {
+        let versions = self.qualified("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        );
+        conn.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i32 = conn
+            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        // Migration 1 creates the outbox table: if it runs now, the table is new, empty and
+        // invisible to writers until the commit, and a plain CREATE INDEX in the same
+        // transaction is right.
+        let fresh = applied < 1;
+        let mut batch = Vec::new();
+        for (version, step) in (1..).zip(MIGRATIONS).take(target) {
+            if version <= applied {
                 continue;
             }
+            match step {
+                Step::Index { name, definition } if !fresh => {
+                    self.run_in_transaction(conn, &batch).await?;
+                    batch.clear();
+                    self.build_index_concurrently(conn, version, name, definition)
+                        .await?;
+                }
+                _ => batch.push((version, self.step_sql(step))),
+            }
+        }
+        self.run_in_transaction(conn, &batch).await
+    }
+
+    /// Runs migration steps, each recorded with its version, in one transaction.
+    async fn run_in_transaction(
+        &self,
+        conn: &mut PgConnection,
+        steps: &[(i32, String)],
+    ) -> Result<()> {
+        if steps.is_empty() {
+            return Ok(());
+        }
+        let record = format!(
+            "INSERT INTO {} (version) VALUES ($1)",
+            self.qualified("_migrations")
+        );
+        let mut tx = conn.begin().await.map_err(fail)?;
+        for (version, sql) in steps {
             tracing::info!(schema = %self.schema, table = %self.table, version, "applying outbox migration");
-            sqlx::raw_sql(&self.render(template))
-                .execute(&mut *tx)
+            tx.execute(sql.as_str()).await.map_err(fail)?;
+            tx.execute(sqlx::query(&record).bind(version))
                 .await
                 .map_err(fail)?;
-            sqlx::query(&format!(
-                "INSERT INTO {} (version) VALUES ($1)",
-                self.qualified("_migrations")
-            ))
-            .bind(version)
-            .execute(&mut *tx)
+        }
+        tx.commit().await.map_err(fail)
+    }
+
+    /// Builds an index on the existing outbox table without blocking writers, then records
+    /// `version`. Each statement runs on its own: `CONCURRENTLY` refuses transactions.
+    async fn build_index_concurrently(
+        &self,
+        conn: &mut PgConnection,
+        version: i32,
+        name: &str,
+        definition: &str,
+    ) -> Result<()> {
+        tracing::info!(schema = %self.schema, table = %self.table, version, "applying outbox migration (building an index concurrently)");
+        let name = self.render(name);
+        let index = format!(r#""{}"."{name}""#, self.schema);
+        // An interrupted build leaves an invalid index behind, which IF NOT EXISTS would
+        // keep; we hold the migration lock, so an invalid index is no one's build in progress.
+        let valid: Option<bool> = conn
+            .fetch_optional(
+                sqlx::query("SELECT indisvalid FROM pg_index WHERE indexrelid = to_regclass($1)")
+                    .bind(&index),
+            )
+            .await
+            .and_then(|row| row.map(|row| row.try_get(0)).transpose())
+            .map_err(fail)?;
+        if valid == Some(false) {
+            tracing::warn!(%index, "dropping an invalid index left by an interrupted migration");
+            let drop = format!("DROP INDEX CONCURRENTLY IF EXISTS {index}");
+            conn.execute(drop.as_str()).await.map_err(fail)?;
+        }
+        let create = format!(
+            "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {} {definition}",
+            self.qualified("")
+        );
+        conn.execute(create.as_str()).await.map_err(fail)?;
+        // ON CONFLICT: a migrator of an older release, which knows nothing of this lock, may
+        // have built the index and recorded the version meanwhile.
+        let record = format!(
+            "INSERT INTO {} (version) VALUES ($1) ON CONFLICT DO NOTHING",
+            self.qualified("_migrations")
+        );
+        conn.execute(sqlx::query(&record).bind(version))
             .await
             .map_err(fail)?;
-        }
-        tx.commit().await.map_err(fail)?;
         Ok(())
+    }
+
+    /// The SQL of a step run inside the migration transaction.
+    fn step_sql(&self, step: &Step) -> String {
+        match step {
+            Step::Sql(template) => self.render(template),
+            Step::Index { name, definition } => {
+                self.render(&format!("CREATE INDEX {name} ON {{outbox}} {definition}"))
+            }
+        }
     }
 
     /// Fills a migration template's placeholders with validated, quoted names.
@@ -219,6 +387,21 @@ impl OutboxTable {
             .replace("{channel}", &self.channel())
             .replace("{table}", &self.table)
     }
+}
+
+/// Classifies an error of a migration statement.
+fn fail(error: sqlx::Error) -> Error {
+    db_error("migration failed", error)
+}
+
+/// 64-bit FNV-1a: stable across processes and versions, unlike std's hasher.
+fn fnv1a(text: &str) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in text.bytes() {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0100_0000_01b3);
+    }
+    hash
 }
 
 fn check_topic(message: &NewMessage) -> Result<()> {
@@ -238,9 +421,23 @@ fn trace_columns(message: &NewMessage) -> (Option<&str>, Option<&str>) {
     }
 }
 
-/// Schema migrations, applied in order; never edit one that has shipped, add another.
-const MIGRATIONS: &[&str] = &[
-    r#"
+/// One schema migration.
+enum Step {
+    /// SQL run in the migration transaction.
+    Sql(&'static str),
+    /// `CREATE INDEX <name> ON {outbox} <definition>`: on an outbox table that existed before
+    /// the run, built `CONCURRENTLY` outside the transaction so writers are not blocked.
+    Index {
+        name: &'static str,
+        definition: &'static str,
+    },
+}
+
+/// Schema migrations, applied in order (version = position + 1); never change the effect of
+/// one that has shipped, add another.
+const MIGRATIONS: &[Step] = &[
+    Step::Sql(
+        r#"
 CREATE TABLE {outbox} (
     seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
     id            uuid NOT NULL DEFAULT gen_random_uuid(),
@@ -331,11 +528,31 @@ $fn$;
 CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
     FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
 "#,
-    r#"
--- Claims with per-key order sweep the keys through {table}_key_seq and find the rows without
--- a key here, instead of stepping over every keyed row in `seq` order.
-CREATE INDEX {table}_unkeyed_seq ON {outbox} (seq) WHERE partition_key IS NULL;
+    ),
+    // Claims with per-key order sweep the keys through {table}_key_seq and find the rows
+    // without a key here, instead of stepping over every keyed row in `seq` order. Shipped as
+    // a plain `CREATE INDEX {table}_unkeyed_seq ON {outbox} (seq) WHERE partition_key IS NULL`
+    // in the migration transaction, which blocked writers while it scanned a large table; it
+    // now runs concurrently on existing tables, with the same name and definition.
+    Step::Index {
+        name: "{table}_unkeyed_seq",
+        definition: "(seq) WHERE partition_key IS NULL",
+    },
+    // Names over 63 bytes in all made a channel that pg_notify refuses, failing every insert
+    // while a relay was idle; channel() now shortens it. Render the function of version 1
+    // again (same body) so tables migrated before notify on the new channel.
+    Step::Sql(
+        r#"
+CREATE OR REPLACE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF (SELECT relay_idle FROM {wakeup}) THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;
+    RETURN NULL;
+END
+$fn$;
 "#,
+    ),
 ];
 
 #[cfg(test)]
@@ -373,18 +590,62 @@ mod tests {
             OutboxTable::new("app", "outbox").unwrap().lock_key()
         );
         assert_ne!(a.lock_key(), b.lock_key());
-        let sql = a.render(MIGRATIONS[0]);
-        for placeholder in [
-            "{outbox}",
-            "{dead_letters}",
-            "{wakeup}",
-            "{channel}",
-            "{table}",
-        ] {
-            assert!(
-                !sql.contains(placeholder),
-                "{placeholder} left in the migration"
-            );
+        for step in MIGRATIONS {
+            let sql = a.step_sql(step);
+            for placeholder in [
+                "{outbox}",
+                "{dead_letters}",
+                "{parked_keys}",
+                "{delivered}",
+                "{wakeup}",
+                "{notify_fn}",
+                "{channel}",
+                "{table}",
+            ] {
+                assert!(
+                    !sql.contains(placeholder),
+                    "{placeholder} left in the migration"
+                );
+            }
         }
+    }
+
+    #[test]
+    fn channel_fits_postgres_identifiers() {
+        // Short names keep the channel existing deployments listen on.
+        let short = OutboxTable::new("app", "outbox").unwrap();
+        assert_eq!(short.channel(), "app.outbox");
+        let (s31, t31) = ("s".repeat(31), "t".repeat(31));
+        let exact = OutboxTable::new(&s31, &t31).unwrap();
+        assert_eq!(exact.channel(), format!("{s31}.{t31}"));
+        assert_eq!(exact.channel().len(), MAX_IDENTIFIER);
+        // Longer ones get a short name that never changes (pinned).
+        let longest = OutboxTable::new(&"s".repeat(MAX_NAME), &"t".repeat(MAX_NAME)).unwrap();
+        assert!(longest.channel().len() <= MAX_IDENTIFIER);
+        assert_eq!(longest.channel(), "outbox_7cb9e4cbe507af58");
+        let other = OutboxTable::new(&"s".repeat(MAX_NAME), &"u".repeat(MAX_NAME)).unwrap();
+        assert_ne!(longest.channel(), other.channel());
+        let over = OutboxTable::new(&"s".repeat(32), &t31).unwrap();
+        assert!(over.channel().starts_with("outbox_") && over.channel().len() == 23);
+        // Migration 3 renders the notify function of migration 1 again, with the channel.
+        let function = longest.step_sql(&MIGRATIONS[2]);
+        let body = function.split("AS $fn$").nth(1).unwrap();
+        assert!(longest.step_sql(&MIGRATIONS[0]).contains(body));
+        assert!(body.contains(&format!("pg_notify('{}', '')", longest.channel())));
+    }
+
+    /// Compiles only if a migration can run in a spawned task.
+    #[allow(dead_code)]
+    fn migrate_is_spawnable(table: OutboxTable, mut conn: PgConnection) {
+        drop(tokio::spawn(async move { table.migrate(&mut conn).await }));
+    }
+
+    #[test]
+    fn index_migration_keeps_its_shipped_definition() {
+        let a = OutboxTable::new("app", "outbox").unwrap();
+        assert_eq!(
+            a.step_sql(&MIGRATIONS[1]),
+            r#"CREATE INDEX outbox_unkeyed_seq ON "app"."outbox" (seq) WHERE partition_key IS NULL"#
+        );
     }
 }

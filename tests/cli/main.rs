@@ -163,6 +163,9 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         (format!("{storage}[relay]\npoll_intervall = \"1s\"\n[sink]\ntype = \"redis\"\n"), "poll_intervall"),
         (format!("{storage}[sink]\ntype = \"redis\"\nurl = \"http://nope\"\n"), "sink.url"),
         ("[storage]\nurl = \"postgres://app:hunter2@127.0.0.1:1/x\"\nschema = \"Bad\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema"),
+        // 8 rounds (relay.max_per_key) × Redis's 5 s command time-out do not fit a 10 s lease.
+        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "relay.lease is 10s, shorter than the worst case of a batch"),
+        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "or lower relay.max_per_key or the sink's time-out"),
     ];
     for (contents, expected) in cases {
         let config = ConfigFile::new(&contents);

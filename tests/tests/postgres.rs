@@ -808,3 +808,122 @@ async fn a_database_that_is_down_is_unavailable_not_a_crash() {
         .unwrap_err();
     assert!(err.is_retryable());
 }
+
+/// The first case end to end: writer A's message commits late, behind B's, which the
+/// broker refuses once; C's, written after B committed, must reach the sink after B's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_and_one_refusal_keep_key_order_through_a_relay() {
+    let outbox = TestOutbox::new().await;
+    let sink = Arc::new(MemorySink::new());
+    let refused = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let seen = refused.clone();
+    sink.fail_when(move |m| {
+        (m.payload == b"b" && !seen.swap(true, std::sync::atomic::Ordering::SeqCst))
+            .then(|| Error::temporary("queue full"))
+    });
+    let mut a = outbox.pool.begin().await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut a, &NewMessage::new("t", "a").key("k"))
+        .await
+        .unwrap();
+    outbox.enqueue(&[NewMessage::new("t", "b").key("k")]).await;
+    let mut config = test_worker_config("late-commit");
+    config.backoff.initial = Duration::from_millis(800);
+    config.backoff.max = Duration::from_secs(2);
+    config.backoff.jitter = 0.0;
+    let relay = outbox.relay_with(config, sink.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !refused.load(std::sync::atomic::Ordering::SeqCst) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "b was never published"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    outbox.enqueue(&[NewMessage::new("t", "c").key("k")]).await;
+    a.commit().await.unwrap();
+    outbox.wait_until_drained(Duration::from_secs(20)).await;
+    relay.stop().await;
+    let order = by_key(&sink).remove("k").unwrap_or_default();
+    let at = |p: &str| order.iter().position(|x| x == p);
+    assert!(
+        at("b").is_some() && at("b") < at("c") && at("a").is_some(),
+        "c began after b committed and must follow it: {order:?}"
+    );
+}
+
+/// A settlement is one transaction: when part of it cannot be written, none of it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_settlement_is_written_whole_or_not_at_all() {
+    let outbox = TestOutbox::new().await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "m1").key("k"),
+            NewMessage::new("t", "m2").key("k"),
+            NewMessage::new("t", "m3").key("k"),
+        ])
+        .await;
+    let storage = &outbox.storage;
+    let c = storage
+        .claim("w1", 10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    assert_eq!(c.messages.len(), 3);
+    let settlement = outbox_core::Settlement {
+        delivered: vec![Delivery {
+            id: c.messages[0].id,
+            receipt: Receipt::new("r1"),
+        }],
+        // PostgreSQL text cannot hold NUL: this part of the statement fails.
+        retries: vec![Retry {
+            id: c.messages[1].id,
+            delay: Duration::from_secs(60),
+            error: "bad\0error".into(),
+        }],
+        released: vec![c.messages[2].id],
+        ..Default::default()
+    };
+    storage
+        .settle(&c.token, &settlement)
+        .await
+        .expect_err("a NUL byte cannot be stored");
+    let stats = outbox.stats().await;
+    assert_eq!(
+        (stats.in_flight, stats.pending),
+        (3, 0),
+        "half a settlement was written: {stats:?}"
+    );
+}
+
+/// A lease runs from the claim statement, not from the start of its transaction: a claim
+/// that waited for the claim lock still holds its messages for the whole lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_lock() {
+    let outbox = TestOutbox::new().await;
+    outbox.enqueue(&[NewMessage::new("t", "m").key("k")]).await;
+    // Another session holds the claim lock for a while, as a slow claim would.
+    let mut holder = outbox.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(outbox.table.lock_key())
+        .execute(&mut *holder)
+        .await
+        .unwrap();
+    let storage = outbox.storage.clone();
+    let claim = tokio::spawn(async move { storage.claim("w1", 10, Duration::from_secs(3)).await });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    holder.commit().await.unwrap();
+    let claim = claim.await.unwrap().unwrap();
+    assert_eq!(claim.messages.len(), 1, "the claim took the message");
+    let left_ms: f64 = sqlx::query_scalar(&format!(
+        "SELECT extract(epoch FROM available_at - clock_timestamp())::float8 * 1000 FROM {}",
+        outbox.table.qualified("")
+    ))
+    .fetch_one(&outbox.pool)
+    .await
+    .unwrap();
+    assert!(
+        left_ms > 2000.0,
+        "a 3 s lease had only {left_ms:.0} ms left right after the claim: it was counted from before the wait"
+    );
+}

@@ -75,6 +75,15 @@ pub async fn build(
                 }
             }
         };
+        // The worker's own checks, such as a lease that cannot cover the worst batch of this
+        // storage and sink, are configuration errors of this relay.
+        if let Err(error) = Worker::new(def.worker.clone(), storage.clone(), sink.clone()) {
+            return Err(Failure::Config(format!(
+                "relay `{}`: {}",
+                def.name,
+                error.message()
+            )));
+        }
         relays.push(Relay {
             storage,
             sink,
