@@ -169,25 +169,37 @@ impl TestOutbox {
 
 impl Drop for TestOutbox {
     fn drop(&mut self) {
-        let sql = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.table.schema());
-        let url = postgres_url();
-        // Drop runs inside the test's runtime: clean up from a thread with its own.
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&url)
-                    .await
-                    .ok()?;
-                sqlx::query(&sql).execute(&pool).await.ok()
-            })
-        });
-        let _ = cleanup.join();
+        drop_schemas(&[self.table.schema().to_string()]);
     }
+}
+
+/// Drops these schemas and everything in them, from any context (a `Drop` inside a test's
+/// runtime included); errors are ignored, as in a clean-up.
+pub fn drop_schemas(schemas: &[String]) {
+    let sql: Vec<String> = schemas
+        .iter()
+        .map(|s| format!(r#"DROP SCHEMA IF EXISTS "{s}" CASCADE"#))
+        .collect();
+    let url = postgres_url();
+    // A runtime cannot block inside another: clean up from a thread with its own.
+    let cleanup = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(async {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .ok()?;
+            for statement in sql {
+                sqlx::query(&statement).execute(&pool).await.ok()?;
+            }
+            Some(())
+        })
+    });
+    let _ = cleanup.join();
 }
 
 /// A relay running in the background.

@@ -15,26 +15,7 @@ struct Schemas(Vec<String>);
 
 impl Drop for Schemas {
     fn drop(&mut self) {
-        let sql: Vec<String> = self
-            .0
-            .iter()
-            .map(|s| format!(r#"DROP SCHEMA IF EXISTS "{s}" CASCADE"#))
-            .collect();
-        // Drop runs inside the test's runtime: clean up from a thread with its own.
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let mut conn = PgConnection::connect(&postgres_url()).await.ok()?;
-                for statement in sql {
-                    sqlx::query(&statement).execute(&mut conn).await.ok()?;
-                }
-                Some(())
-            })
-        });
-        let _ = cleanup.join();
+        outbox_tests::drop_schemas(&self.0);
     }
 }
 

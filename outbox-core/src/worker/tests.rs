@@ -21,8 +21,8 @@ fn config() -> WorkerConfig {
 
 fn start(
     config: WorkerConfig,
-    storage: Arc<MemoryStorage>,
-    sink: Arc<MemorySink>,
+    storage: Arc<dyn Storage>,
+    sink: Arc<dyn Sink>,
 ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
     let worker = Worker::new(config, storage, sink).unwrap();
     let shutdown = CancellationToken::new();
@@ -444,12 +444,7 @@ async fn a_batch_that_outlives_its_lease_keeps_it_renewed() {
     let lease = Duration::from_secs(4);
     let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
     let cfg = WorkerConfig { lease, ..config() };
-    let worker = Worker::new(cfg, storage.clone(), sink.clone()).unwrap();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
     for _ in 0..19 {
         sleep(Duration::from_secs(1)).await;
         let other = storage.claim("other", 10, lease).await.unwrap();
@@ -504,12 +499,7 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
     let lease = Duration::from_secs(4);
     let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
     let cfg = WorkerConfig { lease, ..config() };
-    let worker = Worker::new(cfg, storage.clone(), sink.clone()).unwrap();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
     // The first round outlives the lease, which cannot be renewed: the batch stops at the
     // lease's end and k2 is not published by this batch.
     sleep(Duration::from_millis(4500)).await;
