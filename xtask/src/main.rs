@@ -4,6 +4,8 @@
 //!   installing) each one: PostgreSQL, Redis, RabbitMQ, NATS, and tansu as the Kafka broker.
 //! - `test`: `services`, then the whole test suite against them.
 //! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
+//! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]`: `services`, then the
+//!   relay binary with every sink (debug build), then the chaos run against it (docs/chaos.md).
 
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
@@ -18,7 +20,12 @@ fn main() -> ExitCode {
         Some("services") => services(),
         Some("test") => services().and_then(|()| test(&args[1..])),
         Some("bench") => services().and_then(|()| bench(&args[1..])),
-        _ => Err("usage: cargo xtask <services | test [cargo test args] | bench [--quick]>".into()),
+        Some("chaos") => services().and_then(|()| chaos(&args[1..])),
+        _ => Err(
+            "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | \
+                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]>"
+                .into(),
+        ),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -276,5 +283,38 @@ fn test(extra: &[String]) -> Result {
 fn bench(extra: &[String]) -> Result {
     run(cargo()
         .args(["run", "--release", "--package", "outbox-bench", "--"])
+        .args(extra))
+}
+
+/// Builds the relay binary with every sink, then runs the chaos suite against it; the
+/// suite's own arguments (`--minutes`, `--sink`, `--seed`) are passed through.
+fn chaos(extra: &[String]) -> Result {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .ok_or("xtask has no parent directory")?;
+    // A relative CARGO_TARGET_DIR is relative to the workspace, where cargo runs here.
+    let target = root.join(std::env::var_os("CARGO_TARGET_DIR").unwrap_or_else(|| "target".into()));
+    run(cargo().current_dir(&root).args([
+        "build",
+        "--package",
+        "outbox",
+        "--bin",
+        "outbox",
+        "--features",
+        "amqp,kafka,nats",
+    ]))?;
+    let outbox = target.join("debug").join("outbox");
+    run(cargo()
+        .current_dir(&root)
+        .args([
+            "run",
+            "--quiet",
+            "--package",
+            "outbox-chaos",
+            "--",
+            "--outbox",
+        ])
+        .arg(&outbox)
         .args(extra))
 }

@@ -1,0 +1,241 @@
+//! The verdict: what the writers committed against what the broker received.
+//!
+//! Order is only promised where it is defined: for two messages a and b of one key, a must
+//! arrive (first) before b when a's COMMIT returned before b's INSERT was issued. Messages of
+//! transactions that overlap in time have no defined order, so they are never compared.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::writers::{Ledger, Written};
+
+/// b arrived before a although a committed before b began.
+#[derive(Debug)]
+pub struct Violation {
+    pub key: String,
+    pub earlier: Uuid,
+    pub later: Uuid,
+    /// Positions of the first arrivals (0 = first message the broker took).
+    pub earlier_at: usize,
+    pub later_at: usize,
+    /// How long before b's INSERT a's COMMIT had returned.
+    pub margin: Duration,
+}
+
+#[derive(Debug, Default)]
+pub struct Verdict {
+    pub arrivals: usize,
+    /// Broker messages whose payload names no message of this run.
+    pub foreign: usize,
+    pub lost: Vec<Uuid>,
+    pub duplicates: usize,
+    pub rolled_back_delivered: Vec<Uuid>,
+    /// Messages that have at least one message of their key committed before they began.
+    pub ordered: usize,
+    /// One per message b that arrived before some message it must follow (with the
+    /// latest-arriving such a).
+    pub violations: Vec<Violation>,
+}
+
+/// The message id at the head of a payload (`<uuid> <key> <writer>#<n>`).
+pub fn payload_id(payload: &[u8]) -> Option<Uuid> {
+    let text = std::str::from_utf8(payload).ok()?;
+    text.split(' ').next()?.parse().ok()
+}
+
+/// Compares `arrivals` (broker payloads in order of receipt) with the ledger.
+pub fn check(ledger: &Ledger, arrivals: &[Vec<u8>]) -> Verdict {
+    let known: HashSet<Uuid> = ledger
+        .committed
+        .iter()
+        .map(|w| w.id)
+        .chain(ledger.rolled_back.iter().copied())
+        .chain(ledger.uncertain.iter().copied())
+        .collect();
+    let mut first: HashMap<Uuid, usize> = HashMap::new();
+    let mut verdict = Verdict {
+        arrivals: arrivals.len(),
+        ..Verdict::default()
+    };
+    for (position, payload) in arrivals.iter().enumerate() {
+        match payload_id(payload).filter(|id| known.contains(id)) {
+            None => verdict.foreign += 1,
+            Some(id) if first.contains_key(&id) => verdict.duplicates += 1,
+            Some(id) => {
+                first.insert(id, position);
+            }
+        }
+    }
+    verdict.lost = ledger
+        .committed
+        .iter()
+        .filter(|w| !first.contains_key(&w.id))
+        .map(|w| w.id)
+        .collect();
+    verdict.rolled_back_delivered = ledger
+        .rolled_back
+        .iter()
+        .filter(|id| first.contains_key(id))
+        .copied()
+        .collect();
+    let (ordered, violations) = order(&ledger.committed, &first);
+    verdict.ordered = ordered;
+    verdict.violations = violations;
+    verdict
+}
+
+/// Per key, sweeps the messages in order of their INSERT while adding, in order of their
+/// COMMIT, every message that committed before it: b violates when the latest first arrival
+/// among those comes after b's own. O(n log n) per key.
+fn order(committed: &[Written], first: &HashMap<Uuid, usize>) -> (usize, Vec<Violation>) {
+    let mut by_key: HashMap<&str, Vec<&Written>> = HashMap::new();
+    for written in committed {
+        by_key.entry(&written.key).or_default().push(written);
+    }
+    let (mut ordered, mut violations) = (0, Vec::new());
+    for (key, mut by_begin) in by_key {
+        let mut by_commit = by_begin.clone();
+        by_commit.sort_by_key(|w| w.committed);
+        by_begin.sort_by_key(|w| w.began);
+        let mut next = 0;
+        let mut latest: Option<(usize, &Written)> = None;
+        for b in by_begin {
+            while next < by_commit.len() && by_commit[next].committed < b.began {
+                let a = by_commit[next];
+                if let Some(&at) = first.get(&a.id)
+                    && latest.is_none_or(|(max, _)| at > max)
+                {
+                    latest = Some((at, a));
+                }
+                next += 1;
+            }
+            if next > 0 {
+                ordered += 1;
+            }
+            if let (Some(&later_at), Some((earlier_at, a))) = (first.get(&b.id), latest)
+                && earlier_at > later_at
+            {
+                violations.push(Violation {
+                    key: key.to_string(),
+                    earlier: a.id,
+                    later: b.id,
+                    earlier_at,
+                    later_at,
+                    margin: b.began.duration_since(a.committed),
+                });
+            }
+        }
+    }
+    violations.sort_by_key(|v| v.later_at);
+    (ordered, violations)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Instant;
+
+    use super::*;
+
+    /// A message of `key` whose INSERT was issued at `began` ms and COMMIT returned at
+    /// `committed` ms after `t0`.
+    fn written(t0: Instant, key: &str, began: u64, committed: u64) -> Written {
+        Written {
+            id: Uuid::now_v7(),
+            key: key.into(),
+            began: t0 + Duration::from_millis(began),
+            committed: t0 + Duration::from_millis(committed),
+        }
+    }
+
+    fn payloads(messages: &[&Written]) -> Vec<Vec<u8>> {
+        let payload = |w: &&Written| format!("{} {} w#1", w.id, w.key).into_bytes();
+        messages.iter().map(payload).collect()
+    }
+
+    fn ledger(committed: &[&Written]) -> Ledger {
+        Ledger {
+            committed: committed.iter().map(|w| (*w).clone()).collect(),
+            ..Ledger::default()
+        }
+    }
+
+    #[test]
+    fn sequential_messages_in_order_pass() {
+        let t0 = Instant::now();
+        let (a, b, c) = (
+            written(t0, "k", 0, 10),
+            written(t0, "k", 20, 30),
+            written(t0, "k", 40, 50),
+        );
+        let verdict = check(&ledger(&[&a, &b, &c]), &payloads(&[&a, &b, &c]));
+        assert!(verdict.violations.is_empty());
+        assert_eq!((verdict.ordered, verdict.duplicates), (2, 0));
+        assert!(verdict.lost.is_empty());
+    }
+
+    #[test]
+    fn a_later_message_first_is_a_violation_naming_both() {
+        let t0 = Instant::now();
+        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        let verdict = check(&ledger(&[&a, &b]), &payloads(&[&b, &a]));
+        let [v] = &verdict.violations[..] else {
+            panic!("one violation: {:?}", verdict.violations)
+        };
+        assert_eq!((v.earlier, v.later, v.key.as_str()), (a.id, b.id, "k"));
+        assert_eq!((v.earlier_at, v.later_at), (1, 0));
+        assert_eq!(v.margin, Duration::from_millis(10));
+    }
+
+    #[test]
+    fn overlapping_transactions_and_other_keys_are_not_compared() {
+        let t0 = Instant::now();
+        // b's INSERT came before a's COMMIT returned: no order between them.
+        let (a, b) = (written(t0, "k", 0, 100), written(t0, "k", 50, 60));
+        let c = written(t0, "other", 200, 210);
+        let verdict = check(&ledger(&[&a, &b, &c]), &payloads(&[&c, &b, &a]));
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        assert_eq!(verdict.ordered, 0);
+    }
+
+    #[test]
+    fn first_arrivals_count_and_duplicates_are_counted() {
+        let t0 = Instant::now();
+        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        // a, b, then a again (a redelivery): first arrivals are in order.
+        let verdict = check(&ledger(&[&a, &b]), &payloads(&[&a, &b, &a]));
+        assert!(verdict.violations.is_empty());
+        assert_eq!(verdict.duplicates, 1);
+    }
+
+    #[test]
+    fn the_latest_predecessor_is_found_whatever_the_commit_order() {
+        let t0 = Instant::now();
+        // a1 commits late but before c begins; c arrives before a1.
+        let a0 = written(t0, "k", 0, 10);
+        let a1 = written(t0, "k", 5, 90);
+        let c = written(t0, "k", 100, 110);
+        let verdict = check(&ledger(&[&a0, &a1, &c]), &payloads(&[&a0, &c, &a1]));
+        let [v] = &verdict.violations[..] else {
+            panic!("one violation: {:?}", verdict.violations)
+        };
+        assert_eq!((v.earlier, v.later), (a1.id, c.id));
+    }
+
+    #[test]
+    fn lost_rolled_back_and_foreign_messages_are_reported() {
+        let t0 = Instant::now();
+        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        let rolled_back = Uuid::now_v7();
+        let mut ledger = ledger(&[&a, &b]);
+        ledger.rolled_back.push(rolled_back);
+        let mut arrivals = payloads(&[&a]);
+        arrivals.push(format!("{rolled_back} k w#9").into_bytes());
+        arrivals.push(b"not ours".to_vec());
+        let verdict = check(&ledger, &arrivals);
+        assert_eq!(verdict.lost, vec![b.id]);
+        assert_eq!(verdict.rolled_back_delivered, vec![rolled_back]);
+        assert_eq!(verdict.foreign, 1);
+    }
+}

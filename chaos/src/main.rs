@@ -1,0 +1,669 @@
+//! `outbox-chaos`: several `outbox relay` processes on one outbox table while writers enqueue
+//! with plain SQL and faults are injected at random (seeded): kill -9 of a relay, its
+//! PostgreSQL sessions terminated, the broker link cut or stalled past the lease through a
+//! proxy, and (AMQP) a lagging consumer that makes RabbitMQ refuse publishes. Then it drains,
+//! reads back everything the broker received and fails on any loss, per-key order violation,
+//! rolled-back message delivered, dead letter, or more duplicates than the faults explain.
+//! Run it with `cargo xtask chaos`; see docs/chaos.md.
+
+mod brokers;
+mod check;
+mod proxy;
+mod relays;
+mod writers;
+
+use std::fmt::Display;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use outbox_core::redact_url;
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio_util::sync::CancellationToken;
+
+use brokers::{Broker, Kind};
+use check::Verdict;
+use proxy::Proxy;
+use relays::{Relays, Settings};
+use writers::{Counters, Ledger, Writer};
+
+pub type Result<T> = std::result::Result<T, String>;
+
+/// Says what failed: `.ctx("reading the stream")?`.
+pub trait Context<T> {
+    fn ctx(self, what: impl Display) -> Result<T>;
+}
+
+impl<T, E: Display> Context<T> for std::result::Result<T, E> {
+    fn ctx(self, what: impl Display) -> Result<T> {
+        self.map_err(|error| format!("{what}: {error}"))
+    }
+}
+
+/// Every sink's time-outs (publish, command, delivery, connect), in seconds.
+const SINK_TIMEOUT: u64 = 2;
+/// Messages of one key per claim: 3 is the least at which a claim can hold a due message
+/// behind one that waits to retry (due, waiting, due), the shape of the per-key order bugs
+/// this run is after; with 2 a faulty claim could not show them.
+const MAX_PER_KEY: usize = 3;
+const DRAIN_DEADLINE: Duration = Duration::from_secs(180);
+
+#[derive(Parser)]
+#[command(about = "Chaos run of the outbox relay against one broker; see docs/chaos.md")]
+struct Args {
+    /// How long faults are injected; draining and checking come after.
+    #[arg(long, default_value_t = 2.0, value_parser = minutes)]
+    minutes: f64,
+    /// The broker the relays publish to.
+    #[arg(long, value_enum, default_value = "amqp")]
+    sink: Kind,
+    /// Seed of the fault schedule and the writers' choices (random when not given).
+    #[arg(long)]
+    seed: Option<u64>,
+    /// The relay binary, built with `--features amqp,kafka,nats`.
+    #[arg(long, default_value = "target/debug/outbox")]
+    outbox: PathBuf,
+    /// The database of the outbox (a schema of the run's own is created and dropped).
+    #[arg(
+        long,
+        env = "OUTBOX_TEST_POSTGRES_URL",
+        default_value = "postgres://postgres@127.0.0.1:5432/test"
+    )]
+    postgres_url: String,
+    /// Relay processes on the one outbox table.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]
+    relays: u8,
+    /// Keep the run's directory (relay logs, what was written, what arrived) even when it
+    /// passes; a failed run always keeps it.
+    #[arg(long)]
+    keep: bool,
+}
+
+/// A positive number of minutes, at most a day.
+fn minutes(text: &str) -> std::result::Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(m) if m > 0.0 && m <= 1440.0 => Ok(m),
+        _ => Err(format!(
+            "`{text}` is not a number of minutes between 0 and 1440"
+        )),
+    }
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let seed = args.seed.unwrap_or_else(|| fastrand::u64(..));
+    println!("chaos: seed {seed} (repeat the schedule with --seed {seed})");
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build();
+    let outcome = match runtime {
+        Ok(runtime) => runtime.block_on(run(&args, seed)),
+        Err(error) => Err(format!("cannot start the runtime: {error}")),
+    };
+    let sink = format!("{:?}", args.sink).to_lowercase();
+    match outcome {
+        Ok(true) => return ExitCode::SUCCESS,
+        Ok(false) => eprintln!("chaos: FAILED (sink {sink}, seed {seed})"),
+        Err(error) => eprintln!("chaos: error: {error} (sink {sink}, seed {seed})"),
+    }
+    ExitCode::FAILURE
+}
+
+/// The faults injected so far, shared with the progress line and the AMQP consumer.
+#[derive(Default)]
+pub struct Faults {
+    kills: AtomicU64,
+    terminations: AtomicU64,
+    sessions: AtomicU64,
+    cuts: AtomicU64,
+    stalls: AtomicU64,
+    pub pauses: AtomicU64,
+    /// Relays hit, summed over faults: each hit may redeliver at most one batch, so
+    /// duplicates may reach `hits × batch_size`.
+    hits: AtomicU64,
+    unexpected_exits: AtomicU64,
+}
+
+impl Faults {
+    fn summary(&self) -> String {
+        let [k, t, s, c, st, p] = [
+            &self.kills,
+            &self.terminations,
+            &self.sessions,
+            &self.cuts,
+            &self.stalls,
+            &self.pauses,
+        ]
+        .map(|n| n.load(Relaxed));
+        format!(
+            "{k} kill -9, {t} pg-terminate ({s} sessions), {c} cuts, {st} stalls, {p} consumer pauses"
+        )
+    }
+}
+
+/// Everything a run set up; [`Run::cleanup`] tears it down whatever the outcome.
+struct Run {
+    name: String,
+    kind: Kind,
+    pool: PgPool,
+    database: Proxy,
+    link: Proxy,
+    broker: Broker,
+    relays: Relays,
+    binary: PathBuf,
+    settings: Settings,
+    dir: PathBuf,
+    faults: Arc<Faults>,
+    /// Stops the writers.
+    stop: CancellationToken,
+    started: Instant,
+}
+
+async fn run(args: &Args, seed: u64) -> Result<bool> {
+    let mut run = Run::setup(args, seed).await?;
+    let outcome = run.chaos(args, seed).await;
+    run.cleanup(matches!(outcome, Ok(true)) && !args.keep).await;
+    outcome
+}
+
+impl Run {
+    async fn setup(args: &Args, seed: u64) -> Result<Run> {
+        // Unique per run even with a repeated seed: runs may overlap on the shared servers.
+        let name = format!("chaos_{:016x}", fastrand::u64(..));
+        let binary = std::fs::canonicalize(&args.outbox).ctx(format_args!(
+            "relay binary {} (build it with `cargo build --features amqp,kafka,nats`)",
+            args.outbox.display()
+        ))?;
+        let url = &args.postgres_url;
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .acquire_timeout(Duration::from_secs(10))
+            .connect(url)
+            .await
+            .ctx(format_args!("PostgreSQL at {}", redact_url(url)))?;
+        // Relays reach PostgreSQL through a proxy that is never cut: its connections' ports
+        // tell this run's relay sessions from those of other relays on the shared server.
+        let database = Proxy::start(&host_port(url)?).await.ctx("proxy")?;
+        let relay_url = through(url, &database.addr())?;
+        let upstream = brokers::upstream(args.sink)?;
+        let link = Proxy::start(&upstream).await.ctx("proxy")?;
+        let faults = Arc::new(Faults::default());
+        let broker = Broker::setup(
+            args.sink,
+            &name,
+            &upstream,
+            &link.addr(),
+            seed.rotate_left(17),
+            faults.clone(),
+        )
+        .await?;
+        // The relay refuses a lease shorter than max_per_key rounds of the sink's publish
+        // time-out: take that, and at least 8 s.
+        let round = args.sink.round_timeout(SINK_TIMEOUT);
+        let settings = Settings {
+            lease: Duration::from_secs((MAX_PER_KEY as u64 * round).max(8)),
+            batch_size: 20,
+            max_per_key: MAX_PER_KEY,
+        };
+        let dir = std::env::temp_dir().join(&name);
+        std::fs::create_dir_all(&dir).ctx(dir.display())?;
+        let sink = broker.sink_table(&name, &link.addr(), SINK_TIMEOUT);
+        let config = relays::config(&relay_url, &name, &settings, &sink);
+        let config_file = dir.join("relay.toml");
+        std::fs::write(&config_file, config).ctx(config_file.display())?;
+        println!(
+            "chaos: sink {:?}, schema {name}, {} relays, lease {:?}, {} min; relay config and logs in {}",
+            args.sink,
+            args.relays,
+            settings.lease,
+            args.minutes,
+            dir.display()
+        );
+        Ok(Run {
+            relays: Relays::new(&binary, &config_file, &dir, args.relays.into()),
+            name,
+            kind: args.sink,
+            pool,
+            database,
+            link,
+            broker,
+            binary,
+            settings,
+            dir,
+            faults,
+            stop: CancellationToken::new(),
+            started: Instant::now(),
+        })
+    }
+
+    async fn chaos(&mut self, args: &Args, seed: u64) -> Result<bool> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        relays::migrate(&self.binary, &self.dir.join("relay.toml")).await?;
+        for relay in 0..self.relays.count() {
+            self.relays.start(relay)?;
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        if let Some((relay, status)) = self.relays.exited().into_iter().next() {
+            let log = self.relays.tail(relay, 20);
+            return Err(format!("relay {relay} exited at start ({status}):\n{log}"));
+        }
+        let counters = Arc::new(Counters::default());
+        let writers = self.start_writers(&mut rng, &counters);
+        let progress = self.start_progress(&counters);
+        let until = Instant::now() + Duration::from_secs_f64(args.minutes * 60.0);
+        while Instant::now() < until {
+            tokio::time::sleep(Duration::from_millis(rng.u64(2000..6000))).await;
+            self.restart_exited()?;
+            self.inject(&mut rng).await?;
+        }
+        println!("chaos: no more faults; writers stop; draining");
+        self.stop.cancel();
+        let mut ledger = Ledger::default();
+        for writer in writers {
+            ledger.merge(writer.await.ctx("writer task")?);
+        }
+        self.broker.steady();
+        let left = self.drain().await?;
+        progress.abort();
+        let dead = self.dead_letters().await?;
+        let killed = self.relays.stop(Duration::from_secs(20)).await;
+        if !killed.is_empty() {
+            println!("chaos: relays {killed:?} did not stop within 20 s of SIGTERM: killed");
+        }
+        let arrivals = self.broker.collect(&self.name, &self.link.addr()).await?;
+        let verdict = check::check(&ledger, &arrivals);
+        self.save(&ledger, &arrivals)?;
+        let receipts = self.receipts(&verdict.lost).await?;
+        Ok(self.report(&ledger, &verdict, left, &dead, &receipts, seed))
+    }
+
+    /// Two writers with keys of their own, and two that share keys and hold their
+    /// transactions open a little, so that theirs overlap.
+    fn start_writers(
+        &self,
+        rng: &mut fastrand::Rng,
+        counters: &Arc<Counters>,
+    ) -> Vec<tokio::task::JoinHandle<Ledger>> {
+        let insert: Arc<str> = format!(
+            r#"INSERT INTO "{}"."outbox" (id, topic, partition_key, payload) VALUES ($1, $2, $3, $4)"#,
+            self.name
+        )
+        .into();
+        let own = (0..2).map(|w| (format!("w{w}"), (0..8).map(move |k| format!("w{w}-k{k}"))));
+        let own = own.map(|(name, keys)| (name, keys.collect::<Vec<_>>(), false));
+        let shared = (0..2).map(|w| {
+            (
+                format!("s{w}"),
+                (0..4).map(|k| format!("s-k{k}")).collect(),
+                true,
+            )
+        });
+        let mut tasks = Vec::new();
+        for (name, keys, shared) in own.chain(shared) {
+            let writer = Writer {
+                name,
+                keys,
+                shared,
+                seed: rng.u64(..),
+            };
+            let (pool, insert, stop) = (self.pool.clone(), insert.clone(), self.stop.clone());
+            let task = writers::run(pool, insert, writer, counters.clone(), stop);
+            tasks.push(tokio::spawn(task));
+        }
+        tasks
+    }
+
+    /// A line every 10 s: committed, still in the outbox, relayed, received (AMQP), faults.
+    fn start_progress(&self, counters: &Arc<Counters>) -> tokio::task::JoinHandle<()> {
+        let (counters, faults, pool) = (counters.clone(), self.faults.clone(), self.pool.clone());
+        let (name, started) = (self.name.clone(), self.started);
+        let receipts = self.broker.receipts();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                let pending = outbox_rows(&pool, &name).await.unwrap_or(-1);
+                let committed = counters.committed.load(Relaxed);
+                let received = match &receipts {
+                    Some(r) => format!(", received {}", r.lock().map_or(0, |a| a.len())),
+                    None => String::new(),
+                };
+                println!(
+                    "[{:>4}s] committed {committed} (rolled back {}), in outbox {pending}, relayed ~{}{received} | faults: {}",
+                    started.elapsed().as_secs(),
+                    counters.rolled_back.load(Relaxed),
+                    committed as i64 - pending.max(0),
+                    faults.summary()
+                );
+            }
+        })
+    }
+
+    /// A relay must never exit on its own: count it, show why, start it again.
+    fn restart_exited(&mut self) -> Result<()> {
+        for (relay, status) in self.relays.exited() {
+            self.faults.unexpected_exits.fetch_add(1, Relaxed);
+            let log = self.relays.tail(relay, 10);
+            println!("chaos: relay {relay} exited on its own ({status}); restarting. Log:\n{log}");
+            self.relays.start(relay)?;
+        }
+        Ok(())
+    }
+
+    /// One fault, chosen at random; it is over (link restored, relay restarted) on return.
+    async fn inject(&mut self, rng: &mut fastrand::Rng) -> Result<()> {
+        let (faults, t) = (self.faults.clone(), self.started.elapsed().as_secs());
+        let relays = self.relays.count() as u64;
+        let (counter, hits) = match rng.u32(0..100) {
+            0..30 => {
+                let relay = rng.usize(..self.relays.count());
+                println!("[{t:>4}s] fault: kill -9 relay {relay}");
+                self.relays.kill(relay).await;
+                tokio::time::sleep(Duration::from_millis(rng.u64(500..2000))).await;
+                self.relays.start(relay)?;
+                (&faults.kills, 1)
+            }
+            30..55 => {
+                let sessions = self.terminate_sessions().await?;
+                println!("[{t:>4}s] fault: pg_terminate_backend of {sessions} relay sessions");
+                faults.sessions.fetch_add(sessions, Relaxed);
+                (&faults.terminations, sessions.min(relays))
+            }
+            55..80 => {
+                let down = Duration::from_millis(rng.u64(1000..4000));
+                println!("[{t:>4}s] fault: broker link cut for {down:.1?}");
+                self.link.cut();
+                tokio::time::sleep(down).await;
+                self.link.restore();
+                (&faults.cuts, relays)
+            }
+            _ => {
+                // Longer than the lease: a relay that waited on the broker this long would
+                // find its claim taken over.
+                let stall = self.settings.lease + Duration::from_millis(rng.u64(1000..4000));
+                println!("[{t:>4}s] fault: broker link stalled for {stall:.1?}");
+                self.link.stall();
+                tokio::time::sleep(stall).await;
+                self.link.restore();
+                (&faults.stalls, relays)
+            }
+        };
+        counter.fetch_add(1, Relaxed);
+        faults.hits.fetch_add(hits, Relaxed);
+        Ok(())
+    }
+
+    /// Terminates the sessions of this run's relays only, those that came through our proxy:
+    /// other relays on the shared server have the same application_name.
+    async fn terminate_sessions(&self) -> Result<u64> {
+        let ports: Vec<i32> = self
+            .database
+            .server_ports()
+            .into_iter()
+            .map(i32::from)
+            .collect();
+        let terminated: i64 = sqlx::query_scalar(
+            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE application_name = 'outbox-relay' AND client_port = ANY($1)",
+        )
+        .bind(ports)
+        .fetch_one(&self.pool)
+        .await
+        .ctx("pg_terminate_backend")?;
+        Ok(terminated as u64)
+    }
+
+    /// Waits until the outbox table is empty or the deadline passes; returns the rows left.
+    async fn drain(&mut self) -> Result<i64> {
+        let deadline = Instant::now() + DRAIN_DEADLINE;
+        loop {
+            self.restart_exited()?;
+            let left = outbox_rows(&self.pool, &self.name).await?;
+            if left == 0 || Instant::now() >= deadline {
+                let t = self.started.elapsed().as_secs();
+                println!("[{t:>4}s] drained: {left} rows left in the outbox");
+                return Ok(left);
+            }
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
+    /// What the relays recorded for up to ten lost messages: the broker's receipt and when.
+    async fn receipts(&self, lost: &[uuid::Uuid]) -> Result<Vec<String>> {
+        let lost = &lost[..lost.len().min(10)];
+        let query = format!(
+            r#"SELECT l.id || ': ' || coalesce('relayed with receipt ' || d.receipt || ' at '
+                   || d.delivered_at || ' after ' || d.attempts || ' failed attempts',
+                   'no delivery recorded')
+               FROM unnest($1::uuid[]) AS l(id)
+               LEFT JOIN "{}"."outbox_delivered" d ON d.id = l.id"#,
+            self.name
+        );
+        let rows = sqlx::query_scalar::<_, String>(&query)
+            .bind(lost)
+            .fetch_all(&self.pool);
+        rows.await.ctx("receipts of lost messages")
+    }
+
+    /// The number of dead letters and up to five of their errors.
+    async fn dead_letters(&self) -> Result<(i64, Vec<String>)> {
+        let table = format!(r#""{}"."outbox_dead_letters""#, self.name);
+        let count = format!("SELECT count(*) FROM {table}");
+        let count: i64 = sqlx::query_scalar(&count)
+            .fetch_one(&self.pool)
+            .await
+            .ctx("dead letters")?;
+        let errors = format!("SELECT partition_key || ': ' || last_error FROM {table} LIMIT 5");
+        let errors = sqlx::query_scalar::<_, Option<String>>(&errors).fetch_all(&self.pool);
+        Ok((
+            count,
+            errors
+                .await
+                .ctx("dead letters")?
+                .into_iter()
+                .flatten()
+                .collect(),
+        ))
+    }
+
+    /// For investigating a failure: `written.csv` (id, key, INSERT issued and COMMIT returned,
+    /// in ms since the start) and `arrivals.txt` (payloads in order of receipt).
+    fn save(&self, ledger: &Ledger, arrivals: &[Vec<u8>]) -> Result<()> {
+        let ms = |t: Instant| t.duration_since(self.started).as_secs_f64() * 1000.0;
+        let mut written = String::from("id,key,began_ms,committed_ms\n");
+        for w in &ledger.committed {
+            let (began, committed) = (ms(w.began), ms(w.committed));
+            written += &format!("{},{},{began:.1},{committed:.1}\n", w.id, w.key);
+        }
+        let file = self.dir.join("written.csv");
+        std::fs::write(&file, written).ctx(file.display())?;
+        let lines: Vec<_> = arrivals
+            .iter()
+            .map(|p| String::from_utf8_lossy(p))
+            .collect();
+        let file = self.dir.join("arrivals.txt");
+        std::fs::write(&file, lines.join("\n")).ctx(file.display())
+    }
+
+    /// Prints the report; true when the run passed.
+    fn report(
+        &self,
+        ledger: &Ledger,
+        verdict: &Verdict,
+        left: i64,
+        dead: &(i64, Vec<String>),
+        receipts: &[String],
+        seed: u64,
+    ) -> bool {
+        let faults = &self.faults;
+        let (hits, batch) = (faults.hits.load(Relaxed), self.settings.batch_size);
+        let allowed = hits as usize * batch;
+        let refusals = self.relays.count_in_logs("basic.nack");
+        let exits = faults.unexpected_exits.load(Relaxed);
+        let (lost, violations) = (verdict.lost.len(), verdict.violations.len());
+        let rolled_back = verdict.rolled_back_delivered.len();
+        let t = self.started.elapsed().as_secs();
+        println!(
+            "\nchaos report: sink {:?}, seed {seed}, {t} s, {} relays",
+            self.kind,
+            self.relays.count()
+        );
+        let rows = [
+            ("committed messages", ledger.committed.len().to_string()),
+            ("rolled back", ledger.rolled_back.len().to_string()),
+            ("commit outcome unknown", ledger.uncertain.len().to_string()),
+            ("broker arrivals", verdict.arrivals.to_string()),
+            ("faults", faults.summary()),
+            ("broker refusals (nacks)", refusals.to_string()),
+            ("lost", format!("{lost} ({left} still in the outbox)")),
+            (
+                "duplicates",
+                format!(
+                    "{} (allowed: {hits} relays hit × batch {batch} = {allowed})",
+                    verdict.duplicates
+                ),
+            ),
+            (
+                "order violations",
+                format!(
+                    "{violations} (of {} messages with an order to keep)",
+                    verdict.ordered
+                ),
+            ),
+            ("rolled back, delivered", rolled_back.to_string()),
+            ("dead letters", dead.0.to_string()),
+            ("not written by this run", verdict.foreign.to_string()),
+            ("relays exited on their own", exits.to_string()),
+        ];
+        println!("  | {:<26} | figure\n  |{:-<28}|{:-<60}", "what", "", "");
+        for (what, figure) in rows {
+            println!("  | {what:<26} | {figure}");
+        }
+        for v in verdict.violations.iter().take(10) {
+            println!(
+                "  order violation: key {}: {} (arrived #{}) committed {:.1?} before {} (arrived #{}) began",
+                v.key, v.earlier, v.earlier_at, v.margin, v.later, v.later_at
+            );
+        }
+        for lost in receipts {
+            println!("  lost: {lost}");
+        }
+        for error in &dead.1 {
+            println!("  dead letter: {error}");
+        }
+        if self.kind == Kind::Amqp && refusals == 0 {
+            println!("  warning: RabbitMQ refused no publish: the retry path was not exercised");
+        }
+        let failures: Vec<String> = [
+            (lost > 0, format!("{lost} messages lost")),
+            (
+                violations > 0,
+                format!("{violations} per-key order violations"),
+            ),
+            (
+                rolled_back > 0,
+                format!("{rolled_back} rolled-back messages delivered"),
+            ),
+            (dead.0 > 0, format!("{} dead letters", dead.0)),
+            (
+                verdict.duplicates > allowed,
+                format!("{} duplicates, over {allowed}", verdict.duplicates),
+            ),
+            (
+                verdict.foreign > 0,
+                format!("{} messages this run did not write", verdict.foreign),
+            ),
+            (exits > 0, format!("{exits} relay exits nobody asked for")),
+        ]
+        .into_iter()
+        .filter_map(|(failed, what)| failed.then_some(what))
+        .collect();
+        if failures.is_empty() {
+            println!("chaos: PASSED");
+            return true;
+        }
+        let keys: std::collections::BTreeSet<&str> =
+            verdict.violations.iter().map(|v| v.key.as_str()).collect();
+        if !keys.is_empty() {
+            println!("chaos: keys out of order: {keys:?}");
+        }
+        let dir = self.dir.display();
+        println!(
+            "chaos: FAILED: {} (seed {seed}; relay logs kept in {dir})",
+            failures.join("; ")
+        );
+        false
+    }
+
+    /// Drops the schema and the broker's destination; removes the run's directory when told.
+    async fn cleanup(&mut self, remove_dir: bool) {
+        self.stop.cancel(); // the writers, if a failure left them running
+        self.relays.stop(Duration::from_secs(5)).await;
+        self.broker.cleanup(&self.name).await;
+        let drop = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.name);
+        if let Err(error) = sqlx::query(&drop).execute(&self.pool).await {
+            eprintln!("chaos: dropping schema {}: {error}", self.name);
+        }
+        if remove_dir {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
+async fn outbox_rows(pool: &PgPool, schema: &str) -> Result<i64> {
+    let count = format!(r#"SELECT count(*) FROM "{schema}"."outbox""#);
+    sqlx::query_scalar(&count)
+        .fetch_one(pool)
+        .await
+        .ctx("counting outbox rows")
+}
+
+/// A URL's parts: scheme, user info with its `@` (or empty), `host[:port]`, the rest.
+fn url_parts(url: &str) -> Result<(&str, &str, &str, &str)> {
+    let (scheme, rest) = url
+        .split_once("://")
+        .ok_or_else(|| format!("{} is not a URL", redact_url(url)))?;
+    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
+    let (userinfo, host) = authority.split_at(authority.rfind('@').map_or(0, |at| at + 1));
+    Ok((scheme, userinfo, host, tail))
+}
+
+/// The `host:port` a PostgreSQL URL names (port 5432 when it names none).
+fn host_port(url: &str) -> Result<String> {
+    let (_, _, host, _) = url_parts(url)?;
+    Ok(if host.contains(':') {
+        host.to_string()
+    } else {
+        format!("{host}:5432")
+    })
+}
+
+/// `url` with its host and port replaced by `addr`.
+fn through(url: &str, addr: &str) -> Result<String> {
+    let (scheme, userinfo, _, tail) = url_parts(url)?;
+    Ok(format!("{scheme}://{userinfo}{addr}{tail}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_pointed_at_the_proxy() {
+        let url = "postgres://u:secret@db.local/test?sslmode=disable";
+        let via = through(url, "127.0.0.1:4000").expect("a URL");
+        assert_eq!(
+            via,
+            "postgres://u:secret@127.0.0.1:4000/test?sslmode=disable"
+        );
+        assert_eq!(host_port(url).expect("a URL"), "db.local:5432");
+        assert_eq!(host_port("postgres://h:6543/x").expect("a URL"), "h:6543");
+        assert_eq!(
+            through("postgres://h/x", "p:1").expect("a URL"),
+            "postgres://p:1/x"
+        );
+    }
+}
