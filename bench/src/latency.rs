@@ -132,7 +132,7 @@ async fn consume(
         for key in reply.keys {
             for entry in key.ids {
                 last = entry.id.clone();
-                let id: Option<String> = entry.get(outbox_redis::fields::ID);
+                let id: Option<String> = entry.get(outbox_redis::wire::ID);
                 let Some(id) = id.and_then(|s| Uuid::parse_str(&s).ok()) else {
                     continue;
                 };

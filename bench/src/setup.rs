@@ -273,18 +273,23 @@ impl SinkKind {
                 .map_err(text)?,
             ),
             SinkKind::Amqp => Arc::new(
-                outbox_amqp::AmqpSink::lazy(outbox_amqp::AmqpConfig::new(AMQP_URL, run))
-                    .map_err(text)?,
+                outbox_amqp::AmqpSink::lazy(outbox_amqp::AmqpConfig::new(
+                    AMQP_URL,
+                    outbox_core::Template::new(run).map_err(text)?,
+                ))
+                .map_err(text)?,
             ),
             SinkKind::Nats => Arc::new(
                 outbox_nats::NatsSink::new(
-                    outbox_nats::NatsConfig::new(NATS_URL).subject(format!("{run}."), "{topic}"),
+                    outbox_nats::NatsConfig::new(NATS_URL)
+                        .subject(format!("{run}."), outbox_core::Template::topic()),
                 )
                 .map_err(text)?,
             ),
             SinkKind::Kafka => {
                 let mut config = outbox_kafka::KafkaConfig::new(KAFKA_BROKERS);
-                config.topic_template = format!("{run}.{{topic}}");
+                config.topic_template =
+                    outbox_core::Template::new(format!("{run}.{{topic}}")).map_err(text)?;
                 config.properties.insert("linger.ms".into(), "5".into());
                 Arc::new(outbox_kafka::KafkaSink::new(config).map_err(text)?)
             }

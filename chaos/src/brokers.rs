@@ -2,8 +2,6 @@
 //! table that points the relays at the proxy, reading back everything the broker took (in
 //! its order of receipt), and cleaning up.
 
-use std::path::PathBuf;
-use std::process::Stdio;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -15,20 +13,18 @@ use outbox_amqp::lapin::options::{
 };
 use outbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use outbox_amqp::lapin::{self, Channel, Connection, ConnectionProperties, ExchangeKind};
-use outbox_kafka::rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use outbox_core::redact_url;
 use outbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use outbox_kafka::rdkafka::message::Message as _;
-use outbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList, client};
+use outbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use outbox_nats::async_nats::{self, jetstream};
 use outbox_redis::redis::{self, AsyncCommands, streams::StreamRangeReply};
+use outbox_test_support::kafka::{Tansu, try_create_topic};
+use outbox_test_support::{Service, free_addr, through};
 use tokio_util::sync::CancellationToken;
 
 use crate::writers::TOPIC;
 use crate::{Context, Faults, Result};
-
-const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const REDIS_URL: &str = "redis://127.0.0.1:6379";
-const NATS_URL: &str = "nats://127.0.0.1:4222";
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
 pub enum Kind {
@@ -41,7 +37,7 @@ pub enum Kind {
 impl Kind {
     /// The longest one publish round may take with every time-out at `timeout` seconds, as
     /// the sink counts it (docs/sinks/): AMQP connects then awaits confirms, NATS hands over
-    /// then awaits acks, Kafka waits its delivery time-out plus 5 s.
+    /// then awaits acks, Kafka waits its publish time-out plus 5 s.
     pub fn round_timeout(self, timeout: u64) -> u64 {
         match self {
             Kind::Amqp | Kind::Nats => 2 * timeout,
@@ -57,7 +53,7 @@ pub type Arrivals = Arc<Mutex<Vec<Vec<u8>>>>;
 pub enum Broker {
     Amqp(Amqp),
     Redis,
-    Kafka(tokio::process::Child),
+    Kafka(Tansu),
     Nats(jetstream::Context),
 }
 
@@ -65,16 +61,13 @@ pub enum Broker {
 /// advertises, not the one they were given, so a proxy in front of the shared tansu would be
 /// bypassed after the first request: Kafka runs get a tansu of their own, on this free
 /// port, that advertises the proxy.
-pub fn upstream(kind: Kind) -> Result<String> {
-    Ok(match kind {
-        Kind::Amqp => "127.0.0.1:5672".into(),
-        Kind::Redis => "127.0.0.1:6379".into(),
-        Kind::Nats => "127.0.0.1:4222".into(),
-        Kind::Kafka => std::net::TcpListener::bind("127.0.0.1:0")
-            .and_then(|listener| listener.local_addr())
-            .ctx("no free port for tansu")?
-            .to_string(),
-    })
+pub fn upstream(kind: Kind) -> String {
+    match kind {
+        Kind::Amqp => Service::Amqp.addr(),
+        Kind::Redis => Service::Redis.addr(),
+        Kind::Nats => Service::Nats.addr(),
+        Kind::Kafka => free_addr(),
+    }
 }
 
 impl Broker {
@@ -94,16 +87,17 @@ impl Broker {
                 let _: () = redis::cmd("PING")
                     .query_async(&mut redis_connection().await?)
                     .await
-                    .ctx(REDIS_URL)?;
+                    .ctx(redact_url(&Service::Redis.url()))?;
                 Broker::Redis
             }
             Kind::Kafka => Broker::Kafka(start_tansu(name, upstream, proxy).await?),
             Kind::Nats => {
+                let url = Service::Nats.url();
                 let client = async_nats::ConnectOptions::new()
                     .connection_timeout(Duration::from_secs(5))
-                    .connect(NATS_URL)
+                    .connect(url.as_str())
                     .await
-                    .ctx(NATS_URL)?;
+                    .ctx(redact_url(&url))?;
                 let js = jetstream::new(client);
                 js.create_stream(jetstream::stream::Config {
                     name: name.to_string(),
@@ -122,24 +116,28 @@ impl Broker {
     /// The body of the relays' `[sink]` table: through the proxy, every time-out `timeout`.
     pub fn sink_table(&self, name: &str, proxy: &str, timeout: u64) -> String {
         let t = format!("\"{timeout}s\"");
+        let url = |service: Service| through(&service.url(), proxy);
         match self {
             Broker::Amqp(_) => format!(
-                "type = \"amqp\"\nurl = \"amqp://guest:guest@{proxy}/%2f\"\nexchange = \"{name}\"\n\
+                "type = \"amqp\"\nurl = \"{}\"\nexchange = \"{name}\"\n\
                  exchange_setup = \"declare\"\nexchange_kind = \"topic\"\nunroutable = \"retry\"\n\
                  connect_timeout = {t}\npublish_timeout = {t}\n\
-                 reconnect_backoff = {{ initial = \"100ms\", max = \"1s\" }}\n"
+                 reconnect_backoff = {{ initial = \"100ms\", max = \"1s\" }}\n",
+                url(Service::Amqp)
             ),
             Broker::Redis => format!(
-                "type = \"redis\"\nurl = \"redis://{proxy}\"\npool_size = 2\n\
-                 command_timeout = {t}\nstream_prefix = \"{name}:\"\n"
+                "type = \"redis\"\nurl = \"{}\"\npool_size = 2\n\
+                 publish_timeout = {t}\nstream_prefix = \"{name}:\"\n",
+                url(Service::Redis)
             ),
             Broker::Kafka(_) => format!(
                 "type = \"kafka\"\nbootstrap_servers = \"{proxy}\"\ntopic_template = \"{name}\"\n\
-                 delivery_timeout = {t}\nhealth_timeout = {t}\n"
+                 publish_timeout = {t}\nhealth_timeout = {t}\n"
             ),
             Broker::Nats(_) => format!(
-                "type = \"nats\"\nurl = \"nats://{proxy}\"\nsubject_prefix = \"{name}.\"\n\
-                 subject = \"{{topic}}\"\nstream = \"{name}\"\ntimeout = {t}\n"
+                "type = \"nats\"\nurl = \"{}\"\nsubject_prefix = \"{name}.\"\n\
+                 subject = \"{{topic}}\"\nstream = \"{name}\"\npublish_timeout = {t}\n",
+                url(Service::Nats)
             ),
         }
     }
@@ -177,7 +175,7 @@ impl Broker {
                 Ok(mut con) => con.del(format!("{name}:{TOPIC}")).await.ctx("DEL"),
                 Err(error) => Err(error),
             },
-            Broker::Kafka(tansu) => tansu.kill().await.ctx("stopping tansu"),
+            Broker::Kafka(tansu) => tansu.stop().await.ctx("stopping tansu"),
             Broker::Nats(js) => js.delete_stream(name).await.map(drop).ctx("stream"),
         };
         if let Err(error) = result {
@@ -201,11 +199,13 @@ impl Amqp {
     /// to it, limited to 5 messages with `x-overflow = reject-publish`, consumed by a
     /// consumer that records arrivals and now and then lags.
     async fn setup(name: &str, seed: u64, faults: Arc<Faults>) -> Result<Amqp> {
-        let connect = Connection::connect(AMQP_URL, ConnectionProperties::default());
+        let url = Service::Amqp.url();
+        let connect = Connection::connect(&url, ConnectionProperties::default());
+        let rabbitmq = format!("RabbitMQ at {}", redact_url(&url));
         let connection = tokio::time::timeout(Duration::from_secs(5), connect)
             .await
-            .ctx("RabbitMQ at 127.0.0.1:5672 did not answer within 5 s")?
-            .ctx("RabbitMQ at 127.0.0.1:5672")?;
+            .ctx(format_args!("{rabbitmq} did not answer within 5 s"))?
+            .ctx(rabbitmq)?;
         let channel = connection.create_channel().await.ctx("RabbitMQ")?;
         let durable = ExchangeDeclareOptions {
             durable: true,
@@ -355,14 +355,14 @@ async fn consume(
 }
 
 async fn redis_connection() -> Result<redis::aio::MultiplexedConnection> {
-    let client = redis::Client::open(REDIS_URL).ctx(REDIS_URL)?;
+    let url = Service::Redis.url();
+    let redis = format!("Redis at {}", redact_url(&url));
+    let client = redis::Client::open(url).ctx(&redis)?;
     let connect = client.get_multiplexed_async_connection();
     tokio::time::timeout(Duration::from_secs(5), connect)
         .await
-        .ctx(format_args!(
-            "Redis at {REDIS_URL} did not answer within 5 s"
-        ))?
-        .ctx(REDIS_URL)
+        .ctx(format_args!("{redis} did not answer within 5 s"))?
+        .ctx(redis)
 }
 
 /// The whole stream, oldest entry first, 1,000 entries per XRANGE.
@@ -389,56 +389,13 @@ async fn redis_range(stream: &str) -> Result<Vec<Vec<u8>>> {
 
 /// A tansu of the run's own (killed on drop), listening on `listen` and advertising
 /// `proxy`, with a topic `name` of one partition, so offsets are the order of receipt.
-async fn start_tansu(name: &str, listen: &str, proxy: &str) -> Result<tokio::process::Child> {
-    let home = std::env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
-    // Where `cargo xtask services` installs it, as the Kafka tests look for it.
-    let binary = match (std::env::var_os("OUTBOX_TEST_TANSU"), home) {
-        (Some(path), _) => PathBuf::from(path),
-        (None, Some(home)) if home.join("bin/tansu").is_file() => home.join("bin/tansu"),
-        _ => PathBuf::from("tansu"),
-    };
+async fn start_tansu(name: &str, listen: &str, proxy: &str) -> Result<Tansu> {
     // In the run's directory, with the relays' logs: kept when the run fails.
     let dir = std::env::temp_dir().join(name);
     std::fs::create_dir_all(&dir).ctx(dir.display())?;
-    let log = dir.join("tansu.log");
-    let file = std::fs::File::create(&log).ctx(log.display())?;
-    let child = tokio::process::Command::new(&binary)
-        .args(["broker", "--listener-url", &format!("tcp://{listen}")])
-        .args(["--advertised-listener-url", &format!("tcp://{proxy}")])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdin(Stdio::null())
-        .stdout(file.try_clone().ctx("tansu log")?)
-        .stderr(file)
-        .kill_on_drop(true)
-        .spawn()
-        .ctx(format_args!("starting tansu ({})", binary.display()))?;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(listen).await.is_err() {
-        if Instant::now() >= deadline {
-            return Err(format!(
-                "tansu is not up on {listen}; see {}",
-                log.display()
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let admin: AdminClient<client::DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", proxy)
-        .create()
-        .ctx("Kafka admin client")?;
-    let topic = NewTopic::new(name, 1, TopicReplication::Fixed(1));
-    let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let created = admin.create_topics([&topic], &options);
-    let results = tokio::time::timeout(Duration::from_secs(20), created)
-        .await
-        .ctx("creating the topic timed out")?
-        .ctx("creating the topic")?;
-    for result in results {
-        result.map_err(|(topic, code)| format!("creating topic {topic}: {code:?}"))?;
-    }
-    Ok(child)
+    let tansu = Tansu::start(listen, proxy, dir.join("tansu.log")).await?;
+    try_create_topic(proxy, name, 1, &[]).await?;
+    Ok(tansu)
 }
 
 /// The topic's one partition from the start to its high watermark.

@@ -8,7 +8,6 @@
 
 mod brokers;
 mod check;
-mod proxy;
 mod relays;
 mod writers;
 
@@ -21,13 +20,13 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use outbox_core::redact_url;
+use outbox_test_support::{Proxy, Service, host_port, through};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
 use brokers::{Broker, Kind};
 use check::Verdict;
-use proxy::Proxy;
 use relays::{Relays, Settings};
 use writers::{Counters, Ledger, Writer};
 
@@ -44,7 +43,7 @@ impl<T, E: Display> Context<T> for std::result::Result<T, E> {
     }
 }
 
-/// Every sink's time-outs (publish, command, delivery, connect), in seconds.
+/// Every sink's time-outs (publish, connect, health), in seconds.
 const SINK_TIMEOUT: u64 = 2;
 /// Messages of one key per claim: 3 is the least at which a claim can hold a due message
 /// behind one that waits to retry (due, waiting, due), the shape of the per-key order bugs
@@ -68,11 +67,7 @@ struct Args {
     #[arg(long, default_value = "target/debug/outbox")]
     outbox: PathBuf,
     /// The database of the outbox (a schema of the run's own is created and dropped).
-    #[arg(
-        long,
-        env = "OUTBOX_TEST_POSTGRES_URL",
-        default_value = "postgres://postgres@127.0.0.1:5432/test"
-    )]
+    #[arg(long, env = Service::Postgres.env(), default_value = Service::Postgres.default_url())]
     postgres_url: String,
     /// Relay processes on the one outbox table.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]
@@ -187,10 +182,10 @@ impl Run {
             .ctx(format_args!("PostgreSQL at {}", redact_url(url)))?;
         // Relays reach PostgreSQL through a proxy that is never cut: its connections' ports
         // tell this run's relay sessions from those of other relays on the shared server.
-        let database = Proxy::start(&host_port(url)?).await.ctx("proxy")?;
-        let relay_url = through(url, &database.addr())?;
-        let upstream = brokers::upstream(args.sink)?;
-        let link = Proxy::start(&upstream).await.ctx("proxy")?;
+        let database = Proxy::try_start(&host_port(url)).await.ctx("proxy")?;
+        let relay_url = through(url, &database.addr());
+        let upstream = brokers::upstream(args.sink);
+        let link = Proxy::try_start(&upstream).await.ctx("proxy")?;
         let faults = Arc::new(Faults::default());
         let broker = Broker::setup(
             args.sink,
@@ -619,51 +614,4 @@ async fn outbox_rows(pool: &PgPool, schema: &str) -> Result<i64> {
         .fetch_one(pool)
         .await
         .ctx("counting outbox rows")
-}
-
-/// A URL's parts: scheme, user info with its `@` (or empty), `host[:port]`, the rest.
-fn url_parts(url: &str) -> Result<(&str, &str, &str, &str)> {
-    let (scheme, rest) = url
-        .split_once("://")
-        .ok_or_else(|| format!("{} is not a URL", redact_url(url)))?;
-    let (authority, tail) = rest.split_at(rest.find(['/', '?']).unwrap_or(rest.len()));
-    let (userinfo, host) = authority.split_at(authority.rfind('@').map_or(0, |at| at + 1));
-    Ok((scheme, userinfo, host, tail))
-}
-
-/// The `host:port` a PostgreSQL URL names (port 5432 when it names none).
-fn host_port(url: &str) -> Result<String> {
-    let (_, _, host, _) = url_parts(url)?;
-    Ok(if host.contains(':') {
-        host.to_string()
-    } else {
-        format!("{host}:5432")
-    })
-}
-
-/// `url` with its host and port replaced by `addr`.
-fn through(url: &str, addr: &str) -> Result<String> {
-    let (scheme, userinfo, _, tail) = url_parts(url)?;
-    Ok(format!("{scheme}://{userinfo}{addr}{tail}"))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn urls_are_pointed_at_the_proxy() {
-        let url = "postgres://u:secret@db.local/test?sslmode=disable";
-        let via = through(url, "127.0.0.1:4000").expect("a URL");
-        assert_eq!(
-            via,
-            "postgres://u:secret@127.0.0.1:4000/test?sslmode=disable"
-        );
-        assert_eq!(host_port(url).expect("a URL"), "db.local:5432");
-        assert_eq!(host_port("postgres://h:6543/x").expect("a URL"), "h:6543");
-        assert_eq!(
-            through("postgres://h/x", "p:1").expect("a URL"),
-            "postgres://p:1/x"
-        );
-    }
 }

@@ -28,18 +28,18 @@ schema = "{schema}"
 table = "outbox"
 max_connections = 4
 connect_timeout = "2s"
+per_key_order = true
+max_per_key = {max_per_key}
+# Delivered rows are kept with the broker's receipt, so a lost message shows whether and
+# where the broker said it took it.
+retention = "1h"
 
 [relay]
 batch_size = {batch}
 poll_interval = "250ms"
 lease = "{lease}s"
 max_attempts = 1000
-per_key_order = true
-max_per_key = {max_per_key}
 shutdown_timeout = "3s"
-# Delivered rows are kept with the broker's receipt, so a lost message shows whether and
-# where the broker said it took it.
-retention = "1h"
 backoff = {{ initial = "100ms", max = "1s", multiplier = 2.0, jitter = 0.2 }}
 
 [sink]

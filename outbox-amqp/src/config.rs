@@ -1,4 +1,5 @@
-//! Settings of the AMQP sink.
+//! Settings of the AMQP sink: the `[sink]` table of the relay's configuration and the Rust
+//! API alike.
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
@@ -6,8 +7,8 @@ use std::time::Duration;
 
 use lapin::ExchangeKind;
 use lapin::uri::AMQPUri;
-use outbox_core::{Backoff, Error, Result, redact_url};
-use serde::Deserialize;
+use outbox_core::{Backoff, Error, Result, Template, redact_url};
+use serde::{Deserialize, Deserializer};
 
 /// Longest exchange name or routing key AMQP 0-9-1 can carry (a short string).
 pub(crate) const MAX_NAME_LEN: usize = 255;
@@ -18,20 +19,25 @@ pub const DEFAULT_MAX_PAYLOAD: usize = 16 * 1024 * 1024;
 /// RabbitMQ's hard limit on a message.
 const BROKER_MAX_PAYLOAD: usize = 512 * 1024 * 1024;
 
-/// What the sink does with the exchanges it publishes to.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+/// What the sink does with the exchanges it publishes to (`exchange_setup = "passive"` or
+/// `"declare"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum ExchangeSetup {
     /// Only check that each exchange exists (a passive declare); a missing one is an error.
     /// The default: the topology belongs to whoever runs the broker.
     #[default]
     Passive,
-    /// Declare each exchange, durable, of this kind (creating it if missing). Exchanges named
-    /// `amq.*` are reserved by the broker and are always checked passively.
-    Declare(ExchangeKind),
+    /// Declare each exchange, durable, of [`AmqpConfig::exchange_kind`] (creating it if
+    /// missing). Exchanges named `amq.*` are reserved by the broker and are always checked
+    /// passively.
+    Declare,
 }
 
-/// What a message that no queue takes (returned by the broker under `mandatory`) becomes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a message that no queue takes (returned by the broker under `mandatory`) becomes
+/// (`unroutable = "retry"` or `"dead_letter"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
 pub enum Unroutable {
     /// A temporary failure: charged as an attempt and retried with backoff, so it is delivered
     /// once a binding appears, and dead-lettered after the worker's `max_attempts`.
@@ -41,239 +47,36 @@ pub enum Unroutable {
     DeadLetter,
 }
 
-/// Where messages of one topic go. Both fields are templates (see [`AmqpConfig`]).
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Where messages of one topic go: `routes.<topic> = { exchange = "…", routing_key = "…" }`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Route {
-    /// Exchange name template (`""` is the broker's default exchange).
-    pub exchange: String,
-    /// Routing key template.
-    pub routing_key: String,
+    /// Exchange name template, `{topic}` allowed (`""` is the broker's default exchange).
+    pub exchange: Template,
+    /// Routing key template, `{topic}` and `{key}` allowed (default `{topic}`).
+    #[serde(default = "Template::topic")]
+    pub routing_key: Template,
 }
 
 impl Route {
     /// A route to `exchange` with `routing_key`.
-    pub fn new(exchange: impl Into<String>, routing_key: impl Into<String>) -> Self {
+    pub fn new(exchange: Template, routing_key: Template) -> Self {
         Route {
-            exchange: exchange.into(),
-            routing_key: routing_key.into(),
+            exchange,
+            routing_key,
         }
     }
 }
 
-/// Settings of the AMQP sink. `Debug` hides the password in the URI.
+/// Settings of the AMQP sink: the `[sink]` table of the relay's configuration (with
+/// `type = "amqp"`; durations written as `"5s"` or `"500ms"`, unknown keys refused) and the
+/// Rust API alike. Every key but `url` and `exchange` has a default. `Debug` hides the
+/// password in the URI.
 ///
-/// Exchange names and routing keys are templates: `{topic}` is replaced by the message's
+/// Exchange names and routing keys are [`Template`]s: `{topic}` is replaced by the message's
 /// topic and, in routing keys only, `{key}` by its partition key (empty when it has none).
 /// A topic listed in `routes` uses that route; any other topic uses `exchange` and
 /// `routing_key`.
-#[derive(Clone, PartialEq)]
-pub struct AmqpConfig {
-    /// Broker URI, `amqp://user:password@host:5672/vhost` or `amqps://...` for TLS. The
-    /// vhost is percent-encoded (`%2f` is `/`, the default when the path is missing).
-    pub url: String,
-    /// Exchange template for topics not in `routes`.
-    pub exchange: String,
-    /// Routing key template for topics not in `routes` (default `{topic}`).
-    pub routing_key: String,
-    /// Explicit routes by topic; they take precedence over the templates.
-    pub routes: BTreeMap<String, Route>,
-    /// Check the exchanges passively (default) or declare them.
-    pub exchange_setup: ExchangeSetup,
-    /// What a message no queue takes becomes (default [`Unroutable::Retry`]).
-    pub unroutable: Unroutable,
-    /// The `app_id` property of every message (default `outbox`).
-    pub app_id: String,
-    /// Largest payload in bytes; a larger message is dead-lettered without being sent
-    /// (default 16 MiB, RabbitMQ 4's default `max_message_size`).
-    pub max_payload: usize,
-    /// How long connecting, opening a channel, checking an exchange or a health check may take
-    /// (default 5 s).
-    pub connect_timeout: Duration,
-    /// How long publishing one batch and receiving all its confirms may take (default 10 s).
-    /// Keep it shorter than the worker's lease.
-    pub publish_timeout: Duration,
-    /// Waits between reconnection attempts after the connection or channel is lost (default
-    /// 100 ms doubling to 10 s). Until a reconnect succeeds, health checks report down.
-    pub reconnect_backoff: Backoff,
-}
-
-impl std::fmt::Debug for AmqpConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpConfig")
-            .field("url", &redact_url(&self.url))
-            .field("exchange", &self.exchange)
-            .field("routing_key", &self.routing_key)
-            .field("routes", &self.routes)
-            .field("exchange_setup", &self.exchange_setup)
-            .field("unroutable", &self.unroutable)
-            .field("app_id", &self.app_id)
-            .field("max_payload", &self.max_payload)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("reconnect_backoff", &self.reconnect_backoff)
-            .finish()
-    }
-}
-
-impl AmqpConfig {
-    /// Defaults for the broker at `url`, publishing to `exchange` with the topic as routing key.
-    pub fn new(url: impl Into<String>, exchange: impl Into<String>) -> Self {
-        AmqpConfig {
-            url: url.into(),
-            exchange: exchange.into(),
-            routing_key: "{topic}".into(),
-            routes: BTreeMap::new(),
-            exchange_setup: ExchangeSetup::Passive,
-            unroutable: Unroutable::Retry,
-            app_id: "outbox".into(),
-            max_payload: DEFAULT_MAX_PAYLOAD,
-            connect_timeout: Duration::from_secs(5),
-            publish_timeout: Duration::from_secs(10),
-            reconnect_backoff: Backoff {
-                initial: Duration::from_millis(100),
-                multiplier: 2.0,
-                max: Duration::from_secs(10),
-                jitter: 0.2,
-            },
-        }
-    }
-
-    /// Sets the routing key template for topics not in `routes`.
-    pub fn routing_key(mut self, template: impl Into<String>) -> Self {
-        self.routing_key = template.into();
-        self
-    }
-
-    /// Routes `topic` to `exchange` with `routing_key` (both templates).
-    pub fn route(
-        mut self,
-        topic: impl Into<String>,
-        exchange: impl Into<String>,
-        routing_key: impl Into<String>,
-    ) -> Self {
-        self.routes
-            .insert(topic.into(), Route::new(exchange, routing_key));
-        self
-    }
-
-    /// Sets how exchanges are set up.
-    pub fn exchange_setup(mut self, setup: ExchangeSetup) -> Self {
-        self.exchange_setup = setup;
-        self
-    }
-
-    /// Sets what an unroutable message becomes.
-    pub fn unroutable(mut self, unroutable: Unroutable) -> Self {
-        self.unroutable = unroutable;
-        self
-    }
-
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors name the bad key. See [`FileConfig`] for
-    /// the keys.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let at = if path == "." {
-                String::new()
-            } else {
-                format!("sink.{path}: ")
-            };
-            Error::config(format!("amqp sink configuration: {at}{}", e.inner()))
-        })?;
-        let config = file.into_config()?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Checks every setting; the error names the bad one.
-    pub fn validate(&self) -> Result<()> {
-        self.parse_uri()?;
-        check_template("sink.exchange", &self.exchange, &["topic"])?;
-        check_template("sink.routing_key", &self.routing_key, &["topic", "key"])?;
-        check_routing_key_not_empty("sink.routing_key", &self.routing_key)?;
-        for (topic, route) in &self.routes {
-            if topic.is_empty() {
-                return Err(Error::config(
-                    "sink.routes has an entry for an empty topic; name the topic it routes",
-                ));
-            }
-            let key = format!("sink.routes.{topic}.exchange");
-            check_template(&key, &route.exchange, &["topic"])?;
-            let key = format!("sink.routes.{topic}.routing_key");
-            check_template(&key, &route.routing_key, &["topic", "key"])?;
-            check_routing_key_not_empty(&key, &route.routing_key)?;
-        }
-        if let ExchangeSetup::Declare(ExchangeKind::Custom(kind)) = &self.exchange_setup
-            && kind.trim().is_empty()
-        {
-            return Err(Error::config(
-                "sink.exchange_setup declares exchanges of an empty custom kind; use direct, \
-                 fanout, topic, headers or a plugin's type such as x-consistent-hash",
-            ));
-        }
-        if self.app_id.len() > MAX_NAME_LEN {
-            return Err(Error::config(format!(
-                "sink.app_id is {} bytes long; AMQP allows at most {MAX_NAME_LEN}",
-                self.app_id.len()
-            )));
-        }
-        if self.max_payload == 0 || self.max_payload > BROKER_MAX_PAYLOAD {
-            return Err(Error::config(format!(
-                "sink.max_payload is {}; it must be between 1 and {BROKER_MAX_PAYLOAD} bytes \
-                 (RabbitMQ's limit), and at most the broker's max_message_size",
-                self.max_payload
-            )));
-        }
-        for (key, value) in [
-            ("sink.connect_timeout", self.connect_timeout),
-            ("sink.publish_timeout", self.publish_timeout),
-        ] {
-            if value.is_zero() {
-                return Err(Error::config(format!(
-                    "{key} is 0; it must be greater than zero"
-                )));
-            }
-        }
-        self.reconnect_backoff
-            .validate()
-            .map_err(|e| Error::config(format!("sink.reconnect_{}", e.message())))
-    }
-
-    /// The URI, parsed; a config error says what is wrong with it.
-    pub(crate) fn parse_uri(&self) -> Result<AMQPUri> {
-        let redacted = redact_url(&self.url);
-        if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
-            return Err(Error::config(format!(
-                "sink.url `{redacted}` is not an AMQP URI; expected \
-                 amqp://user:password@host:5672/vhost (or amqps:// for TLS)"
-            )));
-        }
-        let mut uri = AMQPUri::from_str(&self.url).map_err(|e| {
-            // The parser's message may quote the URI; keep only the redacted one.
-            let reason = if e.contains(&self.url) {
-                "it could not be parsed".to_string()
-            } else {
-                e
-            };
-            Error::config(format!(
-                "sink.url `{redacted}` is not a valid AMQP URI ({reason}); expected \
-                 amqp://user:password@host:5672/vhost with the vhost percent-encoded"
-            ))
-        })?;
-        // The parser reads only domain names and takes any other host for localhost; keep
-        // an IPv6 literal as written.
-        if let Some(host) = host_of(&self.url)
-            && host.starts_with('[')
-        {
-            uri.authority.host = host.trim_start_matches('[').trim_end_matches(']').into();
-        }
-        Ok(uri)
-    }
-}
-
-/// The `[sink]` table of the relay's configuration for `type = "amqp"`: the keys of
-/// [`AmqpConfig`], with durations written as `"5s"` or `"500ms"`. Unknown keys are refused.
 ///
 /// ```toml
 /// [sink]
@@ -288,137 +91,322 @@ impl AmqpConfig {
 /// reconnect_backoff = { initial = "100ms", max = "10s" }
 /// routes.audit = { exchange = "audit-log", routing_key = "{topic}.{key}" }
 /// ```
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileConfig {
-    /// See [`AmqpConfig::url`].
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AmqpConfig {
+    /// Broker URI, `amqp://user:password@host:5672/vhost` or `amqps://...` for TLS (required;
+    /// the file also takes the key `uri`). The vhost is percent-encoded (`%2f` is `/`, the
+    /// default when the path is missing).
     #[serde(alias = "uri")]
     pub url: String,
-    /// See [`AmqpConfig::exchange`].
-    pub exchange: String,
-    /// See [`AmqpConfig::routing_key`].
-    pub routing_key: Option<String>,
-    /// See [`AmqpConfig::routes`].
-    #[serde(default)]
-    pub routes: BTreeMap<String, FileRoute>,
-    /// `passive` (default) or `declare`.
-    pub exchange_setup: Option<String>,
-    /// With `declare`: `direct`, `fanout`, `topic` (default), `headers`, or a plugin's type.
-    pub exchange_kind: Option<String>,
-    /// `retry` (default) or `dead_letter`.
-    pub unroutable: Option<String>,
-    /// See [`AmqpConfig::app_id`].
-    pub app_id: Option<String>,
-    /// See [`AmqpConfig::max_payload`].
-    pub max_payload: Option<usize>,
-    /// See [`AmqpConfig::connect_timeout`].
-    #[serde(default, with = "humantime_serde")]
-    pub connect_timeout: Option<Duration>,
-    /// See [`AmqpConfig::publish_timeout`].
-    #[serde(default, with = "humantime_serde")]
-    pub publish_timeout: Option<Duration>,
-    /// See [`AmqpConfig::reconnect_backoff`]; missing fields keep their defaults.
-    #[serde(default)]
-    pub reconnect_backoff: FileBackoff,
+    /// Exchange template for topics not in `routes` (required; `""` is the broker's default
+    /// exchange).
+    pub exchange: Option<Template>,
+    /// Routing key template for topics not in `routes` (default `{topic}`).
+    pub routing_key: Template,
+    /// Explicit routes by topic; they take precedence over `exchange` and `routing_key`.
+    pub routes: BTreeMap<String, Route>,
+    /// Check the exchanges passively (default) or declare them.
+    pub exchange_setup: ExchangeSetup,
+    /// The kind of the exchanges declared with [`ExchangeSetup::Declare`] (`direct`,
+    /// `fanout`, `topic`, `headers` or a plugin's type; `None`, the default, is `topic`).
+    /// Refused with [`ExchangeSetup::Passive`].
+    #[serde(deserialize_with = "exchange_kind")]
+    pub exchange_kind: Option<ExchangeKind>,
+    /// What a message no queue takes becomes (default [`Unroutable::Retry`]).
+    pub unroutable: Unroutable,
+    /// The `app_id` property of every message (default `outbox`).
+    pub app_id: String,
+    /// Largest payload in bytes; a larger message is dead-lettered without being sent
+    /// (default 16 MiB, RabbitMQ 4's default `max_message_size`).
+    pub max_payload: usize,
+    /// How long connecting, opening a channel, checking an exchange or a health check may take
+    /// (default 5 s).
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How long publishing one batch and receiving all its confirms may take (default 10 s).
+    /// Keep it shorter than the worker's lease.
+    #[serde(with = "humantime_serde")]
+    pub publish_timeout: Duration,
+    /// Waits between reconnection attempts after the connection or channel is lost (default
+    /// 100 ms doubling to 10 s, jitter 0.2; a key left out of the file's table keeps this
+    /// default). Until a reconnect succeeds, health checks report down.
+    #[serde(deserialize_with = "reconnect_backoff")]
+    pub reconnect_backoff: Backoff,
 }
 
-/// A route in the configuration file: see [`Route`].
-#[derive(Debug, Clone, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileRoute {
-    /// Exchange name template.
-    pub exchange: String,
-    /// Routing key template (default `{topic}`).
-    #[serde(default = "topic_template")]
-    pub routing_key: String,
-}
-
-fn topic_template() -> String {
-    "{topic}".into()
-}
-
-/// The reconnect backoff in the configuration file: see [`Backoff`].
-#[derive(Debug, Clone, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct FileBackoff {
-    /// Wait after the first failure.
-    #[serde(default, with = "humantime_serde")]
-    pub initial: Option<Duration>,
-    /// Growth per failure.
-    pub multiplier: Option<f64>,
-    /// Upper bound of a wait.
-    #[serde(default, with = "humantime_serde")]
-    pub max: Option<Duration>,
-    /// Fraction of each wait taken off at random.
-    pub jitter: Option<f64>,
-}
-
-impl FileConfig {
-    fn into_config(self) -> Result<AmqpConfig> {
-        let mut config = AmqpConfig::new(self.url, self.exchange);
-        if let Some(routing_key) = self.routing_key {
-            config.routing_key = routing_key;
+impl Default for AmqpConfig {
+    /// The defaults, with no URL and no exchange (which [`AmqpConfig::validate`] refuses).
+    fn default() -> Self {
+        AmqpConfig {
+            url: String::new(),
+            exchange: None,
+            routing_key: Template::topic(),
+            routes: BTreeMap::new(),
+            exchange_setup: ExchangeSetup::Passive,
+            exchange_kind: None,
+            unroutable: Unroutable::Retry,
+            app_id: "outbox".into(),
+            max_payload: DEFAULT_MAX_PAYLOAD,
+            connect_timeout: Duration::from_secs(5),
+            publish_timeout: Duration::from_secs(10),
+            reconnect_backoff: Backoff {
+                initial: Duration::from_millis(100),
+                multiplier: 2.0,
+                max: Duration::from_secs(10),
+                jitter: 0.2,
+            },
         }
-        config.routes = self
-            .routes
-            .into_iter()
-            .map(|(topic, r)| (topic, Route::new(r.exchange, r.routing_key)))
-            .collect();
-        let kind = self.exchange_kind.as_deref().map(exchange_kind);
-        config.exchange_setup = match (self.exchange_setup.as_deref(), kind) {
-            (None | Some("passive"), None) => ExchangeSetup::Passive,
-            (None | Some("passive"), Some(_)) => {
-                return Err(Error::config(
-                    "sink.exchange_kind only applies with sink.exchange_setup = \"declare\"",
-                ));
-            }
-            (Some("declare"), kind) => ExchangeSetup::Declare(kind.unwrap_or(ExchangeKind::Topic)),
-            (Some(other), _) => {
-                return Err(Error::config(format!(
-                    "sink.exchange_setup is `{other}`; use \"passive\" (check that exchanges \
-                     exist) or \"declare\" (create them)"
-                )));
-            }
-        };
-        config.unroutable = match self.unroutable.as_deref() {
-            None | Some("retry") => Unroutable::Retry,
-            Some("dead_letter") => Unroutable::DeadLetter,
-            Some(other) => {
-                return Err(Error::config(format!(
-                    "sink.unroutable is `{other}`; use \"retry\" or \"dead_letter\""
-                )));
-            }
-        };
-        if let Some(app_id) = self.app_id {
-            config.app_id = app_id;
-        }
-        if let Some(max_payload) = self.max_payload {
-            config.max_payload = max_payload;
-        }
-        if let Some(timeout) = self.connect_timeout {
-            config.connect_timeout = timeout;
-        }
-        if let Some(timeout) = self.publish_timeout {
-            config.publish_timeout = timeout;
-        }
-        let b = &mut config.reconnect_backoff;
-        let f = self.reconnect_backoff;
-        b.initial = f.initial.unwrap_or(b.initial);
-        b.multiplier = f.multiplier.unwrap_or(b.multiplier);
-        b.max = f.max.unwrap_or(b.max);
-        b.jitter = f.jitter.unwrap_or(b.jitter);
-        Ok(config)
     }
 }
 
-fn exchange_kind(name: &str) -> ExchangeKind {
-    match name {
+impl std::fmt::Debug for AmqpConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AmqpConfig")
+            .field("url", &redact_url(&self.url))
+            .field("exchange", &self.exchange)
+            .field("routing_key", &self.routing_key)
+            .field("routes", &self.routes)
+            .field("exchange_setup", &self.exchange_setup)
+            .field("exchange_kind", &self.exchange_kind)
+            .field("unroutable", &self.unroutable)
+            .field("app_id", &self.app_id)
+            .field("max_payload", &self.max_payload)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("publish_timeout", &self.publish_timeout)
+            .field("reconnect_backoff", &self.reconnect_backoff)
+            .finish()
+    }
+}
+
+impl AmqpConfig {
+    /// Defaults for the broker at `url`, publishing to `exchange` with the topic as routing
+    /// key. `"events".parse()?` or [`Template::new`] makes the template.
+    pub fn new(url: impl Into<String>, exchange: Template) -> Self {
+        AmqpConfig {
+            url: url.into(),
+            exchange: Some(exchange),
+            ..Self::default()
+        }
+    }
+
+    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
+    /// without `type`) and validates them. Errors are keyed by the setting, relative to the
+    /// table (the caller places them with [`Error::in_section`]).
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Self = outbox_core::config::from_value(value)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the routing key template for topics not in `routes`.
+    pub fn routing_key(mut self, template: Template) -> Self {
+        self.routing_key = template;
+        self
+    }
+
+    /// Routes `topic` to `exchange` with `routing_key`.
+    pub fn route(
+        mut self,
+        topic: impl Into<String>,
+        exchange: Template,
+        routing_key: Template,
+    ) -> Self {
+        self.routes
+            .insert(topic.into(), Route::new(exchange, routing_key));
+        self
+    }
+
+    /// Sets how exchanges are set up.
+    pub fn exchange_setup(mut self, setup: ExchangeSetup) -> Self {
+        self.exchange_setup = setup;
+        self
+    }
+
+    /// Sets the kind of the exchanges declared with [`ExchangeSetup::Declare`].
+    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
+        self.exchange_kind = Some(kind);
+        self
+    }
+
+    /// Sets what an unroutable message becomes.
+    pub fn unroutable(mut self, unroutable: Unroutable) -> Self {
+        self.unroutable = unroutable;
+        self
+    }
+
+    /// Sets the longest wait for publishing one batch and receiving all its confirms.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// Checks every setting; the error is keyed by the bad one, relative to the sink's
+    /// section.
+    pub fn validate(&self) -> Result<()> {
+        if self.url.is_empty() {
+            return Err(Error::setting(
+                "url",
+                "is missing: give the broker's URI, e.g. amqp://user:password@host:5672/%2f",
+            ));
+        }
+        self.parse_uri()?;
+        let default = self.default_route()?;
+        check_exchange("exchange", &default.exchange)?;
+        check_routing_key("routing_key", &default.routing_key)?;
+        for (topic, route) in &self.routes {
+            if topic.is_empty() {
+                return Err(Error::setting(
+                    "routes",
+                    "has an entry for an empty topic; name the topic it routes",
+                ));
+            }
+            check_exchange(&format!("routes.{topic}.exchange"), &route.exchange)?;
+            check_routing_key(&format!("routes.{topic}.routing_key"), &route.routing_key)?;
+        }
+        match (self.exchange_setup, &self.exchange_kind) {
+            (ExchangeSetup::Passive, Some(_)) => {
+                return Err(Error::setting(
+                    "exchange_kind",
+                    "only applies with exchange_setup = \"declare\"",
+                ));
+            }
+            (ExchangeSetup::Declare, Some(ExchangeKind::Custom(kind)))
+                if kind.trim().is_empty() =>
+            {
+                return Err(Error::setting(
+                    "exchange_kind",
+                    "is empty; use direct, fanout, topic, headers or a plugin's type such as \
+                     x-consistent-hash",
+                ));
+            }
+            _ => {}
+        }
+        if self.app_id.len() > MAX_NAME_LEN {
+            return Err(Error::setting(
+                "app_id",
+                format!(
+                    "is {} bytes long; AMQP allows at most {MAX_NAME_LEN}",
+                    self.app_id.len()
+                ),
+            ));
+        }
+        if self.max_payload == 0 || self.max_payload > BROKER_MAX_PAYLOAD {
+            return Err(Error::setting(
+                "max_payload",
+                format!(
+                    "is {}; it must be between 1 and {BROKER_MAX_PAYLOAD} bytes (RabbitMQ's \
+                     limit), and at most the broker's max_message_size",
+                    self.max_payload
+                ),
+            ));
+        }
+        for (key, value) in [
+            ("connect_timeout", self.connect_timeout),
+            ("publish_timeout", self.publish_timeout),
+        ] {
+            if value.is_zero() {
+                return Err(Error::setting(key, "is 0; it must be greater than zero"));
+            }
+        }
+        self.reconnect_backoff
+            .validate()
+            .map_err(|e| e.in_section("reconnect_backoff"))
+    }
+
+    /// The route of topics not in `routes`: `exchange` with `routing_key`.
+    pub(crate) fn default_route(&self) -> Result<Route> {
+        match &self.exchange {
+            Some(exchange) => Ok(Route::new(exchange.clone(), self.routing_key.clone())),
+            None => Err(Error::setting(
+                "exchange",
+                "is missing: name the exchange to publish to (\"\" is the broker's default \
+                 exchange, \"{topic}\" names it after the message's topic)",
+            )),
+        }
+    }
+
+    /// The kind of exchange to declare, or `None` to check exchanges passively.
+    pub(crate) fn declared_kind(&self) -> Option<ExchangeKind> {
+        match self.exchange_setup {
+            ExchangeSetup::Passive => None,
+            ExchangeSetup::Declare => {
+                Some(self.exchange_kind.clone().unwrap_or(ExchangeKind::Topic))
+            }
+        }
+    }
+
+    /// The URI, parsed; a config error says what is wrong with it.
+    pub(crate) fn parse_uri(&self) -> Result<AMQPUri> {
+        let redacted = redact_url(&self.url);
+        if !(self.url.starts_with("amqp://") || self.url.starts_with("amqps://")) {
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "`{redacted}` is not an AMQP URI; expected \
+                     amqp://user:password@host:5672/vhost (or amqps:// for TLS)"
+                ),
+            ));
+        }
+        let mut uri = AMQPUri::from_str(&self.url).map_err(|e| {
+            // The parser's message may quote the URI; keep only the redacted one.
+            let reason = if e.contains(&self.url) {
+                "it could not be parsed".to_string()
+            } else {
+                e
+            };
+            Error::setting(
+                "url",
+                format!(
+                    "`{redacted}` is not a valid AMQP URI ({reason}); expected \
+                     amqp://user:password@host:5672/vhost with the vhost percent-encoded"
+                ),
+            )
+        })?;
+        // The parser reads only domain names and takes any other host for localhost; keep
+        // an IPv6 literal as written.
+        if let Some(host) = host_of(&self.url)
+            && host.starts_with('[')
+        {
+            uri.authority.host = host.trim_start_matches('[').trim_end_matches(']').into();
+        }
+        Ok(uri)
+    }
+}
+
+/// `exchange_kind` in the file: `direct`, `fanout`, `topic`, `headers`, or a plugin's type.
+fn exchange_kind<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Option<ExchangeKind>, D::Error> {
+    let name = String::deserialize(deserializer)?;
+    Ok(Some(match name.as_str() {
         "direct" => ExchangeKind::Direct,
         "fanout" => ExchangeKind::Fanout,
         "topic" => ExchangeKind::Topic,
         "headers" => ExchangeKind::Headers,
-        custom => ExchangeKind::Custom(custom.to_string()),
+        _ => ExchangeKind::Custom(name),
+    }))
+}
+
+/// `reconnect_backoff` in the file: a [`Backoff`] table whose missing keys keep this sink's
+/// default (100 ms doubling to 10 s) rather than [`Backoff::default`]'s.
+fn reconnect_backoff<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Backoff, D::Error> {
+    let table = serde_json::Map::<String, serde_json::Value>::deserialize(deserializer)?;
+    let given: Backoff = outbox_core::config::from_value(table.clone().into())
+        .map_err(|e| serde::de::Error::custom(e.message()))?;
+    let mut backoff = AmqpConfig::default().reconnect_backoff;
+    for key in table.keys() {
+        match key.as_str() {
+            "initial" => backoff.initial = given.initial,
+            "multiplier" => backoff.multiplier = given.multiplier,
+            "max" => backoff.max = given.max,
+            "jitter" => backoff.jitter = given.jitter,
+            _ => {}
+        }
     }
+    Ok(backoff)
 }
 
 /// The host part of a URL, as written.
@@ -432,51 +420,32 @@ fn host_of(url: &str) -> Option<&str> {
     Some(&host_port[..host_port.find(':').unwrap_or(host_port.len())])
 }
 
-/// Checks that a template uses only the placeholders `allowed`, and is short enough.
-fn check_template(key: &str, template: &str, allowed: &[&str]) -> Result<()> {
-    let names = allowed
-        .iter()
-        .map(|n| format!("{{{n}}}"))
-        .collect::<Vec<_>>()
-        .join(" and ");
-    let mut rest = template;
-    while let Some(open) = rest.find(['{', '}']) {
-        if rest[open..].starts_with('}') {
-            return Err(Error::config(format!(
-                "{key} `{template}` has a `}}` without a `{{`; the placeholders are {names}"
-            )));
-        }
-        let Some(close) = rest[open..].find('}') else {
-            return Err(Error::config(format!(
-                "{key} `{template}` has an unclosed `{{`; the placeholders are {names}"
-            )));
-        };
-        let name = &rest[open + 1..open + close];
-        if !allowed.contains(&name) {
-            return Err(Error::config(format!(
-                "{key} `{template}` uses the unknown placeholder `{{{name}}}`; the placeholders \
-                 are {names}"
-            )));
-        }
-        rest = &rest[open + close + 1..];
-    }
-    if template.len() > MAX_NAME_LEN {
-        return Err(Error::config(format!(
-            "{key} is {} bytes long; AMQP allows at most {MAX_NAME_LEN}",
-            template.len()
-        )));
-    }
-    Ok(())
+/// An exchange template takes only `{topic}`, and must fit in a short string.
+fn check_exchange(key: &str, template: &Template) -> Result<()> {
+    template.refuse_key(key)?;
+    check_length(key, template)
 }
 
 /// A routing key template that renders empty for every message is a mistake; one that only
 /// uses `{key}` renders empty for messages without a key, which then fail one by one.
-fn check_routing_key_not_empty(key: &str, template: &str) -> Result<()> {
-    if template.is_empty() {
-        return Err(Error::config(format!(
-            "{key} is empty, so every message would get an empty routing key; use `{{topic}}` \
-             (the default), `{{key}}` or a fixed text"
-        )));
+fn check_routing_key(key: &str, template: &Template) -> Result<()> {
+    if template.as_str().is_empty() {
+        return Err(Error::setting(
+            key,
+            "is empty, so every message would get an empty routing key; use `{topic}` (the \
+             default), `{key}` or a fixed text",
+        ));
+    }
+    check_length(key, template)
+}
+
+fn check_length(key: &str, template: &Template) -> Result<()> {
+    let len = template.as_str().len();
+    if len > MAX_NAME_LEN {
+        return Err(Error::setting(
+            key,
+            format!("is {len} bytes long; AMQP allows at most {MAX_NAME_LEN}"),
+        ));
     }
     Ok(())
 }
@@ -485,14 +454,19 @@ fn check_routing_key_not_empty(key: &str, template: &str) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn config() -> AmqpConfig {
-        AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", "events")
+    fn template(text: &str) -> Template {
+        Template::new(text).unwrap()
     }
 
+    fn config() -> AmqpConfig {
+        AmqpConfig::new("amqp://guest:guest@127.0.0.1:5672/%2f", template("events"))
+    }
+
+    /// The error of an invalid config, placed in the `sink` section as the relay does.
     fn error_of(config: AmqpConfig) -> String {
         let error = config.validate().expect_err("config should be refused");
         assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-        error.to_string()
+        error.in_section("sink").to_string()
     }
 
     #[test]
@@ -515,9 +489,16 @@ mod tests {
                 url: url.into(),
                 ..config()
             });
-            assert!(message.contains("sink.url"), "{message}");
+            assert!(message.contains("sink.url `"), "{message}");
             assert!(!message.contains("s3cret"), "{message}");
         }
+        let error = AmqpConfig {
+            url: String::new(),
+            ..config()
+        }
+        .validate()
+        .unwrap_err();
+        assert!(error.message().starts_with("url is missing"), "{error}");
         AmqpConfig {
             url: "amqps://u:p@rabbit.example:5671/prod".into(),
             ..config()
@@ -546,30 +527,41 @@ mod tests {
 
     #[test]
     fn templates_are_checked() {
-        let message = error_of(config().routing_key(""));
+        let message = error_of(config().routing_key(template("")));
         assert!(message.contains("sink.routing_key is empty"), "{message}");
-        let message = error_of(config().routing_key("{topik}"));
-        assert!(
-            message.contains("unknown placeholder `{topik}`"),
-            "{message}"
-        );
         let message = error_of(AmqpConfig {
-            exchange: "x.{key}".into(),
+            exchange: Some(template("x.{key}")),
             ..config()
         });
-        assert!(message.contains("sink.exchange"), "{message}");
-        let message = error_of(config().routing_key("a.{topic"));
-        assert!(message.contains("unclosed"), "{message}");
-        let message = error_of(config().route("orders", "shop", ""));
+        assert!(
+            message.contains("sink.exchange `x.{key}` uses {key}"),
+            "{message}"
+        );
+        let message = error_of(config().route("orders", template("shop"), template("")));
         assert!(
             message.contains("sink.routes.orders.routing_key is empty"),
             "{message}"
         );
-        let message = error_of(config().route("", "shop", "x"));
-        assert!(message.contains("empty topic"), "{message}");
+        let message = error_of(config().route("orders", template("{key}"), template("x")));
+        assert!(message.contains("sink.routes.orders.exchange"), "{message}");
+        let message = error_of(config().route("", template("shop"), template("x")));
+        assert!(
+            message.contains("sink.routes has an entry for an empty topic"),
+            "{message}"
+        );
+        let message = error_of(config().routing_key(template(&"k".repeat(256))));
+        assert!(
+            message.contains("sink.routing_key is 256 bytes long"),
+            "{message}"
+        );
+        let message = error_of(AmqpConfig {
+            exchange: None,
+            ..config()
+        });
+        assert!(message.contains("sink.exchange is missing"), "{message}");
         config()
-            .routing_key("{topic}.{key}")
-            .route("orders", "shop.{topic}", "{key}")
+            .routing_key(template("{topic}.{key}"))
+            .route("orders", template("shop.{topic}"), template("{key}"))
             .validate()
             .unwrap();
     }
@@ -587,56 +579,91 @@ mod tests {
             "routes": { "audit": { "exchange": "audit-log" } },
         }))
         .unwrap();
-        assert_eq!(
-            config.exchange_setup,
-            ExchangeSetup::Declare(ExchangeKind::Fanout)
-        );
+        assert_eq!(config.exchange_setup, ExchangeSetup::Declare);
+        assert_eq!(config.declared_kind(), Some(ExchangeKind::Fanout));
         assert_eq!(config.unroutable, Unroutable::DeadLetter);
         assert_eq!(config.publish_timeout, Duration::from_secs(3));
         assert_eq!(config.reconnect_backoff.max, Duration::from_secs(2));
         assert_eq!(config.reconnect_backoff.initial, Duration::from_millis(100));
-        assert_eq!(config.routes["audit"], Route::new("audit-log", "{topic}"));
-        assert_eq!(config.routing_key, "{topic}");
+        assert_eq!(
+            config.routes["audit"],
+            Route::new(template("audit-log"), template("{topic}"))
+        );
+        assert_eq!(config.routing_key, template("{topic}"));
+        assert_eq!(config.exchange, Some(template("events")));
 
         let minimal = serde_json::json!({ "url": "amqp://h", "exchange": "x" });
+        let minimal = AmqpConfig::from_value(minimal).unwrap();
+        assert_eq!(minimal, AmqpConfig::new("amqp://h", template("x")));
+        assert_eq!(minimal.declared_kind(), None);
+        let declare =
+            serde_json::json!({ "url": "amqp://h", "exchange": "x", "exchange_setup": "declare" });
         assert_eq!(
-            AmqpConfig::from_value(minimal).unwrap().exchange_setup,
-            ExchangeSetup::Passive
+            AmqpConfig::from_value(declare).unwrap().declared_kind(),
+            Some(ExchangeKind::Topic)
         );
         for (bad, key) in [
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "exchang": "y" }),
-                "exchang",
+                "sink.exchang: unknown field `exchang`",
             ),
-            (serde_json::json!({ "url": "amqp://h" }), "exchange"),
+            (
+                serde_json::json!({ "url": "amqp://h" }),
+                "sink.exchange is missing",
+            ),
+            (
+                serde_json::json!({ "exchange": "x" }),
+                "sink.url is missing",
+            ),
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "publish_timeout": "soon" }),
-                "sink.publish_timeout",
+                "sink.publish_timeout: ",
             ),
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "unroutable": "drop" }),
-                "sink.unroutable",
+                "sink.unroutable: unknown variant `drop`",
             ),
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "exchange_setup": "create" }),
-                "sink.exchange_setup",
+                "sink.exchange_setup: unknown variant `create`",
             ),
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "exchange_kind": "topic" }),
-                "sink.exchange_kind",
+                "sink.exchange_kind only applies",
+            ),
+            (
+                serde_json::json!({ "url": "amqp://h", "exchange": "x", "exchange_setup": "declare", "exchange_kind": " " }),
+                "sink.exchange_kind is empty",
             ),
             (
                 serde_json::json!({ "url": "amqp://h", "exchange": "x", "routing_key": "" }),
-                "sink.routing_key",
+                "sink.routing_key is empty",
+            ),
+            (
+                serde_json::json!({ "url": "amqp://h", "exchange": "x", "routing_key": "{topik}" }),
+                "sink.routing_key: `{topik}` uses the unknown placeholder",
+            ),
+            (
+                serde_json::json!({ "url": "amqp://h", "exchange": "x", "routes": { "a": { "routing_key": "k" } } }),
+                "sink.routes.a: missing field `exchange`",
+            ),
+            (
+                serde_json::json!({ "url": "amqp://h", "exchange": "x", "reconnect_backoff": { "max": "1ms" } }),
+                "sink.reconnect_backoff.max must be at least initial",
+            ),
+            (
+                serde_json::json!({ "url": "amqp://h", "exchange": "x", "reconnect_backoff": { "maximum": "1s" } }),
+                "sink.reconnect_backoff: maximum: unknown field `maximum`",
             ),
             (
                 serde_json::json!({ "url": "redis://h", "exchange": "x" }),
-                "sink.url",
+                "sink.url `redis://h` is not an AMQP URI",
             ),
         ] {
             let error = AmqpConfig::from_value(bad).unwrap_err();
             assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-            assert!(error.to_string().contains(key), "{key}: {error}");
+            let message = error.in_section("sink").to_string();
+            assert!(message.contains(key), "{key}: {message}");
         }
     }
 
@@ -646,7 +673,7 @@ mod tests {
             publish_timeout: Duration::ZERO,
             ..config()
         });
-        assert!(message.contains("sink.publish_timeout"), "{message}");
+        assert!(message.contains("sink.publish_timeout is 0"), "{message}");
         let mut bad = config();
         bad.reconnect_backoff.multiplier = 0.0;
         let message = error_of(bad);

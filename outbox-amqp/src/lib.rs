@@ -2,18 +2,17 @@
 #![deny(missing_docs)]
 
 mod config;
+mod connection;
 mod error;
 mod sink;
+pub mod wire;
 
 use std::sync::Arc;
 
 use outbox_core::{Sink, SinkRegistry};
 
-pub use config::{
-    AmqpConfig, DEFAULT_MAX_PAYLOAD, ExchangeSetup, FileBackoff, FileConfig, FileRoute, Route,
-    Unroutable,
-};
-pub use sink::{AmqpSink, DEFAULT_CONTENT_TYPE, KEY_HEADER, TRACEPARENT_HEADER, TRACESTATE_HEADER};
+pub use config::{AmqpConfig, DEFAULT_MAX_PAYLOAD, ExchangeSetup, Route, Unroutable};
+pub use sink::AmqpSink;
 
 /// The AMQP client this sink is built on, for code (and tests) that talk to the broker
 /// directly.
@@ -23,9 +22,9 @@ pub use lapin;
 pub const TYPE: &str = "amqp";
 
 /// Registers the AMQP sink under [`TYPE`]: the factory reads an [`AmqpConfig`] from the
-/// `[sink]` table (see [`FileConfig`]; unknown keys are refused, errors name the key) and
-/// connects with [`AmqpSink::connect`], so a missing exchange or a refused login stops the
-/// start-up with a configuration error.
+/// `[sink]` table ([`AmqpConfig::from_value`]: unknown keys are refused, errors are keyed by
+/// the setting) and connects with [`AmqpSink::connect`], so a missing exchange or a refused
+/// login stops the start-up with a configuration error.
 pub fn register(registry: &mut SinkRegistry) {
     registry.register(TYPE, |config| async move {
         let sink = AmqpSink::connect(AmqpConfig::from_value(config)?).await?;

@@ -1,35 +1,22 @@
 //! The AMQP sink: publishes each batch on one confirm-mode channel and awaits the broker's
 //! confirms together.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 
 use async_trait::async_trait;
-use lapin::options::{
-    BasicPublishOptions, BasicQosOptions, ConfirmSelectOptions, ExchangeDeclareOptions,
-};
+use lapin::options::{BasicPublishOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
-use lapin::uri::AMQPUri;
-use lapin::{
-    BasicProperties, Channel, Confirmation, Connection, ConnectionProperties, ExchangeKind,
-    PublisherConfirm,
-};
-use outbox_core::{
-    Error, ErrorKind, Message, Outcome, Receipt, Result, Sink, SinkCapabilities, redact_url,
-};
-use tokio::sync::Mutex;
+use lapin::{BasicProperties, Confirmation, PublisherConfirm};
+use outbox_core::{Error, ErrorKind, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use tokio::time::{Instant, timeout, timeout_at};
 
-use crate::config::{AmqpConfig, ExchangeSetup, MAX_NAME_LEN, Unroutable};
-use crate::error::{from_lapin, reply_code};
-
-/// Header that carries the message's partition key.
-pub const KEY_HEADER: &str = "outbox-key";
-/// Header that carries the W3C `traceparent`.
-pub const TRACEPARENT_HEADER: &str = "traceparent";
-/// Header that carries the W3C `tracestate`.
-pub const TRACESTATE_HEADER: &str = "tracestate";
-/// Content type of a message without a `content-type` header.
-pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+use crate::config::{AmqpConfig, MAX_NAME_LEN, Route};
+use crate::connection::{Connector, Link};
+use crate::error::{
+    at_startup, channel_lost, copy, from_lapin, nacked, returned, text, timed_out, transport,
+    unpublishable,
+};
+use crate::wire;
 
 /// Publishes outbox messages to an AMQP 0-9-1 broker (RabbitMQ) with publisher confirms.
 ///
@@ -45,10 +32,9 @@ pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
 /// [`ErrorKind::Unavailable`], which charges no attempt.
 pub struct AmqpSink {
     config: AmqpConfig,
-    uri: AMQPUri,
-    /// The URI without its password, for logs and errors.
-    url: String,
-    state: Mutex<State>,
+    /// The route of topics not in `routes`.
+    default_route: Route,
+    connection: Connector,
 }
 
 impl std::fmt::Debug for AmqpSink {
@@ -56,32 +42,6 @@ impl std::fmt::Debug for AmqpSink {
         f.debug_struct("AmqpSink")
             .field("config", &self.config)
             .finish_non_exhaustive()
-    }
-}
-
-/// The connection, and what is known about reconnecting when there is none.
-#[derive(Default)]
-struct State {
-    link: Option<Link>,
-    /// Failed connection attempts in a row.
-    failures: u32,
-    /// No new attempt before this.
-    retry_at: Option<Instant>,
-    /// Why the last attempt failed.
-    last_error: String,
-}
-
-/// An open connection with its publishing channel.
-struct Link {
-    connection: Connection,
-    channel: Channel,
-    /// Exchanges checked or declared on this connection.
-    ready: HashSet<String>,
-}
-
-impl Link {
-    fn is_open(&self) -> bool {
-        self.connection.status().connected() && self.channel.status().connected()
     }
 }
 
@@ -98,26 +58,21 @@ impl AmqpSink {
     /// Validates `config`, connects, and checks (or declares) every exchange that does not
     /// depend on the topic. Exchanges named after topics are set up when first used.
     ///
-    /// Errors: [`ErrorKind::Config`] for bad settings, a missing exchange with passive set-up,
-    /// an exchange declared with another kind, or refused credentials;
-    /// [`ErrorKind::Unavailable`] when the broker cannot be reached in time.
+    /// Errors: [`ErrorKind::Config`] for bad settings (keyed relative to the sink's section),
+    /// a missing exchange with passive set-up, an exchange declared with another kind, or
+    /// refused credentials; [`ErrorKind::Unavailable`] when the broker cannot be reached in
+    /// time.
     pub async fn connect(config: AmqpConfig) -> Result<Self> {
-        config.validate()?;
-        let uri = config.parse_uri()?;
-        let sink = AmqpSink {
-            url: redact_url(&config.url),
-            uri,
-            config,
-            state: Mutex::new(State::default()),
-        };
-        let mut link = sink.open_link(true).await?;
+        let sink = Self::lazy(config)?;
+        let mut link = sink.connection.open(true).await?;
         for exchange in sink.fixed_exchanges() {
-            sink.setup_exchange(&mut link, &exchange)
+            sink.connection
+                .setup_exchange(&mut link, &exchange)
                 .await
-                .map_err(|e| sink.startup_error(e))?;
+                .map_err(at_startup)?;
         }
-        tracing::info!(url = %sink.url, "connected to the AMQP broker");
-        sink.state.lock().await.link = Some(link);
+        tracing::info!(url = %sink.connection.url(), "connected to the AMQP broker");
+        sink.connection.lock().await.link = Some(link);
         Ok(sink)
     }
 
@@ -129,12 +84,10 @@ impl AmqpSink {
     /// Errors: [`ErrorKind::Config`] for bad settings.
     pub fn lazy(config: AmqpConfig) -> Result<Self> {
         config.validate()?;
-        let uri = config.parse_uri()?;
         Ok(AmqpSink {
-            url: redact_url(&config.url),
-            uri,
+            default_route: config.default_route()?,
+            connection: Connector::new(&config)?,
             config,
-            state: Mutex::new(State::default()),
         })
     }
 
@@ -145,204 +98,49 @@ impl AmqpSink {
 
     /// Closes the connection (within `connect_timeout`). Later calls reconnect.
     pub async fn close(&self) {
-        let link = self.state.lock().await.link.take();
-        if let Some(link) = link {
-            let close = link.connection.close(200, "outbox relay stopping".into());
-            if let Ok(Err(error)) = timeout(self.config.connect_timeout, close).await {
-                tracing::debug!(url = %self.url, %error, "closing the AMQP connection");
-            }
-        }
-    }
-
-    /// An exchange that is missing or declared otherwise can only be fixed by the operator:
-    /// at start-up that is a configuration error.
-    fn startup_error(&self, error: Error) -> Error {
-        if error.kind() == ErrorKind::Unavailable {
-            return error;
-        }
-        Error::config(text(&error))
+        self.connection.close().await;
     }
 
     /// Exchanges whose names do not depend on the topic.
     fn fixed_exchanges(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::iter::once(&self.config.exchange)
-            .chain(self.config.routes.values().map(|r| &r.exchange))
-            .filter(|name| !name.contains("{topic}"))
-            .cloned()
+        let mut names: Vec<String> = std::iter::once(&self.default_route)
+            .chain(self.config.routes.values())
+            .filter(|route| !route.exchange.uses_topic())
+            .map(|route| route.exchange.as_str().to_string())
             .collect();
         names.sort();
         names.dedup();
         names
     }
 
-    /// Connects and opens the publishing channel in confirm mode, within `connect_timeout`.
-    /// A refused login is a configuration error `at_startup`; later it is unavailable, like
-    /// any other failure to connect.
-    async fn open_link(&self, at_startup: bool) -> Result<Link> {
-        let open = async {
-            let properties =
-                ConnectionProperties::default().with_connection_name("outbox relay".into());
-            let connection = Connection::connect_uri(self.uri.clone(), properties).await?;
-            let channel = connection.create_channel().await?;
-            channel
-                .confirm_select(ConfirmSelectOptions::default())
-                .await?;
-            Ok::<_, lapin::Error>(Link {
-                connection,
-                channel,
-                ready: HashSet::new(),
-            })
-        };
-        match timeout(self.config.connect_timeout, open).await {
-            Ok(Ok(link)) => Ok(link),
-            // 403 ACCESS_REFUSED: user or password; 530 NOT_ALLOWED: vhost.
-            Ok(Err(error)) if at_startup && matches!(reply_code(&error), Some(403 | 530)) => {
-                Err(Error::config(format!(
-                    "the AMQP broker at {} refused the login; check the user, password and \
-                     vhost in sink.url",
-                    self.url
-                ))
-                .with_source(error))
-            }
-            Ok(Err(error)) => Err(Error::unavailable(format!(
-                "cannot connect to the AMQP broker at {}",
-                self.url
-            ))
-            .with_source(error)),
-            Err(_) => Err(Error::unavailable(format!(
-                "connecting to the AMQP broker at {} timed out after {:?} (sink.connect_timeout)",
-                self.url, self.config.connect_timeout
-            ))),
-        }
-    }
-
-    /// The open link, reconnecting if it was lost and the reconnect backoff allows.
-    async fn link<'s>(&self, state: &'s mut State) -> Result<&'s mut Link> {
-        if state.link.as_ref().is_some_and(|link| !link.is_open()) {
-            tracing::warn!(url = %self.url, "AMQP connection or channel lost; reconnecting");
-            state.link = None;
-        }
-        if state.link.is_none() {
-            if let Some(at) = state.retry_at
-                && Instant::now() < at
-            {
-                return Err(Error::unavailable(format!(
-                    "not connected to the AMQP broker at {}; next attempt in {:?} after {} \
-                     failed (last error: {})",
-                    self.url,
-                    at - Instant::now(),
-                    state.failures,
-                    state.last_error
-                )));
-            }
-            match self.open_link(false).await {
-                Ok(link) => {
-                    if state.failures > 0 {
-                        tracing::info!(url = %self.url, failures = state.failures, "reconnected to the AMQP broker");
-                    }
-                    state.failures = 0;
-                    state.retry_at = None;
-                    state.link = Some(link);
-                }
-                Err(error) => {
-                    state.failures = state.failures.saturating_add(1);
-                    let wait = self.config.reconnect_backoff.delay(state.failures);
-                    state.retry_at = Some(Instant::now() + wait);
-                    state.last_error = error.to_string();
-                    tracing::warn!(url = %self.url, %error, ?wait, "cannot reconnect to the AMQP broker");
-                    return Err(error);
-                }
-            }
-        }
-        state
-            .link
-            .as_mut()
-            .ok_or_else(|| Error::unavailable("AMQP connection missing after connecting"))
-    }
-
-    /// Checks or declares `name` once per connection. A refused declare closes its channel,
-    /// so it runs on a short-lived channel of its own, never the publishing one.
-    async fn setup_exchange(&self, link: &mut Link, name: &str) -> Result<()> {
-        // The default exchange ("") always exists and cannot be declared.
-        if name.is_empty() || link.ready.contains(name) {
-            return Ok(());
-        }
-        let (kind, passive) = match &self.config.exchange_setup {
-            ExchangeSetup::Declare(kind) if !name.starts_with("amq.") => (kind.clone(), false),
-            _ => (ExchangeKind::default(), true),
-        };
-        let exchange = ShortString::try_new(name).map_err(|_| {
-            Error::permanent(format!(
-                "exchange name `{name}` is longer than {MAX_NAME_LEN} bytes"
-            ))
-        })?;
-        let connection = &link.connection;
-        let declare = async {
-            let channel = connection.create_channel().await?;
-            let options = ExchangeDeclareOptions {
-                passive,
-                durable: true,
-                ..ExchangeDeclareOptions::default()
-            };
-            channel
-                .exchange_declare(exchange, kind, options, FieldTable::default())
-                .await?;
-            // The broker closed the channel already if the declare was refused.
-            channel.close(200, "OK".into()).await
-        };
-        let verb = if passive { "checking" } else { "declaring" };
-        match timeout(self.config.connect_timeout, declare).await {
-            Ok(Ok(())) => {
-                link.ready.insert(name.to_string());
-                Ok(())
-            }
-            Ok(Err(error)) if passive && reply_code(&error) == Some(404) => {
-                Err(Error::temporary(format!(
-                    "exchange `{name}` does not exist on {}; create it, or set \
-                     sink.exchange_setup to declare exchanges",
-                    self.url
-                ))
-                .with_source(error))
-            }
-            Ok(Err(error)) => Err(from_lapin(
-                format!("{verb} exchange `{name}` on {}", self.url),
-                error,
-            )),
-            Err(_) => Err(Error::unavailable(format!(
-                "{verb} exchange `{name}` on {} timed out after {:?} (sink.connect_timeout)",
-                self.url, self.config.connect_timeout
-            ))),
-        }
-    }
-
     /// Renders the route and builds the properties; a message that can never be published
     /// as it is fails permanently here, before anything is sent.
     fn prepare(&self, message: &Message) -> Result<Prepared> {
         let id = message.id;
-        let (exchange_template, key_template) = match self.config.routes.get(&message.topic) {
-            Some(route) => (&route.exchange, &route.routing_key),
-            None => (&self.config.exchange, &self.config.routing_key),
-        };
+        let route = self
+            .config
+            .routes
+            .get(&message.topic)
+            .unwrap_or(&self.default_route);
         let key = message.key.as_deref().unwrap_or("");
-        let exchange = exchange_template.replace("{topic}", &message.topic);
-        let routing_key = render(key_template, &message.topic, key);
+        let exchange = route.exchange.render(&message.topic, key);
+        let routing_key = route.routing_key.render(&message.topic, key);
         if routing_key.is_empty() {
-            return Err(Error::permanent(format!(
-                "routing key template `{key_template}` gives an empty routing key for message \
-                 {id} (topic `{}`, partition key {:?}); give such messages a key or change the \
-                 template",
-                message.topic, message.key
+            return Err(unpublishable(format!(
+                "routing key template `{}` gives an empty routing key for message {id} (topic \
+                 `{}`, partition key {:?}); give such messages a key or change the template",
+                route.routing_key, message.topic, message.key
             )));
         }
         let short = |what: &str, text: String| {
             ShortString::try_new(text).map_err(|e| {
-                Error::permanent(format!("{what} of message {id} is too long for AMQP: {e}"))
+                unpublishable(format!("{what} of message {id} is too long for AMQP: {e}"))
             })
         };
         let exchange = short("the exchange name", exchange)?;
         let routing_key = short("the routing key", routing_key)?;
         if message.payload.len() > self.config.max_payload {
-            return Err(Error::permanent(format!(
+            return Err(unpublishable(format!(
                 "message {id} has {} bytes of payload, more than sink.max_payload ({} bytes)",
                 message.payload.len(),
                 self.config.max_payload
@@ -353,7 +151,7 @@ impl AmqpSink {
         let mut header_size = 0;
         let mut add = |name: &str, value: &str| -> Result<()> {
             let name = ShortString::try_new(name).map_err(|_| {
-                Error::permanent(format!(
+                unpublishable(format!(
                     "message {id} has a header name longer than {MAX_NAME_LEN} bytes"
                 ))
             })?;
@@ -366,15 +164,15 @@ impl AmqpSink {
             add(name, value)?;
         }
         if let Some(key) = &message.key {
-            add(KEY_HEADER, key)?;
+            add(wire::KEY, key)?;
         }
         if let Some(trace) = &message.trace_context {
-            add(TRACEPARENT_HEADER, &trace.traceparent)?;
+            add(wire::TRACEPARENT, &trace.traceparent)?;
             if let Some(state) = &trace.tracestate {
-                add(TRACESTATE_HEADER, state)?;
+                add(wire::TRACESTATE, state)?;
             }
         }
-        let content_type = message.content_type().unwrap_or(DEFAULT_CONTENT_TYPE);
+        let content_type = message.content_type().unwrap_or(wire::DEFAULT_CONTENT_TYPE);
         let id_text = id.to_string();
         // Class, weight, body size, flags, delivery mode, timestamp, table length, and a
         // length byte per short string.
@@ -408,6 +206,7 @@ impl AmqpSink {
         prepared: Vec<(usize, Prepared)>,
         outcomes: &mut [Option<Outcome>],
     ) -> Result<bool> {
+        let url = self.connection.url();
         // Set up each exchange this batch uses, once per connection.
         let mut refused: HashMap<String, Error> = HashMap::new();
         for (_, p) in &prepared {
@@ -415,11 +214,11 @@ impl AmqpSink {
             if refused.contains_key(name) {
                 continue;
             }
-            match self.setup_exchange(link, name).await {
+            match self.connection.setup_exchange(link, name).await {
                 Ok(()) => {}
                 Err(error) if error.kind() == ErrorKind::Unavailable => return Err(error),
                 Err(error) => {
-                    tracing::warn!(url = %self.url, exchange = name, %error, "exchange not usable");
+                    tracing::warn!(url = %url, exchange = name, %error, "exchange not usable");
                     refused.insert(name.to_string(), error);
                 }
             }
@@ -443,7 +242,7 @@ impl AmqpSink {
                 continue;
             }
             if p.header_size + 8 > frame_max {
-                outcomes[i] = Some(Outcome::Failed(Error::permanent(format!(
+                outcomes[i] = Some(Outcome::Failed(unpublishable(format!(
                     "the properties and headers of message {} take about {} bytes, more than \
                      the broker's frame size ({frame_max} bytes)",
                     batch[i].id, p.header_size
@@ -461,11 +260,10 @@ impl AmqpSink {
             match timeout_at(deadline, publish).await {
                 Ok(Ok(confirm)) => pending.push((i, receipt, confirm)),
                 Ok(Err(error)) => {
-                    let error = Error::unavailable(format!(
-                        "publishing to the AMQP broker at {} failed",
-                        self.url
-                    ))
-                    .with_source(error);
+                    let error = transport(
+                        format_args!("publishing to the AMQP broker at {url} failed"),
+                        error,
+                    );
                     outcomes[i] = Some(Outcome::Failed(copy(&error)));
                     broken = Some(error);
                 }
@@ -488,27 +286,22 @@ impl AmqpSink {
             } else {
                 match timeout_at(deadline, confirm).await {
                     Ok(Ok(Confirmation::Ack(None))) => Outcome::Delivered(receipt),
-                    Ok(Ok(Confirmation::Ack(Some(returned)))) => {
-                        let text = format!(
+                    Ok(Ok(Confirmation::Ack(Some(back)))) => Outcome::Failed(returned(
+                        format!(
                             "no queue took message {} (exchange/routing key {receipt}): the \
                              broker returned it with {} {}",
-                            batch[i].id, returned.reply_code, returned.reply_text
-                        );
-                        Outcome::Failed(match self.config.unroutable {
-                            Unroutable::Retry => Error::temporary(text),
-                            Unroutable::DeadLetter => Error::permanent(text),
-                        })
-                    }
-                    Ok(Ok(Confirmation::Nack(_))) => Outcome::Failed(Error::temporary(format!(
+                            batch[i].id, back.reply_code, back.reply_text
+                        ),
+                        self.config.unroutable,
+                    )),
+                    Ok(Ok(Confirmation::Nack(_))) => Outcome::Failed(nacked(format!(
                         "the broker refused message {} (basic.nack; exchange/routing key \
                          {receipt})",
                         batch[i].id
                     ))),
                     Ok(Ok(Confirmation::NotRequested)) => {
-                        let error = Error::unavailable(format!(
-                            "the channel to {} is not in confirm mode",
-                            self.url
-                        ));
+                        let error =
+                            channel_lost(format!("the channel to {url} is not in confirm mode"));
                         lost = Some(copy(&error));
                         Outcome::Failed(error)
                     }
@@ -520,9 +313,8 @@ impl AmqpSink {
                             format!("publishing message {} to {receipt}", batch[i].id),
                             error,
                         );
-                        lost = Some(Error::unavailable(format!(
-                            "the channel to {} closed before the broker confirmed: {}",
-                            self.url,
+                        lost = Some(channel_lost(format!(
+                            "the channel to {url} closed before the broker confirmed: {}",
                             text(&error)
                         )));
                         Outcome::Failed(error)
@@ -540,10 +332,11 @@ impl AmqpSink {
     }
 
     fn timed_out(&self, what: &str) -> Error {
-        Error::unavailable(format!(
-            "{what} to the AMQP broker at {} timed out after {:?} (sink.publish_timeout)",
-            self.url, self.config.publish_timeout
-        ))
+        timed_out(
+            format_args!("{what} to the AMQP broker at {}", self.connection.url()),
+            self.config.publish_timeout,
+            "publish_timeout",
+        )
     }
 }
 
@@ -559,8 +352,8 @@ impl Sink for AmqpSink {
             }
         }
         if !prepared.is_empty() {
-            let mut state = self.state.lock().await;
-            let link = self.link(&mut state).await?;
+            let mut state = self.connection.lock().await;
+            let link = self.connection.link(&mut state).await?;
             let drop_link = match self.publish_on(link, batch, prepared, &mut outcomes).await {
                 Ok(drop_link) => drop_link,
                 Err(error) => {
@@ -585,22 +378,22 @@ impl Sink for AmqpSink {
     }
 
     async fn health(&self) -> Result<()> {
-        let mut state = self.state.lock().await;
-        let link = self.link(&mut state).await?;
+        let url = self.connection.url();
+        let mut state = self.connection.lock().await;
+        let link = self.connection.link(&mut state).await?;
         // One round trip on the publishing channel; basic.qos changes nothing for a publisher.
         let check = link.channel.basic_qos(0, BasicQosOptions::default());
         let error = match timeout(self.config.connect_timeout, check).await {
             Ok(Ok(())) => return Ok(()),
-            Ok(Err(error)) => Error::unavailable(format!(
-                "health check of the AMQP broker at {} failed",
-                self.url
-            ))
-            .with_source(error),
-            Err(_) => Error::unavailable(format!(
-                "health check of the AMQP broker at {} timed out after {:?} \
-                 (sink.connect_timeout)",
-                self.url, self.config.connect_timeout
-            )),
+            Ok(Err(error)) => transport(
+                format_args!("health check of the AMQP broker at {url} failed"),
+                error,
+            ),
+            Err(_) => timed_out(
+                format_args!("health check of the AMQP broker at {url}"),
+                self.config.connect_timeout,
+                "connect_timeout",
+            ),
         };
         state.link = None;
         Err(error)
@@ -615,21 +408,4 @@ impl Sink for AmqpSink {
     fn publish_timeout(&self) -> Option<std::time::Duration> {
         Some(self.config.connect_timeout + self.config.publish_timeout)
     }
-}
-
-/// Replaces `{topic}` and `{key}` in a routing key template.
-fn render(template: &str, topic: &str, key: &str) -> String {
-    template.replace("{topic}", topic).replace("{key}", key)
-}
-
-/// An error of the same kind and text, for each message it concerns.
-fn copy(error: &Error) -> Error {
-    Error::new(error.kind(), text(error))
-}
-
-/// The error's message and sources, without the kind in front.
-fn text(error: &Error) -> String {
-    let text = error.to_string();
-    let prefix = format!("{} error: ", error.kind());
-    text.strip_prefix(&prefix).unwrap_or(&text).to_string()
 }

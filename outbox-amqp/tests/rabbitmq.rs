@@ -16,7 +16,7 @@ use outbox_amqp::lapin::options::{
 use outbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
 use outbox_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 use outbox_amqp::{AmqpConfig, AmqpSink, ExchangeSetup, Unroutable};
-use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template, TraceContext};
 use tokio::io::copy_bidirectional;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -24,6 +24,11 @@ use tokio::task::AbortHandle;
 fn amqp_url() -> String {
     std::env::var("OUTBOX_TEST_AMQP_URL")
         .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
+}
+
+/// A template the test knows to be valid (an exchange name, `{topic}`, …).
+fn template(text: &str) -> Template {
+    Template::new(text).unwrap_or_else(|e| panic!("template `{text}`: {e}"))
 }
 
 fn unique(prefix: &str) -> String {
@@ -169,7 +174,7 @@ async fn properties_headers_and_payload_arrive_exactly() {
     let broker = Broker::connect().await;
     let exchange = broker.exchange(ExchangeKind::Topic).await;
     let queue = broker.queue(&exchange, "orders.#").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
 
     let trace = TraceContext {
         traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
@@ -248,9 +253,9 @@ async fn routes_and_templates_pick_exchange_and_routing_key() {
     let audit = broker.exchange(ExchangeKind::Fanout).await;
     let by_key = broker.queue(&events, "orders.o-1").await;
     let audited = broker.queue(&audit, "").await;
-    let config = AmqpConfig::new(amqp_url(), &events)
-        .routing_key("{topic}.{key}")
-        .route("audit", &audit, "log");
+    let config = AmqpConfig::new(amqp_url(), template(&events))
+        .routing_key(template("{topic}.{key}"))
+        .route("audit", template(&audit), template("log"));
     let sink = sink(config).await;
 
     let batch: Vec<Message> = [
@@ -270,7 +275,7 @@ async fn routes_and_templates_pick_exchange_and_routing_key() {
     assert_eq!(broker.take(&audited, 1).await[0].data, b"b");
 
     // `{key}` alone is empty for a message without a key: that message fails for good.
-    let config = AmqpConfig::new(amqp_url(), &events).routing_key("{key}");
+    let config = AmqpConfig::new(amqp_url(), template(&events)).routing_key(template("{key}"));
     let sink = self::sink(config).await;
     let outcomes = sink
         .publish(&[NewMessage::new("orders", b"x".to_vec()).into()])
@@ -290,7 +295,7 @@ async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
         (Unroutable::Retry, ErrorKind::Temporary),
         (Unroutable::DeadLetter, ErrorKind::Permanent),
     ] {
-        let sink = sink(AmqpConfig::new(amqp_url(), &exchange).unroutable(setting)).await;
+        let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange)).unroutable(setting)).await;
         let batch: Vec<Message> = [
             NewMessage::new("routed", b"1".to_vec()),
             NewMessage::new("nowhere", b"2".to_vec()),
@@ -326,7 +331,7 @@ async fn bad_settings_are_refused_at_start_up() {
 
     // A missing exchange with passive set-up (the default).
     let missing = unique("outbox_test_missing");
-    let error = AmqpSink::connect(AmqpConfig::new(&url, &missing))
+    let error = AmqpSink::connect(AmqpConfig::new(&url, template(&missing)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
@@ -340,31 +345,34 @@ async fn bad_settings_are_refused_at_start_up() {
     // Declaring an existing exchange with another kind.
     let topic = broker.exchange(ExchangeKind::Topic).await;
     let _queue = broker.queue(&topic, "#").await;
-    let config =
-        AmqpConfig::new(&url, &topic).exchange_setup(ExchangeSetup::Declare(ExchangeKind::Fanout));
+    let config = AmqpConfig::new(&url, template(&topic))
+        .exchange_setup(ExchangeSetup::Declare)
+        .exchange_kind(ExchangeKind::Fanout);
     let error = AmqpSink::connect(config).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
     assert!(error.to_string().contains("PRECONDITION"), "{error}");
 
     // Not an AMQP URI, and a routing template that gives empty keys.
-    let error = AmqpSink::connect(AmqpConfig::new("http://x", &topic))
+    let error = AmqpSink::connect(AmqpConfig::new("http://x", template(&topic)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config);
-    assert!(error.to_string().contains("sink.url"), "{error}");
-    let error = AmqpSink::connect(AmqpConfig::new(&url, &topic).routing_key(""))
-        .await
-        .unwrap_err();
+    // Keyed relative to the sink's section, which the relay puts in front.
+    assert!(error.message().starts_with("url `http://x`"), "{error}");
+    let error =
+        AmqpSink::connect(AmqpConfig::new(&url, template(&topic)).routing_key(template("")))
+            .await
+            .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config);
     assert!(
-        error.to_string().contains("sink.routing_key is empty"),
+        error.message().starts_with("routing_key is empty"),
         "{error}"
     );
 
     // Wrong credentials: configuration, and the password is not shown.
     let bad = url.replacen("guest:guest", "guest:wrong-s3cret", 1);
     assert_ne!(bad, url, "the test expects guest:guest in {url}");
-    let error = AmqpSink::connect(AmqpConfig::new(&bad, &topic))
+    let error = AmqpSink::connect(AmqpConfig::new(&bad, template(&topic)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
@@ -372,7 +380,7 @@ async fn bad_settings_are_refused_at_start_up() {
     assert!(error.to_string().contains("refused the login"), "{error}");
     let (base, _vhost) = url.rsplit_once('/').expect("a vhost in the test URL");
     let no_vhost = format!("{base}/{}", unique("no_such_vhost"));
-    let error = AmqpSink::connect(AmqpConfig::new(&no_vhost, &topic))
+    let error = AmqpSink::connect(AmqpConfig::new(&no_vhost, template(&topic)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
@@ -384,7 +392,7 @@ async fn bad_settings_are_refused_at_start_up() {
     let started = Instant::now();
     let error = AmqpSink::connect(AmqpConfig::new(
         format!("amqp://guest:guest@127.0.0.1:{port}"),
-        &topic,
+        template(&topic),
     ))
     .await
     .unwrap_err();
@@ -403,7 +411,7 @@ async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use(
     let existing = broker.exchange(ExchangeKind::Fanout).await;
     // The exchange is named after the topic: `existing` exists, the other does not.
     let queue = broker.queue(&existing, "").await;
-    let config = AmqpConfig::new(amqp_url(), "{topic}");
+    let config = AmqpConfig::new(amqp_url(), template("{topic}"));
     let sink = sink(config).await;
     let batch: Vec<Message> = [
         NewMessage::new(existing.as_str(), b"1".to_vec()),
@@ -426,8 +434,9 @@ async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use(
 
     // With `declare`, the sink creates the exchange (durable) and publishing works.
     let declared = format!("{prefix}_declared");
-    let config = AmqpConfig::new(amqp_url(), &declared)
-        .exchange_setup(ExchangeSetup::Declare(ExchangeKind::Topic));
+    let config = AmqpConfig::new(amqp_url(), template(&declared))
+        .exchange_setup(ExchangeSetup::Declare)
+        .exchange_kind(ExchangeKind::Topic);
     let sink = self::sink(config).await;
     let queue = broker.queue(&declared, "#").await;
     let outcomes = sink
@@ -449,7 +458,7 @@ async fn oversized_messages_fail_for_good_without_harming_the_batch() {
     let queue = broker.queue(&exchange, "").await;
     let config = AmqpConfig {
         max_payload: 1024,
-        ..AmqpConfig::new(amqp_url(), &exchange)
+        ..AmqpConfig::new(amqp_url(), template(&exchange))
     };
     let sink = sink(config).await;
     assert_eq!(sink.capabilities().max_payload, Some(1024));
@@ -545,7 +554,7 @@ async fn lost_connection_reports_unavailable_and_reconnects() {
         .expect("host:port in the test URL")
         .to_string();
     let proxy = Proxy::start(target.clone()).await;
-    let mut config = AmqpConfig::new(url.replacen(&target, &proxy.addr, 1), &exchange);
+    let mut config = AmqpConfig::new(url.replacen(&target, &proxy.addr, 1), template(&exchange));
     config.connect_timeout = Duration::from_secs(2);
     config.publish_timeout = Duration::from_secs(2);
     let sink = sink(config).await;
@@ -623,7 +632,7 @@ async fn batched_confirms_beat_one_confirm_per_message() {
         .await
         .expect("declare durable queue");
     broker.bind(&queue, &exchange, "").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
 
     rate(&sink, 200, 100).await; // warm up
     let total = 2_000;
@@ -668,7 +677,7 @@ async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection(
         .await
         .expect("declare exchange");
     let queue = broker.queue(&exchange, "").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), &exchange)).await;
+    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
     let batch = |n: u8| -> Vec<Message> {
         (0..n)
             .map(|i| NewMessage::new("t", vec![i]).into())
@@ -741,4 +750,16 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
         .expect("a missing exchange is refused");
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
     assert!(error.to_string().contains("does not exist"), "{error}");
+
+    // Errors are keyed relative to the table; the relay puts the section in front.
+    let bad =
+        serde_json::json!({ "url": amqp_url(), "exchange": exchange, "publish_timeout": "soon" });
+    let error = registry
+        .build("amqp", bad)
+        .await
+        .err()
+        .expect("a bad duration is refused");
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    let message = error.in_section("sink").message().to_string();
+    assert!(message.starts_with("sink.publish_timeout: "), "{message}");
 }

@@ -6,13 +6,19 @@ use std::time::Duration;
 /// Exponential backoff: `initial`, multiplied by `multiplier` after each failure, capped at
 /// `max`, with up to `jitter` (a fraction, 0 to 1) taken off at random so that many relays
 /// do not retry in step.
-#[derive(Debug, Clone, Copy, PartialEq)]
+///
+/// In configuration files it is a table whose keys all have defaults:
+/// `backoff = { initial = "1s", max = "60s", multiplier = 2.0, jitter = 0.2 }`.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct Backoff {
     /// Delay after the first failure.
+    #[serde(with = "humantime_serde")]
     pub initial: Duration,
     /// Growth factor per failure (at least 1).
     pub multiplier: f64,
     /// Upper bound of any delay.
+    #[serde(with = "humantime_serde")]
     pub max: Duration,
     /// Fraction of the delay that is randomised away (0 = none, 1 = full jitter).
     pub jitter: f64,
@@ -45,29 +51,30 @@ impl Backoff {
         base.mul_f64(1.0 - jitter * fastrand::f64())
     }
 
-    /// Checks that the settings make sense; the error names the bad field.
+    /// Checks that the settings make sense; the error is keyed by the bad field (`initial`,
+    /// `max`, …), so the owner places it with [`Error::in_section`](crate::Error::in_section).
     pub fn validate(&self) -> crate::Result<()> {
+        use crate::Error;
         if self.initial.is_zero() {
-            return Err(crate::Error::config(
-                "backoff.initial must be greater than zero",
-            ));
+            return Err(Error::setting("initial", "must be greater than zero"));
         }
         if !(self.multiplier >= 1.0 && self.multiplier.is_finite()) {
-            return Err(crate::Error::config(format!(
-                "backoff.multiplier is {}, it must be a finite number of at least 1",
-                self.multiplier
-            )));
-        }
-        if self.max < self.initial {
-            return Err(crate::Error::config(
-                "backoff.max must be at least backoff.initial",
+            return Err(Error::setting(
+                "multiplier",
+                format!(
+                    "is {}, it must be a finite number of at least 1",
+                    self.multiplier
+                ),
             ));
         }
+        if self.max < self.initial {
+            return Err(Error::setting("max", "must be at least initial"));
+        }
         if !(0.0..=1.0).contains(&self.jitter) {
-            return Err(crate::Error::config(format!(
-                "backoff.jitter is {}, it must be between 0 and 1",
-                self.jitter
-            )));
+            return Err(Error::setting(
+                "jitter",
+                format!("is {}, it must be between 0 and 1", self.jitter),
+            ));
         }
         Ok(())
     }
@@ -111,9 +118,28 @@ mod tests {
         assert!(
             bad.validate()
                 .unwrap_err()
+                .in_section("backoff")
                 .to_string()
-                .contains("backoff.multiplier")
+                .contains("backoff.multiplier is 0.5")
         );
         assert!(Backoff::default().validate().is_ok());
+    }
+
+    #[test]
+    fn deserialises_with_defaults_for_missing_keys() {
+        let b: Backoff = crate::config::from_value(serde_json::json!({ "max": "30s" })).unwrap();
+        assert_eq!(
+            b,
+            Backoff {
+                max: Duration::from_secs(30),
+                ..Backoff::default()
+            }
+        );
+        let error = crate::config::from_value::<Backoff>(serde_json::json!({ "maximum": "1s" }))
+            .unwrap_err();
+        assert!(
+            error.to_string().contains("unknown field `maximum`"),
+            "{error}"
+        );
     }
 }

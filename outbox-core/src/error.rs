@@ -46,6 +46,9 @@ impl fmt::Display for ErrorKind {
 pub struct Error {
     kind: ErrorKind,
     message: String,
+    /// A configuration error whose message starts with the key of the bad setting, so that
+    /// [`Error::in_section`] can put the section in front of it.
+    keyed: bool,
     #[source]
     source: Option<Box<dyn std::error::Error + Send + Sync + 'static>>,
 }
@@ -56,6 +59,7 @@ impl Error {
         Error {
             kind,
             message: message.into(),
+            keyed: false,
             source: None,
         }
     }
@@ -78,6 +82,34 @@ impl Error {
     /// Shorthand for [`ErrorKind::Config`].
     pub fn config(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Config, message)
+    }
+
+    /// A configuration error about the setting `key` (its path inside its own section, such
+    /// as `batch_size` or `backoff.max`): the message is the key followed by `problem`, e.g.
+    /// `Error::setting("batch_size", "is 0; it must be at least 1")`. Whoever knows the
+    /// section adds it with [`Error::in_section`], so the message names the key as the user
+    /// wrote it.
+    pub fn setting(key: impl AsRef<str>, problem: impl AsRef<str>) -> Self {
+        let mut error = Self::config(format!("{} {}", key.as_ref(), problem.as_ref()));
+        error.keyed = !key.as_ref().is_empty();
+        error
+    }
+
+    /// Places a configuration error in `section` (`storage`, `relay[orders].sink`, …): the
+    /// key of a [`setting`](Error::setting) error becomes `section.key`; any other
+    /// configuration error is prefixed with `section: `. Errors of other kinds are returned
+    /// unchanged.
+    pub fn in_section(mut self, section: &str) -> Self {
+        if self.kind != ErrorKind::Config || section.is_empty() {
+            return self;
+        }
+        self.message = if self.keyed {
+            format!("{section}.{}", self.message)
+        } else {
+            format!("{section}: {}", self.message)
+        };
+        self.keyed = true;
+        self
     }
 
     /// Attaches the underlying cause.
@@ -118,5 +150,23 @@ mod tests {
         assert!(!Error::permanent("too large").is_retryable());
         assert!(!Error::config("bad").is_retryable());
         assert!(Error::temporary("nack").is_retryable());
+    }
+
+    #[test]
+    fn sections_go_in_front_of_the_key() {
+        let error = Error::setting("backoff.max", "must be at least backoff.initial")
+            .in_section("relay[orders]");
+        assert_eq!(
+            error.message(),
+            "relay[orders].backoff.max must be at least backoff.initial"
+        );
+        let whole = Error::config("unknown field `x`").in_section("sink");
+        assert_eq!(whole.message(), "sink: unknown field `x`");
+        assert_eq!(
+            whole.in_section("relay[a]").message(),
+            "relay[a].sink: unknown field `x`"
+        );
+        let other = Error::unavailable("down").in_section("sink");
+        assert_eq!(other.message(), "down");
     }
 }

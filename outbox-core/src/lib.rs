@@ -2,8 +2,10 @@
 #![deny(missing_docs)]
 
 mod backoff;
+pub mod config;
 mod error;
 mod message;
+pub mod metrics;
 mod redact;
 mod registry;
 mod sink;
@@ -15,6 +17,7 @@ pub mod memory;
 mod worker;
 
 pub use backoff::Backoff;
+pub use config::Template;
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Message, NewMessage, TraceContext};
 pub use redact::redact_url;

@@ -14,7 +14,9 @@ pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
 /// Builds a sink from its configuration (the `[sink]` table of the relay's configuration,
 /// without `type`, as JSON). Must validate the configuration and return a `Config` error
-/// that names the bad key.
+/// keyed by the bad setting inside the section ([`Error::setting`], or
+/// [`config::from_value`](crate::config::from_value) which does so); the caller adds the
+/// section.
 pub type SinkFactory =
     Arc<dyn Fn(serde_json::Value) -> BoxFuture<Result<Arc<dyn Sink>>> + Send + Sync>;
 
@@ -67,22 +69,23 @@ impl SinkRegistry {
         self.factories.keys().map(String::as_str).collect()
     }
 
-    /// Builds the sink of type `name` from `config`. An unknown type is a `Config` error that
-    /// lists the registered ones (and the feature that adds a known but missing one).
+    /// Builds the sink of type `name` from `config`. An unknown type is a `Config` error
+    /// keyed `type` that lists the registered ones (and the feature that adds a known but
+    /// missing one); errors are relative to the sink's section (see [`Error::in_section`]).
     pub async fn build(&self, name: &str, config: serde_json::Value) -> Result<Arc<dyn Sink>> {
         match self.factories.get(name) {
             Some(factory) => factory(config).await,
-            None => Err(Error::config(match self.missing.get(name) {
-                Some(feature) => format!(
-                    "sink.type `{name}` is not compiled into this build; it has: {}. Rebuild with \
-                     cargo feature `{feature}` to add it",
-                    self.list()
-                ),
-                None => format!(
-                    "sink.type `{name}` is unknown; this build has: {}",
-                    self.list()
-                ),
-            })),
+            None => Err(Error::setting(
+                "type",
+                match self.missing.get(name) {
+                    Some(feature) => format!(
+                        "`{name}` is not compiled into this build; it has: {}. Rebuild with \
+                         cargo feature `{feature}` to add it",
+                        self.list()
+                    ),
+                    None => format!("`{name}` is unknown; this build has: {}", self.list()),
+                },
+            )),
         }
     }
 
@@ -116,7 +119,8 @@ mod tests {
             .build("mqtt", serde_json::Value::Null)
             .await
             .err()
-            .unwrap();
+            .unwrap()
+            .in_section("sink");
         assert_eq!(
             unknown.to_string(),
             "configuration error: sink.type `mqtt` is unknown; this build has: memory"

@@ -9,6 +9,7 @@ use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
+use crate::metrics as names;
 use crate::{
     Backoff, Claim, ClaimToken, DeadLetter, Delivery, Error, ErrorKind, Message, Outcome, Result,
     Retry, Settlement, Sink, Storage,
@@ -28,19 +29,24 @@ const RESTART_BACKOFF: Backoff = Backoff {
 /// A run that lasted this long resets the restart wait to its first step.
 const RESTART_RESET_AFTER: Duration = Duration::from_secs(60);
 
-/// Settings of one relay worker.
-#[derive(Debug, Clone, PartialEq)]
+/// Settings of one relay worker: the `[relay]` section of the relay's file, where every key
+/// has a default; `worker_id` is not read from the file (the binary names its workers).
+#[derive(Debug, Clone, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct WorkerConfig {
     /// Names this worker in claims and logs.
+    #[serde(skip)]
     pub worker_id: String,
     /// Messages claimed at once (default 100).
     pub batch_size: usize,
     /// Wait after an under-full batch when no wake-up comes (default 1 s).
+    #[serde(with = "humantime_serde")]
     pub poll_interval: Duration,
     /// How long a claim holds its messages before another worker may take them (default
     /// 2 min). The worker renews it while a batch is still publishing, so it bounds how long
     /// the batch of a relay that died waits for another. It must cover the worst case of a
     /// batch: the storage's rounds per batch (`max_per_key`) × the sink's publish time-out.
+    #[serde(with = "humantime_serde")]
     pub lease: Duration,
     /// Attempts before a message is dead-lettered (default 10).
     pub max_attempts: u32,
@@ -48,7 +54,15 @@ pub struct WorkerConfig {
     pub backoff: Backoff,
     /// After shutdown is requested, how long the batch in flight may take before its
     /// messages are released unpublished (default 10 s).
+    #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+}
+
+impl Default for WorkerConfig {
+    /// The defaults, for a worker named `outbox`.
+    fn default() -> Self {
+        WorkerConfig::new("outbox")
+    }
 }
 
 impl WorkerConfig {
@@ -65,29 +79,40 @@ impl WorkerConfig {
         }
     }
 
-    /// Checks every setting; the error names the bad one.
+    /// Checks every setting; the error is keyed by the bad one (place it in its section
+    /// with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
         if self.worker_id.trim().is_empty() {
-            return Err(Error::config("worker_id is empty; give each worker a name"));
+            return Err(Error::setting(
+                "worker_id",
+                "is empty; give each worker a name",
+            ));
         }
         if self.batch_size == 0 {
-            return Err(Error::config("batch_size is 0; it must be at least 1"));
+            return Err(Error::setting("batch_size", "is 0; it must be at least 1"));
         }
         if self.poll_interval.is_zero() {
-            return Err(Error::config(
-                "poll_interval is 0; it must be greater than zero",
+            return Err(Error::setting(
+                "poll_interval",
+                "is 0; it must be greater than zero",
             ));
         }
         if self.lease < Duration::from_secs(1) {
-            return Err(Error::config(format!(
-                "lease is {:?}; it must be at least 1 s and longer than the sink's time-out",
-                self.lease
-            )));
+            return Err(Error::setting(
+                "lease",
+                format!(
+                    "is {:?}; it must be at least 1 s and longer than the sink's time-out",
+                    self.lease
+                ),
+            ));
         }
         if self.max_attempts == 0 {
-            return Err(Error::config("max_attempts is 0; it must be at least 1"));
+            return Err(Error::setting(
+                "max_attempts",
+                "is 0; it must be at least 1",
+            ));
         }
-        self.backoff.validate()
+        self.backoff.validate().map_err(|e| e.in_section("backoff"))
     }
 }
 
@@ -116,15 +141,15 @@ impl Published {
         let s = &self.settlement;
         let ids = [
             (
-                "outbox_delivered_total",
+                names::DELIVERED_TOTAL,
                 s.delivered.iter().map(|d| d.id).collect::<Vec<_>>(),
             ),
             (
-                "outbox_retried_total",
+                names::RETRIED_TOTAL,
                 s.retries.iter().map(|r| r.id).collect(),
             ),
             (
-                "outbox_dead_lettered_total",
+                names::DEAD_LETTERED_TOTAL,
                 s.dead.iter().map(|d| d.id).collect(),
             ),
         ];
@@ -135,10 +160,10 @@ impl Published {
             }
         }
         for ((name, topic), n) in counts {
-            metrics::counter!(name, "worker" => worker.to_string(), "topic" => topic.to_string())
+            metrics::counter!(name, names::RELAY => worker.to_string(), names::TOPIC => topic.to_string())
                 .increment(n);
-            if name != "outbox_delivered_total" {
-                metrics::counter!("outbox_failed_total", "worker" => worker.to_string(), "topic" => topic.to_string())
+            if name != names::DELIVERED_TOTAL {
+                metrics::counter!(names::FAILED_TOTAL, names::RELAY => worker.to_string(), names::TOPIC => topic.to_string())
                     .increment(n);
             }
         }
@@ -158,17 +183,21 @@ impl Worker {
             let capabilities = storage.capabilities();
             let (rounds, setting) = match (capabilities.per_key_order, capabilities.max_per_key) {
                 (false, _) => (1, "one round without per-key order"),
-                (true, Some(n)) => (n.min(config.batch_size), "relay.max_per_key"),
-                (true, None) => (config.batch_size, "relay.batch_size"),
+                (true, Some(n)) => (n.min(config.batch_size), "the storage's max_per_key"),
+                (true, None) => (config.batch_size, "batch_size"),
             };
             let worst = timeout.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX));
             if config.lease < worst {
-                return Err(Error::config(format!(
-                    "relay.lease is {:?}, shorter than the worst case of a batch: {rounds} rounds \
-                     ({setting}) × the sink's publish time-out of {timeout:?} = {worst:?}; raise \
-                     relay.lease to at least {worst:?}, or lower {setting} or the sink's time-out",
-                    config.lease
-                )));
+                return Err(Error::setting(
+                    "lease",
+                    format!(
+                        "is {:?}, shorter than the worst case of a batch: {rounds} rounds \
+                         ({setting}) × the sink's publish time-out of {timeout:?} = {worst:?}; \
+                         raise lease to at least {worst:?}, or lower {setting} or the sink's \
+                         time-out",
+                        config.lease
+                    ),
+                ));
             }
         }
         Ok(Worker {
@@ -223,7 +252,7 @@ impl Worker {
             // Health gate: while the sink is down, claim nothing and charge nothing.
             if !sink_checked {
                 let health = self.sink.health().await;
-                metrics::gauge!("outbox_sink_up", "worker" => self.config.worker_id.clone())
+                metrics::gauge!(names::SINK_UP, names::RELAY => self.config.worker_id.clone())
                     .set(if health.is_ok() { 1.0 } else { 0.0 });
                 if let Err(error) = health {
                     sink_failures += 1;
@@ -258,7 +287,7 @@ impl Worker {
                 } else {
                     // The sink dropped out mid-publish: back off even if its health check
                     // still passes, so a half-broken broker is not hammered.
-                    metrics::gauge!("outbox_sink_up", "worker" => self.config.worker_id.clone())
+                    metrics::gauge!(names::SINK_UP, names::RELAY => self.config.worker_id.clone())
                         .set(0.0);
                     sink_failures += 1;
                     let wait = self.config.backoff.delay(sink_failures);
@@ -322,7 +351,7 @@ impl Worker {
         };
         self.record(&token, &published).await?;
         published.count(&self.config.worker_id, &topics);
-        metrics::histogram!("outbox_batch_duration_seconds", "worker" => self.config.worker_id.clone())
+        metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.worker_id.clone())
             .record(started.elapsed().as_secs_f64());
         Ok(!published.sink_unavailable)
     }
@@ -389,7 +418,7 @@ impl Worker {
                 }
             };
             let elapsed = started.elapsed();
-            metrics::histogram!("outbox_publish_duration_seconds", "worker" => self.config.worker_id.clone())
+            metrics::histogram!(names::PUBLISH_DURATION_SECONDS, names::RELAY => self.config.worker_id.clone())
                 .record(elapsed.as_secs_f64());
             tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), ?elapsed, "published");
             for (message, outcome) in ready.into_iter().zip(outcomes) {

@@ -1,32 +1,46 @@
-//! Settings of the Kafka sink.
+//! Settings of the Kafka sink: the `[sink]` table of the relay's configuration and the Rust
+//! API alike.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_core::{Error, Result};
+use outbox_core::{Error, Result, Template};
 use rdkafka::ClientConfig;
-
-/// The placeholder in [`KafkaConfig::topic_template`] that stands for the outbox topic.
-pub const TOPIC_PLACEHOLDER: &str = "{topic}";
+use serde::Deserialize;
 
 /// librdkafka properties this sink sets itself; each has a field of [`KafkaConfig`] instead.
 const OWNED_PROPERTIES: &[(&str, &str)] = &[
-    ("bootstrap.servers", "sink.bootstrap_servers"),
-    ("metadata.broker.list", "sink.bootstrap_servers"),
-    ("message.timeout.ms", "sink.delivery_timeout"),
-    ("delivery.timeout.ms", "sink.delivery_timeout"),
+    ("bootstrap.servers", "bootstrap_servers"),
+    ("metadata.broker.list", "bootstrap_servers"),
+    ("message.timeout.ms", "publish_timeout"),
+    ("delivery.timeout.ms", "publish_timeout"),
 ];
 
-/// Settings of the Kafka sink. `Debug` hides the values of secret properties
-/// (`sasl.password`, `ssl.key.password`, ...).
-#[derive(Clone, PartialEq)]
+/// Settings of the Kafka sink: the `[sink]` table of the relay's configuration (with
+/// `type = "kafka"`; durations written as `"5s"` or `"500ms"`, unknown keys refused) and the
+/// Rust API alike. Every key but `bootstrap_servers` has a default. `Debug` hides the values
+/// of secret properties (`sasl.password`, `ssl.key.password`, ...).
+///
+/// ```toml
+/// [sink]
+/// type = "kafka"
+/// bootstrap_servers = "kafka-1:9092,kafka-2:9092"
+/// topic_template = "outbox.{topic}"
+/// topics = { "orders.paid" = "orders" }
+/// publish_timeout = "10s"
+/// health_timeout = "5s"
+/// properties = { "compression.type" = "lz4" }
+/// ```
+#[derive(Clone, PartialEq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KafkaConfig {
     /// Comma-separated `host:port` list of brokers to bootstrap from
-    /// (librdkafka's `bootstrap.servers`), e.g. `127.0.0.1:9092`.
+    /// (librdkafka's `bootstrap.servers`), e.g. `127.0.0.1:9092` (required).
     pub bootstrap_servers: String,
     /// Kafka topic for an outbox topic that [`topics`](Self::topics) does not name:
-    /// `{topic}` is replaced by the outbox topic (default `{topic}`, the same name).
-    pub topic_template: String,
+    /// `{topic}` is replaced by the outbox topic (default `{topic}`, the same name; `{key}`
+    /// is refused).
+    pub topic_template: Template,
     /// Kafka topic for each named outbox topic; wins over the template.
     pub topics: BTreeMap<String, String>,
     /// librdkafka properties passed through as they are (`security.protocol`, `sasl.*`,
@@ -38,9 +52,25 @@ pub struct KafkaConfig {
     /// How long librdkafka may try to deliver a message before reporting a time-out
     /// (its `message.timeout.ms`; default 10 s). A publish waits at most this long plus a
     /// few seconds, so the worker's lease must be longer.
-    pub delivery_timeout: Duration,
+    #[serde(with = "humantime_serde")]
+    pub publish_timeout: Duration,
     /// Time-out of the health check's metadata request (default 5 s).
+    #[serde(with = "humantime_serde")]
     pub health_timeout: Duration,
+}
+
+impl Default for KafkaConfig {
+    /// The defaults, with no brokers (which [`KafkaConfig::validate`] refuses).
+    fn default() -> Self {
+        KafkaConfig {
+            bootstrap_servers: String::new(),
+            topic_template: Template::topic(),
+            topics: BTreeMap::new(),
+            properties: BTreeMap::new(),
+            publish_timeout: Duration::from_secs(10),
+            health_timeout: Duration::from_secs(5),
+        }
+    }
 }
 
 impl std::fmt::Debug for KafkaConfig {
@@ -62,7 +92,7 @@ impl std::fmt::Debug for KafkaConfig {
             .field("topic_template", &self.topic_template)
             .field("topics", &self.topics)
             .field("properties", &properties)
-            .field("delivery_timeout", &self.delivery_timeout)
+            .field("publish_timeout", &self.publish_timeout)
             .field("health_timeout", &self.health_timeout)
             .finish()
     }
@@ -73,17 +103,23 @@ impl KafkaConfig {
     pub fn new(bootstrap_servers: impl Into<String>) -> Self {
         KafkaConfig {
             bootstrap_servers: bootstrap_servers.into(),
-            topic_template: TOPIC_PLACEHOLDER.into(),
-            topics: BTreeMap::new(),
-            properties: BTreeMap::new(),
-            delivery_timeout: Duration::from_secs(10),
-            health_timeout: Duration::from_secs(5),
+            ..Self::default()
         }
     }
 
-    /// Sets the topic template (`{topic}` stands for the outbox topic), e.g. `outbox.{topic}`.
-    pub fn topic_template(mut self, template: impl Into<String>) -> Self {
-        self.topic_template = template.into();
+    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
+    /// without `type`) and validates them. Errors are keyed by the setting, relative to the
+    /// table (the caller places them with [`Error::in_section`]).
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Self = outbox_core::config::from_value(value)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the topic template, e.g. `outbox.{topic}` (`"outbox.{topic}".parse()?` or
+    /// [`Template::new`] makes it).
+    pub fn topic_template(mut self, template: Template) -> Self {
+        self.topic_template = template;
         self
     }
 
@@ -103,86 +139,106 @@ impl KafkaConfig {
         self
     }
 
-    /// Checks every setting; the error names the bad one. librdkafka checks the passed-through
-    /// properties when the sink is made ([`KafkaSink::new`](crate::KafkaSink::new)).
+    /// Sets the longest wait for a message's delivery report (librdkafka's
+    /// `message.timeout.ms`).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// Checks every setting; the error is keyed by the bad one, relative to the sink's
+    /// section. librdkafka checks the passed-through properties when the sink is made
+    /// ([`KafkaSink::new`](crate::KafkaSink::new)).
     pub fn validate(&self) -> Result<()> {
-        let servers: Vec<&str> = self.bootstrap_servers.split(',').map(str::trim).collect();
-        if servers.iter().all(|s| s.is_empty()) {
-            return Err(Error::config(
-                "sink.bootstrap_servers is empty; give the brokers as host:port[,host:port...], e.g. 127.0.0.1:9092",
+        if self.bootstrap_servers.trim().is_empty() {
+            return Err(Error::setting(
+                "bootstrap_servers",
+                "is missing: give the brokers as host:port[,host:port...], e.g. 127.0.0.1:9092",
             ));
         }
-        for server in &servers {
+        for server in self.bootstrap_servers.split(',').map(str::trim) {
             if server.contains("://") {
-                return Err(Error::config(format!(
-                    "sink.bootstrap_servers entry `{server}` has a URL scheme; give host:port (set security.protocol in sink.properties for TLS or SASL)"
-                )));
+                return Err(Error::setting(
+                    "bootstrap_servers",
+                    format!(
+                        "entry `{server}` has a URL scheme; give host:port (set security.protocol in properties for TLS or SASL)"
+                    ),
+                ));
             }
             let port_ok = server.rsplit_once(':').is_some_and(|(host, port)| {
                 !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0)
             });
             if !port_ok {
-                return Err(Error::config(format!(
-                    "sink.bootstrap_servers entry `{server}` is not host:port, e.g. 127.0.0.1:9092"
-                )));
+                return Err(Error::setting(
+                    "bootstrap_servers",
+                    format!("entry `{server}` is not host:port, e.g. 127.0.0.1:9092"),
+                ));
             }
         }
 
-        if self.topic_template.trim().is_empty() {
-            return Err(Error::config(
-                "sink.topic_template is empty; use {topic} for the outbox topic's own name",
+        self.topic_template.refuse_key("topic_template")?;
+        if self.topic_template.as_str().trim().is_empty() {
+            return Err(Error::setting(
+                "topic_template",
+                "is empty; use {topic} for the outbox topic's own name",
             ));
         }
         // Check the fixed part of the template with a sample outbox topic.
-        let sample = self.topic_template.replace(TOPIC_PLACEHOLDER, "t");
-        if let Err(why) = check_topic_name(&sample) {
-            return Err(Error::config(format!(
-                "sink.topic_template `{}` cannot make a Kafka topic name: {why}",
-                self.topic_template
-            )));
+        if let Err(why) = check_topic_name(&self.topic_template.render("t", "")) {
+            return Err(Error::setting(
+                "topic_template",
+                format!(
+                    "`{}` cannot make a Kafka topic name: {why}",
+                    self.topic_template
+                ),
+            ));
         }
         for (outbox_topic, kafka_topic) in &self.topics {
             if let Err(why) = check_topic_name(kafka_topic) {
-                return Err(Error::config(format!(
-                    "sink.topics: outbox topic `{outbox_topic}` maps to `{kafka_topic}`, which is not a Kafka topic name: {why}"
-                )));
+                return Err(Error::setting(
+                    format!("topics.{outbox_topic}"),
+                    format!("is `{kafka_topic}`, which is not a Kafka topic name: {why}"),
+                ));
             }
         }
 
-        if self.delivery_timeout < Duration::from_secs(1) {
-            return Err(Error::config(format!(
-                "sink.delivery_timeout is {:?}; it must be at least 1 s (and shorter than the worker's lease)",
-                self.delivery_timeout
-            )));
+        if self.publish_timeout < Duration::from_secs(1) {
+            return Err(Error::setting(
+                "publish_timeout",
+                format!(
+                    "is {:?}; it must be at least 1 s (and shorter than the worker's lease)",
+                    self.publish_timeout
+                ),
+            ));
         }
         if self.health_timeout.is_zero() {
-            return Err(Error::config(
-                "sink.health_timeout is 0; it must be greater than zero",
+            return Err(Error::setting(
+                "health_timeout",
+                "is 0; it must be greater than zero",
             ));
         }
 
         for (name, field) in OWNED_PROPERTIES {
             if self.properties.contains_key(*name) {
-                return Err(Error::config(format!(
-                    "sink.properties.{name} is set by the sink; use {field} instead"
-                )));
+                return Err(Error::setting(
+                    format!("properties.{name}"),
+                    format!("is set by the sink; use {field} instead"),
+                ));
             }
         }
         if self.properties.contains_key("transactional.id") {
-            return Err(Error::config(
-                "sink.properties.transactional.id: Kafka transactions are not used by this sink (it is at-least-once with an idempotent producer); remove the property",
+            return Err(Error::setting(
+                "properties.transactional.id",
+                "is set, but this sink uses no Kafka transactions (it is at-least-once with an idempotent producer); remove the property",
             ));
         }
-        if self.properties.get("acks").map(|v| v.trim()) == Some("0")
-            || self
-                .properties
-                .get("request.required.acks")
-                .map(|v| v.trim())
-                == Some("0")
-        {
-            return Err(Error::config(
-                "sink.properties.acks is 0: the broker would confirm nothing and messages could be lost; use all (the default) or 1",
-            ));
+        for name in ["acks", "request.required.acks"] {
+            if self.properties.get(name).map(|v| v.trim()) == Some("0") {
+                return Err(Error::setting(
+                    format!("properties.{name}"),
+                    "is 0: the broker would confirm nothing and messages could be lost; use all (the default) or 1",
+                ));
+            }
         }
         let idempotent = self
             .properties
@@ -195,8 +251,9 @@ impl KafkaConfig {
                 .or_else(|| self.properties.get("max.in.flight"))
                 .map(|v| v.trim());
             if in_flight != Some("1") {
-                return Err(Error::config(
-                    "sink.properties.enable.idempotence is false, so internal retries could reorder a key's messages; also set max.in.flight.requests.per.connection to 1, or keep idempotence on",
+                return Err(Error::setting(
+                    "properties.enable.idempotence",
+                    "is false, so internal retries could reorder a key's messages; also set max.in.flight.requests.per.connection to 1, or keep idempotence on",
                 ));
             }
         }
@@ -209,18 +266,15 @@ impl KafkaConfig {
         if let Some(topic) = self.topics.get(outbox_topic) {
             return Ok(topic.clone());
         }
-        let topic = self.topic_template.replace(TOPIC_PLACEHOLDER, outbox_topic);
-        check_topic_name(&topic).map_err(|why| {
-            Error::permanent(format!(
-                "outbox topic `{outbox_topic}` maps to Kafka topic `{topic}` through sink.topic_template, which is not a legal name: {why}; map it in sink.topics"
-            ))
-        })?;
+        let topic = self.topic_template.render(outbox_topic, "");
+        check_topic_name(&topic)
+            .map_err(|why| crate::error::illegal_topic(outbox_topic, &topic, &why))?;
         Ok(topic)
     }
 
     /// The librdkafka configuration: this sink's defaults, then the passed-through properties.
     pub(crate) fn client_config(&self) -> ClientConfig {
-        let timeout_ms = self.delivery_timeout.as_millis();
+        let timeout_ms = self.publish_timeout.as_millis();
         let mut config = ClientConfig::new();
         config
             .set("bootstrap.servers", self.bootstrap_servers.trim())
@@ -295,10 +349,15 @@ fn check_topic_name(name: &str) -> std::result::Result<(), String> {
 mod tests {
     use super::*;
 
+    fn template(text: &str) -> Template {
+        Template::new(text).unwrap()
+    }
+
+    /// The error of an invalid config, placed in the `sink` section as the relay does.
     fn invalid(config: KafkaConfig) -> String {
         let err = config.validate().expect_err("config should be refused");
         assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
-        err.to_string()
+        err.in_section("sink").to_string()
     }
 
     #[test]
@@ -332,37 +391,52 @@ mod tests {
 
     #[test]
     fn bad_settings_name_their_key() {
-        assert!(invalid(KafkaConfig::new(" ")).contains("sink.bootstrap_servers is empty"));
+        assert!(invalid(KafkaConfig::new(" ")).contains("sink.bootstrap_servers is missing"));
         assert!(invalid(KafkaConfig::new("kafka://k:9092")).contains("URL scheme"));
-        assert!(invalid(KafkaConfig::new("k")).contains("`k` is not host:port"));
+        assert!(
+            invalid(KafkaConfig::new("k"))
+                .contains("sink.bootstrap_servers entry `k` is not host:port")
+        );
         assert!(invalid(KafkaConfig::new("k:0")).contains("not host:port"));
         assert!(
-            invalid(KafkaConfig::new("k:1").topic_template("")).contains("sink.topic_template")
+            invalid(KafkaConfig::new("k:1").topic_template(template("")))
+                .contains("sink.topic_template is empty")
         );
         assert!(
-            invalid(KafkaConfig::new("k:1").topic_template("out box.{topic}"))
+            invalid(KafkaConfig::new("k:1").topic_template(template("out box.{topic}")))
                 .contains("sink.topic_template `out box.{topic}`")
         );
-        assert!(invalid(KafkaConfig::new("k:1").topic("orders", "a/b")).contains("sink.topics"));
+        assert!(
+            invalid(KafkaConfig::new("k:1").topic_template(template("{topic}.{key}")))
+                .contains("sink.topic_template `{topic}.{key}` uses {key}")
+        );
+        assert!(
+            invalid(KafkaConfig::new("k:1").topic("orders", "a/b"))
+                .contains("sink.topics.orders is `a/b`")
+        );
         let mut c = KafkaConfig::new("k:1");
-        c.delivery_timeout = Duration::from_millis(10);
-        assert!(invalid(c).contains("sink.delivery_timeout"));
+        c.publish_timeout = Duration::from_millis(10);
+        assert!(invalid(c).contains("sink.publish_timeout is 10ms"));
         let mut c = KafkaConfig::new("k:1");
         c.health_timeout = Duration::ZERO;
-        assert!(invalid(c).contains("sink.health_timeout"));
+        assert!(invalid(c).contains("sink.health_timeout is 0"));
         assert!(
-            invalid(KafkaConfig::new("k:1").property("bootstrap.servers", "x:1"))
-                .contains("use sink.bootstrap_servers")
+            invalid(KafkaConfig::new("k:1").property("bootstrap.servers", "x:1")).contains(
+                "sink.properties.bootstrap.servers is set by the sink; use bootstrap_servers"
+            )
         );
         assert!(
             invalid(KafkaConfig::new("k:1").property("message.timeout.ms", "5"))
-                .contains("use sink.delivery_timeout")
+                .contains("use publish_timeout")
         );
         assert!(
             invalid(KafkaConfig::new("k:1").property("transactional.id", "t"))
-                .contains("transactional.id")
+                .contains("sink.properties.transactional.id")
         );
-        assert!(invalid(KafkaConfig::new("k:1").property("acks", "0")).contains("acks is 0"));
+        assert!(
+            invalid(KafkaConfig::new("k:1").property("acks", "0"))
+                .contains("sink.properties.acks is 0")
+        );
         assert!(
             invalid(KafkaConfig::new("k:1").property("enable.idempotence", "false"))
                 .contains("max.in.flight.requests.per.connection to 1")
@@ -375,9 +449,53 @@ mod tests {
     }
 
     #[test]
+    fn reads_the_configuration_file_table_and_names_bad_keys() {
+        let config = KafkaConfig::from_value(serde_json::json!({
+            "bootstrap_servers": "k:9092",
+            "topic_template": "outbox.{topic}",
+            "topics": { "orders": "orders-v2" },
+            "properties": { "linger.ms": "5" },
+            "publish_timeout": "3s",
+        }))
+        .unwrap();
+        let expected = KafkaConfig::new("k:9092")
+            .topic_template(template("outbox.{topic}"))
+            .topic("orders", "orders-v2")
+            .property("linger.ms", "5")
+            .publish_timeout(Duration::from_secs(3));
+        assert_eq!(config, expected);
+        let minimal = KafkaConfig::from_value(serde_json::json!({ "bootstrap_servers": "k:1" }));
+        assert_eq!(minimal.unwrap(), KafkaConfig::new("k:1"));
+        for (bad, expected) in [
+            (serde_json::json!({}), "sink.bootstrap_servers is missing"),
+            (
+                serde_json::json!({ "bootstrap_servers": "k:1", "delivery_timeout": "5s" }),
+                "sink.delivery_timeout: unknown field `delivery_timeout`",
+            ),
+            (
+                serde_json::json!({ "bootstrap_servers": "k:1", "publish_timeout": "soon" }),
+                "sink.publish_timeout: ",
+            ),
+            (
+                serde_json::json!({ "bootstrap_servers": "k:1", "topic_template": "a.{topc}" }),
+                "sink.topic_template: `a.{topc}` uses the unknown placeholder",
+            ),
+            (
+                serde_json::json!({ "bootstrap_servers": "k:1", "properties": { "linger.ms": 5 } }),
+                "sink.properties.linger.ms: invalid type",
+            ),
+        ] {
+            let error = KafkaConfig::from_value(bad).unwrap_err();
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            let message = error.in_section("sink").to_string();
+            assert!(message.contains(expected), "{expected}: {message}");
+        }
+    }
+
+    #[test]
     fn topics_map_then_template() {
         let config = KafkaConfig::new("k:1")
-            .topic_template("outbox.{topic}")
+            .topic_template(template("outbox.{topic}"))
             .topic("orders", "orders-v2");
         assert_eq!(config.kafka_topic("orders").unwrap(), "orders-v2");
         assert_eq!(config.kafka_topic("users").unwrap(), "outbox.users");
@@ -395,46 +513,5 @@ mod tests {
         let shown = format!("{config:?}");
         assert!(shown.contains("relay"), "{shown}");
         assert!(!shown.contains("hunter"), "{shown}");
-    }
-}
-
-/// The keys of the `[sink]` table in the relay's configuration file (`type = "kafka"`);
-/// each is the [`KafkaConfig`] field of the same name. Unknown keys are refused.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    bootstrap_servers: String,
-    topic_template: Option<String>,
-    #[serde(default)]
-    topics: BTreeMap<String, String>,
-    #[serde(default)]
-    properties: BTreeMap<String, String>,
-    #[serde(default, with = "humantime_serde")]
-    delivery_timeout: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    health_timeout: Option<Duration>,
-}
-
-impl KafkaConfig {
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors name the bad key.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let at = if path == "." {
-                String::new()
-            } else {
-                format!("sink.{path}: ")
-            };
-            Error::config(format!("kafka sink configuration: {at}{}", e.inner()))
-        })?;
-        let mut config = KafkaConfig::new(file.bootstrap_servers);
-        config.topic_template = file.topic_template.unwrap_or(config.topic_template);
-        config.topics = file.topics;
-        config.properties = file.properties;
-        config.delivery_timeout = file.delivery_timeout.unwrap_or(config.delivery_timeout);
-        config.health_timeout = file.health_timeout.unwrap_or(config.health_timeout);
-        config.validate()?;
-        Ok(config)
     }
 }

@@ -1,4 +1,11 @@
-//! Maps librdkafka's errors onto the engine's [`ErrorKind`]s.
+//! Every failure of the Kafka sink, mapped onto the engine's [`ErrorKind`]s.
+//!
+//! In short: brokers that cannot be reached or do not answer in time, and a cluster that
+//! cannot take writes right now, are `Unavailable` (no attempt charged); a message the
+//! cluster can never take as it is (too large, unknown or illegal topic, not authorised) is
+//! `Permanent`; anything else is `Temporary`; settings librdkafka refuses are `Config`.
+
+use std::time::Duration;
 
 use outbox_core::{Error, ErrorKind};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
@@ -81,8 +88,58 @@ pub(crate) fn delivery_error(error: KafkaError, topic: &str, servers: &str) -> E
     Error::new(kind, message).with_source(error)
 }
 
-/// The engine's error for librdkafka refusing the configuration. The value is left out,
-/// as it may be a secret.
+/// An outbox topic whose Kafka topic (through the template) is not a legal name: that
+/// message is permanent.
+pub(crate) fn illegal_topic(outbox_topic: &str, topic: &str, why: &str) -> Error {
+    Error::permanent(format!(
+        "outbox topic `{outbox_topic}` maps to Kafka topic `{topic}` through sink.topic_template, which is not a legal name: {why}; map it in sink.topics"
+    ))
+}
+
+/// No delivery report within `waited`: unavailable (the producer is replaced).
+pub(crate) fn no_report(topic: &str, servers: &str, waited: Duration) -> Error {
+    Error::unavailable(format!(
+        "no delivery report from Kafka at {servers} within {waited:?} for topic `{topic}`"
+    ))
+}
+
+/// The producer went away before reporting on a message: unavailable.
+pub(crate) fn producer_closed(topic: &str) -> Error {
+    Error::unavailable(format!(
+        "the Kafka producer closed before reporting on the message for topic `{topic}`"
+    ))
+}
+
+/// The health check's metadata request failed or took longer than `waited`: unavailable.
+pub(crate) fn health_failed(servers: &str, waited: Duration, code: Code) -> Error {
+    Error::unavailable(format!(
+        "Kafka at {servers} did not answer a metadata request within {waited:?}"
+    ))
+    .with_source(KafkaError::MetadataFetch(code))
+}
+
+/// The health check's task did not finish (it panicked or was cancelled): unavailable.
+pub(crate) fn health_not_finished(error: tokio::task::JoinError) -> Error {
+    Error::unavailable("the Kafka health check did not finish").with_source(error)
+}
+
+/// Whether an idempotent producer's id or epoch is no good any more after `code`: the
+/// message is `Temporary` (see [`kind_of`]), and the sink replaces the producer so that the
+/// retry runs under a new producer id.
+pub(crate) fn session_broken(code: Code) -> bool {
+    matches!(
+        code,
+        Code::ProducerFenced
+            | Code::InvalidProducerEpoch
+            | Code::UnknownProducerId
+            | Code::OutOfOrderSequenceNumber
+            | Code::Fenced
+            | Code::Fatal
+    )
+}
+
+/// The engine's error for librdkafka refusing the configuration, keyed by the property. The
+/// value is left out, as it may be a secret.
 pub(crate) fn config_error(error: KafkaError) -> Error {
     match error {
         KafkaError::ClientConfig(_, description, name, _value) => {
@@ -91,13 +148,15 @@ pub(crate) fn config_error(error: KafkaError) -> Error {
             } else {
                 description
             };
-            Error::config(format!(
-                "sink.properties.{name} is refused by librdkafka: {description}"
-            ))
+            Error::setting(
+                format!("properties.{name}"),
+                format!("is refused by librdkafka: {description}"),
+            )
         }
-        KafkaError::ClientCreation(description) => Error::config(format!(
-            "librdkafka refused the sink's settings: {description}; check sink.properties"
-        )),
+        KafkaError::ClientCreation(description) => Error::setting(
+            "properties",
+            format!("are refused by librdkafka: {description}"),
+        ),
         other => Error::config("could not create the Kafka producer").with_source(other),
     }
 }
@@ -141,5 +200,16 @@ mod tests {
             "k:9092",
         );
         assert!(err.to_string().contains("Kafka at k:9092"), "{err}");
+        assert_eq!(
+            illegal_topic("a b", "a b", "no").kind(),
+            ErrorKind::Permanent
+        );
+        assert_eq!(
+            no_report("o", "k:1", Duration::from_secs(1)).kind(),
+            ErrorKind::Unavailable
+        );
+        assert_eq!(producer_closed("o").kind(), ErrorKind::Unavailable);
+        assert!(session_broken(Code::ProducerFenced) && !session_broken(Code::MessageTimedOut));
+        assert_eq!(kind_of(Code::ProducerFenced), ErrorKind::Temporary);
     }
 }

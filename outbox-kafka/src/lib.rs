@@ -4,11 +4,10 @@
 mod config;
 mod error;
 mod sink;
+pub mod wire;
 
-pub use config::{KafkaConfig, TOPIC_PLACEHOLDER};
-pub use sink::{
-    HEADER_CREATED_AT, HEADER_ID, HEADER_TOPIC, HEADER_TRACEPARENT, HEADER_TRACESTATE, KafkaSink,
-};
+pub use config::KafkaConfig;
+pub use sink::KafkaSink;
 
 /// The Kafka client this sink is built on, for tests and tools that need an admin client
 /// or a consumer of the same version.
@@ -22,8 +21,9 @@ use outbox_core::{Sink, SinkRegistry};
 pub const TYPE: &str = "kafka";
 
 /// Registers the Kafka sink under [`TYPE`]: the factory reads a [`KafkaConfig`] from the
-/// `[sink]` table (see [`KafkaConfig::from_value`]) and builds the producer; brokers are
-/// reached when the first batch or health check needs them.
+/// `[sink]` table ([`KafkaConfig::from_value`]: unknown keys are refused, errors are keyed by
+/// the setting) and builds the producer; brokers are reached when the first batch or health
+/// check needs them.
 pub fn register(registry: &mut SinkRegistry) {
     registry.register(TYPE, |config| async move {
         let sink = KafkaSink::new(KafkaConfig::from_value(config)?)?;

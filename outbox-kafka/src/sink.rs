@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::SecondsFormat;
-use outbox_core::{Error, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
+use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
@@ -13,18 +13,11 @@ use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
 use tokio::time::{Instant, sleep, timeout_at};
 
 use crate::KafkaConfig;
-use crate::error::{config_error, delivery_error};
-
-/// Header with the outbox message id (a UUID), for consumers to de-duplicate by.
-pub const HEADER_ID: &str = "outbox-id";
-/// Header with the outbox topic the message was enqueued for.
-pub const HEADER_TOPIC: &str = "outbox-topic";
-/// Header with the time the message was enqueued (RFC 3339, UTC, microseconds).
-pub const HEADER_CREATED_AT: &str = "outbox-created-at";
-/// W3C trace context header, when the message has one.
-pub const HEADER_TRACEPARENT: &str = "traceparent";
-/// W3C trace state header, when the message has one.
-pub const HEADER_TRACESTATE: &str = "tracestate";
+use crate::error::{
+    config_error, delivery_error, health_failed, health_not_finished, no_report, producer_closed,
+    session_broken,
+};
+use crate::wire;
 
 /// Extra wait for delivery reports past librdkafka's own `message.timeout.ms`, which
 /// normally reports first; this bounds a publish whose reports librdkafka holds back (the
@@ -38,8 +31,8 @@ const QUEUE_FULL_WAIT: Duration = Duration::from_millis(20);
 /// rdkafka).
 ///
 /// Each message goes to the Kafka topic its outbox topic maps to, keyed by its partition
-/// key (no key when it has none), with its headers plus [`HEADER_ID`], [`HEADER_TOPIC`],
-/// [`HEADER_CREATED_AT`] and the trace context. A batch is handed to librdkafka in order
+/// key (no key when it has none), with its headers plus [`wire::ID`], [`wire::TOPIC`],
+/// [`wire::CREATED_AT`] and the trace context. A batch is handed to librdkafka in order
 /// and every delivery report is awaited; the receipt is `partition:offset`.
 pub struct KafkaSink {
     config: KafkaConfig,
@@ -140,8 +133,8 @@ impl KafkaSink {
 impl Sink for KafkaSink {
     async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
         let producer = self.producer()?;
-        let deadline = Instant::now() + self.config.delivery_timeout + REPORT_GRACE;
-        let queue_deadline = Instant::now() + self.config.delivery_timeout;
+        let deadline = Instant::now() + self.config.publish_timeout + REPORT_GRACE;
+        let queue_deadline = Instant::now() + self.config.publish_timeout;
 
         // Hand every message to librdkafka in order first, so the batch goes out together;
         // then collect the reports.
@@ -181,16 +174,14 @@ impl Sink for KafkaSink {
                             &self.config.bootstrap_servers,
                         ))
                     }
-                    Ok(Err(_canceled)) => Outcome::Failed(Error::unavailable(format!(
-                        "the Kafka producer closed before reporting on the message for topic `{topic}`"
-                    ))),
+                    Ok(Err(_canceled)) => Outcome::Failed(producer_closed(&topic)),
                     Err(_elapsed) => {
                         reset = Some("delivery reports are overdue");
-                        Outcome::Failed(Error::unavailable(format!(
-                            "no delivery report from Kafka at {} within {:?} for topic `{topic}`",
-                            self.config.bootstrap_servers,
-                            self.config.delivery_timeout + REPORT_GRACE
-                        )))
+                        Outcome::Failed(no_report(
+                            &topic,
+                            &self.config.bootstrap_servers,
+                            self.config.publish_timeout + REPORT_GRACE,
+                        ))
                     }
                 },
             };
@@ -225,16 +216,8 @@ impl Sink for KafkaSink {
         let timeout = self.config.health_timeout;
         let checked = tokio::task::spawn_blocking(move || request_metadata(&producer, timeout))
             .await
-            .map_err(|e| {
-                Error::unavailable("the Kafka health check did not finish").with_source(e)
-            })?;
-        checked.map_err(|code| {
-            Error::unavailable(format!(
-                "Kafka at {} did not answer a metadata request within {:?}",
-                self.config.bootstrap_servers, timeout
-            ))
-            .with_source(KafkaError::MetadataFetch(code))
-        })
+            .map_err(health_not_finished)?;
+        checked.map_err(|code| health_failed(&self.config.bootstrap_servers, timeout, code))
     }
 
     fn capabilities(&self) -> SinkCapabilities {
@@ -245,23 +228,11 @@ impl Sink for KafkaSink {
             .with_max_payload(None)
     }
 
-    /// librdkafka's `delivery_timeout`, plus the grace the sink gives late delivery reports.
+    /// `publish_timeout` (librdkafka's `message.timeout.ms`), plus the grace the sink gives
+    /// late delivery reports.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
-        Some(self.config.delivery_timeout + REPORT_GRACE)
+        Some(self.config.publish_timeout + REPORT_GRACE)
     }
-}
-
-/// Errors after which an idempotent producer's id or epoch is no good any more.
-fn session_broken(code: RDKafkaErrorCode) -> bool {
-    matches!(
-        code,
-        RDKafkaErrorCode::ProducerFenced
-            | RDKafkaErrorCode::InvalidProducerEpoch
-            | RDKafkaErrorCode::UnknownProducerId
-            | RDKafkaErrorCode::OutOfOrderSequenceNumber
-            | RDKafkaErrorCode::Fenced
-            | RDKafkaErrorCode::Fatal
-    )
 }
 
 fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
@@ -276,14 +247,14 @@ fn headers(message: &Message) -> OwnedHeaders {
         .created_at
         .to_rfc3339_opts(SecondsFormat::Micros, true);
     let mut ours: Vec<(&str, &str)> = vec![
-        (HEADER_ID, &id),
-        (HEADER_TOPIC, &message.topic),
-        (HEADER_CREATED_AT, &created),
+        (wire::ID, &id),
+        (wire::TOPIC, &message.topic),
+        (wire::CREATED_AT, &created),
     ];
     if let Some(trace) = &message.trace_context {
-        ours.push((HEADER_TRACEPARENT, &trace.traceparent));
+        ours.push((wire::TRACEPARENT, &trace.traceparent));
         if let Some(state) = &trace.tracestate {
-            ours.push((HEADER_TRACESTATE, state));
+            ours.push((wire::TRACESTATE, state));
         }
     }
     let own = message

@@ -20,7 +20,7 @@ fn cluster(topic: &str, partitions: i32) -> MockCluster<'static, DefaultProducer
 
 fn sink(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaSink {
     let mut config = KafkaConfig::new(mock.bootstrap_servers());
-    config.delivery_timeout = Duration::from_secs(3);
+    config.publish_timeout = Duration::from_secs(3);
     config.health_timeout = Duration::from_secs(1);
     // Short librdkafka retry waits keep these tests quick.
     let config = config

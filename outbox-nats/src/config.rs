@@ -2,14 +2,13 @@
 
 use std::time::Duration;
 
-use outbox_core::{Error, Result, redact_url};
-use serde::Deserialize;
+use outbox_core::{Error, Result, Template, redact_url};
 
-/// Settings of the NATS JetStream sink. `Debug` hides the password in the URL and the token.
-///
-/// In the relay's configuration file this is the `[sink]` table (with `type = "nats"`);
-/// durations are written as `"5s"` or `"500ms"`, unknown keys are refused.
-#[derive(Clone, PartialEq, Deserialize)]
+/// Settings of the NATS JetStream sink: the `[sink]` table of the relay's configuration file
+/// (`type = "nats"`, durations written `"5s"` or `"500ms"`, unknown keys refused) and the
+/// Rust API alike. Every key has a default. `Debug` hides the password in the URL and the
+/// token.
+#[derive(Clone, PartialEq, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NatsConfig {
     /// Server URL: `nats://[user:password@]host:port`, or `tls://...` for TLS (default
@@ -17,23 +16,23 @@ pub struct NatsConfig {
     /// commas.
     pub url: String,
     /// The subject of each message: this template with every `{topic}` replaced by the
-    /// message's topic (default `{topic}`). The subject must be captured by a JetStream
-    /// stream (`nats stream add --subjects ...`); this sink creates no streams.
-    pub subject: String,
+    /// message's topic (default `{topic}`); `{key}` is refused. The subject must be captured
+    /// by a JetStream stream (`nats stream add --subjects ...`); this sink creates no streams.
+    pub subject: Template,
     /// Prepended to every subject (default empty), e.g. `outbox.`.
     pub subject_prefix: String,
     /// When set, JetStream refuses a message whose subject is captured by any other stream
     /// (the `Nats-Expected-Stream` header), so a misconfigured subject cannot land
     /// somewhere unexpected. Such a message is dead-lettered.
     pub stream: Option<String>,
-    /// The header that carries the message's partition key (default `Outbox-Key`); absent
-    /// when the message has no key.
+    /// The header that carries the message's partition key (default `Outbox-Key`,
+    /// [`wire::KEY`](crate::wire::KEY)); absent when the message has no key.
     pub key_header: String,
     /// Longest wait to connect, to hand a message to the connection, and for a batch's
     /// acknowledgements (default 5 s). A time-out counts as the server being unavailable.
     /// Keep it shorter than the worker's lease.
     #[serde(with = "humantime_serde")]
-    pub timeout: Duration,
+    pub publish_timeout: Duration,
     /// Publishes whose acknowledgements are awaited together (default 5000): a larger
     /// batch is published in windows of this many messages, in order.
     pub max_pending_acks: usize,
@@ -47,11 +46,11 @@ impl Default for NatsConfig {
     fn default() -> Self {
         NatsConfig {
             url: "nats://127.0.0.1:4222".into(),
-            subject: "{topic}".into(),
+            subject: Template::topic(),
             subject_prefix: String::new(),
             stream: None,
-            key_header: "Outbox-Key".into(),
-            timeout: Duration::from_secs(5),
+            key_header: crate::wire::KEY.into(),
+            publish_timeout: Duration::from_secs(5),
             max_pending_acks: 5000,
             token: None,
             name: "outbox".into(),
@@ -67,7 +66,7 @@ impl std::fmt::Debug for NatsConfig {
             .field("subject_prefix", &self.subject_prefix)
             .field("stream", &self.stream)
             .field("key_header", &self.key_header)
-            .field("timeout", &self.timeout)
+            .field("publish_timeout", &self.publish_timeout)
             .field("max_pending_acks", &self.max_pending_acks)
             .field("token", &self.token.as_ref().map(|_| "***"))
             .field("name", &self.name)
@@ -92,94 +91,113 @@ impl NatsConfig {
         }
     }
 
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors name the bad key.
+    /// Reads the settings from a configuration section (the relay's `[sink]` table without
+    /// `type`, as JSON) and validates them; errors are keyed by the setting.
     pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: NatsConfig = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let at = if path == "." {
-                String::new()
-            } else {
-                format!("sink.{path}: ")
-            };
-            Error::config(format!("nats sink configuration: {at}{}", e.inner()))
-        })?;
+        let config: Self = outbox_core::config::from_value(value)?;
         config.validate()?;
         Ok(config)
     }
 
-    /// Sets the subject template and prefix.
-    pub fn subject(mut self, prefix: impl Into<String>, template: impl Into<String>) -> Self {
+    /// Sets the subject prefix and template.
+    pub fn subject(mut self, prefix: impl Into<String>, template: Template) -> Self {
         self.subject_prefix = prefix.into();
-        self.subject = template.into();
+        self.subject = template;
         self
     }
 
-    /// Checks every setting; the error names the bad one.
+    /// Sets the longest wait to connect, to hand a window over and for its acknowledgements.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+
+    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
+    /// section with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
         let servers = self.servers()?;
         if servers.is_empty() {
-            return Err(Error::config(
-                "sink.url is empty; give the NATS server, e.g. nats://127.0.0.1:4222",
+            return Err(Error::setting(
+                "url",
+                "is empty; give the NATS server, e.g. nats://127.0.0.1:4222",
             ));
         }
-        if self.subject.is_empty() {
-            return Err(Error::config(
-                "sink.subject is empty; give a template such as `{topic}` or `events.{topic}`",
+        if self.subject.as_str().is_empty() {
+            return Err(Error::setting(
+                "subject",
+                "is empty; give a template such as `{topic}` or `events.{topic}`",
             ));
         }
+        self.subject.refuse_key("subject")?;
         // A topic made of one plain token must give a valid subject.
         let sample = self.subject_for("topic").map_err(|why| {
-            Error::config(format!(
-                "sink.subject_prefix `{}` with sink.subject `{}` does not make a valid subject: {why}",
-                self.subject_prefix, self.subject
-            ))
+            Error::setting(
+                "subject",
+                format!(
+                    "`{}` with subject_prefix `{}` does not make a valid subject: {why}",
+                    self.subject, self.subject_prefix
+                ),
+            )
         })?;
-        if !self.subject.contains("{topic}") {
-            tracing::info!(subject = %sample, "sink.subject has no {{topic}}: every topic goes to one subject");
+        if !self.subject.uses_topic() {
+            tracing::info!(subject = %sample, "the subject template has no {{topic}}: every topic goes to one subject");
         }
         if let Some(stream) = &self.stream
             && (stream.is_empty() || stream.contains(['.', '*', '>', ' ', '\t', '/', '\\']))
         {
-            return Err(Error::config(format!(
-                "sink.stream `{stream}` is not a JetStream stream name (non-empty, without \
-                 '.', '*', '>', '/', '\\' or spaces); leave it unset to accept any stream"
-            )));
+            return Err(Error::setting(
+                "stream",
+                format!(
+                    "`{stream}` is not a JetStream stream name (non-empty, without '.', '*', \
+                     '>', '/', '\\' or spaces); leave it unset to accept any stream"
+                ),
+            ));
         }
         if async_nats::HeaderName::try_from(self.key_header.as_str()).is_err()
             || self.key_header.is_empty()
         {
-            return Err(Error::config(format!(
-                "sink.key_header `{}` is not a valid header name (printable ASCII without ':' or spaces)",
-                self.key_header
-            )));
+            return Err(Error::setting(
+                "key_header",
+                format!(
+                    "`{}` is not a valid header name (printable ASCII without ':' or spaces)",
+                    self.key_header
+                ),
+            ));
         }
         if self.key_header.to_ascii_lowercase().starts_with("nats-") {
-            return Err(Error::config(format!(
-                "sink.key_header `{}` starts with `Nats-`, which NATS reserves; pick another name",
-                self.key_header
-            )));
+            return Err(Error::setting(
+                "key_header",
+                format!(
+                    "`{}` starts with `Nats-`, which NATS reserves; pick another name",
+                    self.key_header
+                ),
+            ));
         }
-        if self.timeout < Duration::from_millis(10) {
-            return Err(Error::config(format!(
-                "sink.timeout is {:?}; it must be at least 10ms (and shorter than the worker's lease)",
-                self.timeout
-            )));
+        if self.publish_timeout < Duration::from_millis(10) {
+            return Err(Error::setting(
+                "publish_timeout",
+                format!(
+                    "is {:?}; it must be at least 10ms (and shorter than the worker's lease)",
+                    self.publish_timeout
+                ),
+            ));
         }
         if self.max_pending_acks == 0 {
-            return Err(Error::config(
-                "sink.max_pending_acks is 0; it must be at least 1",
+            return Err(Error::setting(
+                "max_pending_acks",
+                "is 0; it must be at least 1",
             ));
         }
         if self.token.as_ref().is_some_and(|t| t.is_empty()) {
-            return Err(Error::config(
-                "sink.token is empty; leave it unset for no token",
+            return Err(Error::setting(
+                "token",
+                "is empty; leave it unset for no token",
             ));
         }
         Ok(())
     }
 
-    /// The parsed server addresses; a bad one is a `Config` error naming `sink.url`.
+    /// The parsed server addresses; a bad one is a `Config` error keyed `url`.
     pub(crate) fn servers(&self) -> Result<Vec<async_nats::ServerAddr>> {
         self.url
             .split(',')
@@ -187,10 +205,13 @@ impl NatsConfig {
             .filter(|u| !u.is_empty())
             .map(|u| {
                 let bad = |why: String| {
-                    Error::config(format!(
-                        "sink.url `{}` is not a NATS server URL ({why}); expected nats://host:port or tls://host:port",
-                        redact_url(u)
-                    ))
+                    Error::setting(
+                        "url",
+                        format!(
+                            "`{}` is not a NATS server URL ({why}); expected nats://host:port or tls://host:port",
+                            redact_url(u)
+                        ),
+                    )
                 };
                 let addr = u.parse::<async_nats::ServerAddr>().map_err(|e| bad(e.to_string()))?;
                 if addr.scheme().starts_with("ws") {
@@ -203,11 +224,7 @@ impl NatsConfig {
 
     /// The subject for `topic`, or why it would not be a valid subject to publish to.
     pub(crate) fn subject_for(&self, topic: &str) -> std::result::Result<String, String> {
-        let subject = format!(
-            "{}{}",
-            self.subject_prefix,
-            self.subject.replace("{topic}", topic)
-        );
+        let subject = format!("{}{}", self.subject_prefix, self.subject.render(topic, ""));
         if subject.is_empty() {
             return Err("the subject is empty".into());
         }
@@ -232,16 +249,20 @@ impl NatsConfig {
 mod tests {
     use super::*;
 
+    fn template(text: &str) -> Template {
+        Template::new(text).unwrap()
+    }
+
     #[test]
     fn reads_json_with_durations_and_names_bad_keys() {
         let config = NatsConfig::from_value(serde_json::json!({
             "url": "nats://app:s3cret@127.0.0.1:4222",
             "subject_prefix": "outbox.",
-            "timeout": "250ms",
+            "publish_timeout": "250ms",
             "token": "tok",
         }))
         .unwrap();
-        assert_eq!(config.timeout, Duration::from_millis(250));
+        assert_eq!(config.publish_timeout, Duration::from_millis(250));
         assert_eq!(config.subject_for("orders").unwrap(), "outbox.orders");
         let debug = format!("{config:?}");
         assert!(
@@ -249,20 +270,32 @@ mod tests {
             "{debug}"
         );
 
-        let unknown = NatsConfig::from_value(serde_json::json!({ "urll": "x" })).unwrap_err();
+        let error = |value: serde_json::Value| {
+            let error = NatsConfig::from_value(value).unwrap_err();
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            error.in_section("sink").message().to_string()
+        };
+        let unknown = error(serde_json::json!({ "urll": "x" }));
         assert!(
-            unknown.to_string().contains("unknown field `urll`"),
+            unknown.starts_with("sink.urll: unknown field `urll`"),
             "{unknown}"
         );
-        let typed =
-            NatsConfig::from_value(serde_json::json!({ "max_pending_acks": "many" })).unwrap_err();
+        let renamed = error(serde_json::json!({ "timeout": "5s" }));
         assert!(
-            typed.to_string().contains("sink.max_pending_acks"),
-            "{typed}"
+            renamed.starts_with("sink.timeout: unknown field `timeout`"),
+            "{renamed}"
         );
-        let duration =
-            NatsConfig::from_value(serde_json::json!({ "timeout": "soon" })).unwrap_err();
-        assert!(duration.to_string().contains("sink.timeout"), "{duration}");
+        let typed = error(serde_json::json!({ "max_pending_acks": "many" }));
+        assert!(typed.starts_with("sink.max_pending_acks: "), "{typed}");
+        let duration = error(serde_json::json!({ "publish_timeout": "soon" }));
+        assert!(duration.starts_with("sink.publish_timeout: "), "{duration}");
+        let placeholder = error(serde_json::json!({ "subject": "{topc}" }));
+        assert!(
+            placeholder.starts_with("sink.subject: `{topc}` uses the unknown placeholder"),
+            "{placeholder}"
+        );
+        let zero = error(serde_json::json!({ "publish_timeout": "0s" }));
+        assert!(zero.starts_with("sink.publish_timeout is 0ns"), "{zero}");
     }
 
     #[test]
@@ -272,21 +305,50 @@ mod tests {
             f(&mut config);
             let error = config.validate().unwrap_err();
             assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-            assert!(error.to_string().contains(key), "{key}: {error}");
+            assert!(error.message().starts_with(key), "{key}: {error}");
         };
-        check(|c| c.url = "http://[::".into(), "sink.url");
-        check(|c| c.url = " ".into(), "sink.url");
-        check(|c| c.subject = String::new(), "sink.subject");
-        check(|c| c.subject = "a..{topic}".into(), "sink.subject");
-        check(|c| c.subject_prefix = "x y.".into(), "sink.subject_prefix");
-        check(|c| c.subject = "{topic}.>".into(), "sink.subject");
-        check(|c| c.stream = Some("a.b".into()), "sink.stream");
-        check(|c| c.key_header = "bad:name".into(), "sink.key_header");
-        check(|c| c.key_header = "Nats-Key".into(), "sink.key_header");
-        check(|c| c.timeout = Duration::ZERO, "sink.timeout");
-        check(|c| c.max_pending_acks = 0, "sink.max_pending_acks");
-        check(|c| c.token = Some(String::new()), "sink.token");
+        check(|c| c.url = "http://[::".into(), "url `http://[::`");
+        check(|c| c.url = " ".into(), "url is empty");
+        check(|c| c.subject = template(""), "subject is empty");
+        check(
+            |c| c.subject = template("a..{topic}"),
+            "subject `a..{topic}` with subject_prefix",
+        );
+        check(
+            |c| c.subject_prefix = "x y.".into(),
+            "subject `{topic}` with subject_prefix `x y.`",
+        );
+        check(|c| c.subject = template("{topic}.>"), "subject `{topic}.>`");
+        check(
+            |c| c.subject = template("{topic}.{key}"),
+            "subject `{topic}.{key}` uses {key}",
+        );
+        check(|c| c.stream = Some("a.b".into()), "stream `a.b`");
+        check(
+            |c| c.key_header = "bad:name".into(),
+            "key_header `bad:name`",
+        );
+        check(
+            |c| c.key_header = "Nats-Key".into(),
+            "key_header `Nats-Key`",
+        );
+        check(
+            |c| c.publish_timeout = Duration::ZERO,
+            "publish_timeout is 0ns",
+        );
+        check(|c| c.max_pending_acks = 0, "max_pending_acks is 0");
+        check(|c| c.token = Some(String::new()), "token is empty");
         assert!(NatsConfig::default().validate().is_ok());
+        assert_eq!(
+            NatsConfig::default()
+                .publish_timeout(Duration::ZERO)
+                .validate()
+                .unwrap_err()
+                .in_section("relay[orders].sink")
+                .message(),
+            "relay[orders].sink.publish_timeout is 0ns; it must be at least 10ms (and shorter \
+             than the worker's lease)"
+        );
     }
 
     #[test]

@@ -1,4 +1,11 @@
-//! Mapping NATS client errors onto the engine's error kinds.
+//! Every failure of the NATS sink, mapped onto the engine's [`ErrorKind`]s.
+//!
+//! In short: what says nothing about the message (the connection, a time-out, JetStream not
+//! enabled, a cluster without a leader, a full stream that discards new messages) is
+//! `Unavailable`, so the worker charges no attempt; a message that can never be stored as it
+//! is (too large, an expected-stream mismatch, a topic that makes an invalid subject, a header
+//! NATS cannot carry) is `Permanent`; no stream for the subject and any other JetStream
+//! refusal are `Temporary`; a URL the client cannot parse is `Config`.
 
 use async_nats::jetstream::ErrorCode;
 use async_nats::jetstream::context::{
@@ -17,10 +24,74 @@ pub(crate) fn connect_error(servers: &str, error: ConnectError) -> Error {
             ErrorKind::Unavailable,
             " (check the credentials in sink.url or sink.token)",
         ),
-        ConnectErrorKind::TimedOut => (ErrorKind::Unavailable, " within sink.timeout"),
+        ConnectErrorKind::TimedOut => (ErrorKind::Unavailable, " within sink.publish_timeout"),
         _ => (ErrorKind::Unavailable, ""),
     };
     Error::new(kind, format!("nats: cannot connect to {servers}{hint}")).with_source(error)
+}
+
+/// No connection within the time-out, where the client's own did not fire: `Unavailable`.
+pub(crate) fn connect_timed_out(servers: &str) -> Error {
+    Error::unavailable(format!(
+        "nats: cannot connect to {servers} within sink.publish_timeout"
+    ))
+}
+
+/// The client lost its connection and is reconnecting: `Unavailable` at once, so nothing is
+/// queued in the client to go out on some later reconnect.
+pub(crate) fn disconnected(servers: &str) -> Error {
+    Error::unavailable(format!(
+        "nats: disconnected from {servers}; the client is reconnecting"
+    ))
+}
+
+/// The connection did not take a window's messages within the time-out: `Unavailable`.
+pub(crate) fn handover_timed_out(servers: &str) -> Error {
+    Error::unavailable(format!(
+        "nats: could not hand the batch to the connection to {servers} within sink.publish_timeout"
+    ))
+}
+
+/// A window's acknowledgements did not all come within the time-out (and the client's own
+/// did not fire): `Unavailable`.
+pub(crate) fn acks_timed_out(servers: &str) -> Error {
+    Error::unavailable(format!(
+        "nats: no acknowledgements from {servers} within sink.publish_timeout"
+    ))
+}
+
+/// A message of a batch after the batch's connection failed (`why`): not sent,
+/// `Unavailable`.
+pub(crate) fn not_sent(why: &str) -> Error {
+    Error::unavailable(why)
+}
+
+/// A topic that does not make a valid subject: `Permanent`, nothing is sent.
+pub(crate) fn invalid_subject(topic: &str, why: &str) -> Error {
+    Error::permanent(format!(
+        "nats: topic `{topic}` does not make a valid subject: {why}"
+    ))
+}
+
+/// A message header named `Nats-…`, which would change JetStream's handling: `Permanent`.
+pub(crate) fn reserved_header(name: &str) -> Error {
+    Error::permanent(format!(
+        "nats: header `{name}` starts with `Nats-`, which NATS reserves for itself"
+    ))
+}
+
+/// A header name NATS cannot carry: `Permanent`.
+pub(crate) fn invalid_header_name(name: &str) -> Error {
+    Error::permanent(format!(
+        "nats: header name `{name}` is not valid in NATS (printable ASCII without ':' or spaces)"
+    ))
+}
+
+/// A header value NATS cannot carry: `Permanent`.
+pub(crate) fn invalid_header_value(name: &str) -> Error {
+    Error::permanent(format!(
+        "nats: the value of header `{name}` contains a line break, which NATS headers cannot carry"
+    ))
 }
 
 /// Where a publish failed: handing it to the connection, or waiting for its ack.
@@ -63,10 +134,10 @@ pub(crate) fn publish_error(subject: &str, stage: Stage, error: PublishError) ->
             ErrorKind::Unavailable,
             match stage {
                 Stage::Send => format!(
-                    "nats: could not hand the message for `{subject}` to the connection within sink.timeout"
+                    "nats: could not hand the message for `{subject}` to the connection within sink.publish_timeout"
                 ),
                 Stage::Ack => {
-                    format!("nats: no acknowledgement for `{subject}` within sink.timeout")
+                    format!("nats: no acknowledgement for `{subject}` within sink.publish_timeout")
                 }
             },
         ),
@@ -116,7 +187,7 @@ pub(crate) fn publish_error(subject: &str, stage: Stage, error: PublishError) ->
 pub(crate) fn health_error(servers: &str, error: RequestError) -> Error {
     let text = match error.kind() {
         RequestErrorKind::TimedOut => {
-            format!("nats: JetStream at {servers} did not answer within sink.timeout")
+            format!("nats: JetStream at {servers} did not answer within sink.publish_timeout")
         }
         RequestErrorKind::NoResponders => {
             format!("nats: JetStream is not enabled at {servers} (start nats-server with -js)")
@@ -124,6 +195,20 @@ pub(crate) fn health_error(servers: &str, error: RequestError) -> Error {
         _ => format!("nats: the JetStream account query to {servers} failed"),
     };
     Error::unavailable(text).with_source(error)
+}
+
+/// The account query was answered with an error: JetStream is not usable for this account.
+pub(crate) fn health_refused(servers: &str, error: &serde_json::Value) -> Error {
+    Error::unavailable(format!(
+        "nats: JetStream at {servers} refused the account query: {error}"
+    ))
+}
+
+/// No answer to the account query within the time-out (and the client's own did not fire).
+pub(crate) fn health_timed_out(servers: &str) -> Error {
+    Error::unavailable(format!(
+        "nats: JetStream at {servers} did not answer within sink.publish_timeout"
+    ))
 }
 
 #[cfg(test)]

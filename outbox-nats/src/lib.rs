@@ -4,13 +4,14 @@
 mod config;
 mod error;
 mod sink;
+pub mod wire;
 
 use std::sync::Arc;
 
 use outbox_core::{Sink, SinkRegistry};
 
 pub use config::NatsConfig;
-pub use sink::{NatsSink, headers};
+pub use sink::NatsSink;
 
 /// The NATS client crate, re-exported so users and tests need no dependency of their own.
 pub use async_nats;
@@ -19,8 +20,8 @@ pub use async_nats;
 pub const TYPE: &str = "nats";
 
 /// Registers the NATS sink under [`TYPE`]: the factory reads a [`NatsConfig`] from the
-/// `[sink]` table (unknown keys are refused, errors name the key) and builds a [`NatsSink`],
-/// which connects on first use.
+/// `[sink]` table (see [`NatsConfig::from_value`]; errors are keyed by the setting, relative
+/// to the section) and builds a [`NatsSink`], which connects on first use.
 pub fn register(registry: &mut SinkRegistry) {
     registry.register(TYPE, |config| async move {
         let sink = NatsSink::new(NatsConfig::from_value(config)?)?;
@@ -42,11 +43,11 @@ mod tests {
             .await;
         assert!(built.is_ok());
         let error = registry
-            .build(TYPE, serde_json::json!({ "timeout": 5 }))
+            .build(TYPE, serde_json::json!({ "publish_timeout": 5 }))
             .await
             .err()
             .unwrap();
         assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-        assert!(error.to_string().contains("sink.timeout"), "{error}");
+        assert!(error.message().starts_with("publish_timeout: "), "{error}");
     }
 }

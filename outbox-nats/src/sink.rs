@@ -10,24 +10,17 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue, ServerAddr};
 use async_trait::async_trait;
 use bytes::Bytes;
-use outbox_core::{Error, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
+use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use crate::NatsConfig;
 use crate::config::redact_servers;
-use crate::error::{Stage, connect_error, health_error, publish_error};
-
-/// Headers this sink sets on every message besides the message's own headers.
-pub mod headers {
-    /// The message id (a hyphenated UUID): JetStream drops a message whose id it stored
-    /// within the stream's duplicate window, and consumers de-duplicate by it.
-    pub const MESSAGE_ID: &str = "Nats-Msg-Id";
-    /// The W3C `traceparent`, when the message has a trace context.
-    pub const TRACEPARENT: &str = "traceparent";
-    /// The W3C `tracestate`, when the trace context has one.
-    pub const TRACESTATE: &str = "tracestate";
-}
+use crate::error::{
+    Stage, acks_timed_out, connect_error, connect_timed_out, disconnected, handover_timed_out,
+    health_error, health_refused, health_timed_out, invalid_header_name, invalid_header_value,
+    invalid_subject, not_sent, publish_error, reserved_header,
+};
+use crate::{NatsConfig, wire};
 
 /// Extra wait on top of the client's own time-outs before a call is cut off: they should
 /// always fire first, this only guards against a wait that has none.
@@ -81,7 +74,7 @@ impl NatsSink {
     async fn jetstream(&self) -> Result<&Context> {
         self.jetstream
             .get_or_try_init(|| async {
-                let t = self.config.timeout;
+                let t = self.config.publish_timeout;
                 let mut options = ConnectOptions::new()
                     .name(&self.config.name)
                     .connection_timeout(t)
@@ -95,12 +88,7 @@ impl NatsSink {
                 let client = match timeout(all, options.connect(self.servers.clone())).await {
                     Ok(Ok(client)) => client,
                     Ok(Err(error)) => return Err(connect_error(&self.shown, error)),
-                    Err(_) => {
-                        return Err(Error::unavailable(format!(
-                            "nats: cannot connect to {} within sink.timeout",
-                            self.shown
-                        )));
-                    }
+                    Err(_) => return Err(connect_timed_out(&self.shown)),
                 };
                 tracing::info!(servers = %self.shown, "connected to NATS");
                 Ok(ContextBuilder::new()
@@ -120,52 +108,39 @@ impl NatsSink {
         let jetstream = self.jetstream().await?;
         match jetstream.client().connection_state() {
             State::Connected | State::Pending => Ok(jetstream),
-            State::Disconnected => Err(Error::unavailable(format!(
-                "nats: disconnected from {}; the client is reconnecting",
-                self.shown
-            ))),
+            State::Disconnected => Err(disconnected(&self.shown)),
         }
     }
 
     /// The subject and headers of `message`, or why it can never be published.
     fn prepare(&self, message: &Message) -> Result<(String, HeaderMap)> {
-        let subject = self.config.subject_for(&message.topic).map_err(|why| {
-            Error::permanent(format!(
-                "nats: topic `{}` does not make a valid subject: {why}",
-                message.topic
-            ))
-        })?;
+        let subject = self
+            .config
+            .subject_for(&message.topic)
+            .map_err(|why| invalid_subject(&message.topic, &why))?;
         let mut map = HeaderMap::new();
         for (name, value) in &message.headers {
             if name.to_ascii_lowercase().starts_with("nats-") {
-                return Err(Error::permanent(format!(
-                    "nats: header `{name}` starts with `Nats-`, which NATS reserves for itself"
-                )));
+                return Err(reserved_header(name));
             }
             map.insert(header_name(name)?, header_value(name, value)?);
         }
         if let Some(trace) = &message.trace_context {
             map.insert(
-                headers::TRACEPARENT,
-                header_value(headers::TRACEPARENT, &trace.traceparent)?,
+                wire::TRACEPARENT,
+                header_value(wire::TRACEPARENT, &trace.traceparent)?,
             );
             if let Some(state) = &trace.tracestate {
-                map.insert(
-                    headers::TRACESTATE,
-                    header_value(headers::TRACESTATE, state)?,
-                );
+                map.insert(wire::TRACESTATE, header_value(wire::TRACESTATE, state)?);
             }
         }
         if let Some(key) = &message.key {
             let name = header_name(&self.config.key_header)?;
             map.insert(name, header_value(&self.config.key_header, key)?);
         }
-        map.insert(
-            async_nats::header::NATS_MESSAGE_ID,
-            message.id.to_string().as_str(),
-        );
+        map.insert(wire::ID, message.id.to_string().as_str());
         if let Some(stream) = &self.config.stream {
-            map.insert(async_nats::header::NATS_EXPECTED_STREAM, stream.as_str());
+            map.insert(wire::EXPECTED_STREAM, stream.as_str());
         }
         Ok((subject, map))
     }
@@ -178,13 +153,11 @@ impl NatsSink {
         window: &[Message],
         broken: &mut Option<String>,
     ) -> Vec<Outcome> {
-        let deadline = Instant::now() + self.config.timeout;
+        let deadline = Instant::now() + self.config.publish_timeout;
         let mut pending = Vec::with_capacity(window.len());
         for message in window {
             if let Some(why) = broken.as_ref() {
-                pending.push(Pending::Settled(Outcome::Failed(Error::unavailable(
-                    why.clone(),
-                ))));
+                pending.push(Pending::Settled(Outcome::Failed(not_sent(why))));
                 continue;
             }
             let (subject, map) = match self.prepare(message) {
@@ -208,10 +181,7 @@ impl NatsSink {
                     Pending::Settled(Outcome::Failed(error))
                 }
                 Err(_) => {
-                    let error = Error::unavailable(format!(
-                        "nats: could not hand the batch to the connection to {} within sink.timeout",
-                        self.shown
-                    ));
+                    let error = handover_timed_out(&self.shown);
                     *broken = Some(error.to_string());
                     Pending::Settled(Outcome::Failed(error))
                 }
@@ -233,16 +203,11 @@ impl NatsSink {
             }
         }));
         // Each ack has the client's time-out; this only guards against one that has none.
-        let outcomes = match timeout(self.config.timeout + GRACE, acks).await {
+        let outcomes = match timeout(self.config.publish_timeout + GRACE, acks).await {
             Ok(outcomes) => outcomes,
             Err(_) => window
                 .iter()
-                .map(|_| {
-                    Outcome::Failed(Error::unavailable(format!(
-                        "nats: no acknowledgements from {} within sink.timeout",
-                        self.shown
-                    )))
-                })
+                .map(|_| Outcome::Failed(acks_timed_out(&self.shown)))
                 .collect(),
         };
         // A window with no ack at all and time-outs means the connection is gone.
@@ -261,19 +226,11 @@ impl NatsSink {
 }
 
 fn header_name(name: &str) -> Result<HeaderName> {
-    HeaderName::from_str(name).map_err(|_| {
-        Error::permanent(format!(
-            "nats: header name `{name}` is not valid in NATS (printable ASCII without ':' or spaces)"
-        ))
-    })
+    HeaderName::from_str(name).map_err(|_| invalid_header_name(name))
 }
 
 fn header_value(name: &str, value: &str) -> Result<HeaderValue> {
-    HeaderValue::from_str(value).map_err(|_| {
-        Error::permanent(format!(
-            "nats: the value of header `{name}` contains a line break, which NATS headers cannot carry"
-        ))
-    })
+    HeaderValue::from_str(value).map_err(|_| invalid_header_value(name))
 }
 
 #[async_trait]
@@ -303,19 +260,13 @@ impl Sink for NatsSink {
         // 2.10 do not send.
         let empty = serde_json::json!({});
         let query = jetstream.request::<_, _, serde_json::Value>("INFO", &empty);
-        match timeout(self.config.timeout + GRACE, query).await {
+        match timeout(self.config.publish_timeout + GRACE, query).await {
             Ok(Ok(reply)) => match reply.get("error") {
                 None => Ok(()),
-                Some(error) => Err(Error::unavailable(format!(
-                    "nats: JetStream at {} refused the account query: {error}",
-                    self.shown
-                ))),
+                Some(error) => Err(health_refused(&self.shown, error)),
             },
             Ok(Err(error)) => Err(health_error(&self.shown, error)),
-            Err(_) => Err(Error::unavailable(format!(
-                "nats: JetStream at {} did not answer within sink.timeout",
-                self.shown
-            ))),
+            Err(_) => Err(health_timed_out(&self.shown)),
         }
     }
 
@@ -332,9 +283,9 @@ impl Sink for NatsSink {
     }
 
     /// Once connected, a window of `max_pending_acks` messages is handed over within
-    /// `timeout` and acknowledged within another; a window that times out fails the rest of
-    /// the batch at once as unavailable.
+    /// `publish_timeout` and acknowledged within another; a window that times out fails the
+    /// rest of the batch at once as unavailable.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
-        Some(self.config.timeout * 2)
+        Some(self.config.publish_timeout * 2)
     }
 }

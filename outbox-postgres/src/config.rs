@@ -10,8 +10,10 @@ pub const DEFAULT_MAX_PER_KEY: usize = 8;
 /// The largest [`PostgresConfig::max_per_key`] accepted.
 const MAX_MAX_PER_KEY: usize = 10_000;
 
-/// Settings of the PostgreSQL storage. `Debug` hides the password in the URL.
-#[derive(Clone, PartialEq)]
+/// Settings of the PostgreSQL storage: the `[storage]` section of the relay's file and the
+/// Rust API alike. Every key but `url` has a default. `Debug` hides the password in the URL.
+#[derive(Clone, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct PostgresConfig {
     /// Connection URL, e.g. `postgres://user:password@127.0.0.1:5432/app`.
     pub url: String,
@@ -32,11 +34,13 @@ pub struct PostgresConfig {
     pub wakeup: bool,
     /// Keep delivered messages, with their receipt, for this long; `None` (the default)
     /// deletes them on delivery.
+    #[serde(with = "humantime_serde")]
     pub retention: Option<Duration>,
     /// Connections the relay may open (default 4; one is the listener when `wakeup` is on).
     pub max_connections: u32,
     /// How long to wait for a connection before the storage counts as unavailable
     /// (default 5 s).
+    #[serde(with = "humantime_serde")]
     pub connect_timeout: Duration,
 }
 
@@ -56,11 +60,11 @@ impl std::fmt::Debug for PostgresConfig {
     }
 }
 
-impl PostgresConfig {
-    /// Defaults for the database at `url`.
-    pub fn new(url: impl Into<String>) -> Self {
+impl Default for PostgresConfig {
+    /// The defaults, with no URL (which [`PostgresConfig::validate`] refuses).
+    fn default() -> Self {
         PostgresConfig {
-            url: url.into(),
+            url: String::new(),
             schema: "outbox".into(),
             table: "outbox".into(),
             per_key_order: true,
@@ -71,6 +75,24 @@ impl PostgresConfig {
             connect_timeout: Duration::from_secs(5),
         }
     }
+}
+
+impl PostgresConfig {
+    /// Defaults for the database at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Reads the settings from a configuration section (the relay's `[storage]` table
+    /// without `type`, as JSON) and validates them; errors are keyed by the setting.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Self = outbox_core::config::from_value(value)?;
+        config.validate()?;
+        Ok(config)
+    }
 
     /// Sets the schema and table names.
     pub fn table(mut self, schema: impl Into<String>, table: impl Into<String>) -> Self {
@@ -79,31 +101,48 @@ impl PostgresConfig {
         self
     }
 
-    /// Checks every setting; the error names the bad one.
+    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
+    /// section with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
+        if self.url.is_empty() {
+            return Err(Error::setting(
+                "url",
+                "is missing: give the PostgreSQL URL, e.g. postgres://user@127.0.0.1:5432/app",
+            ));
+        }
         if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
-            return Err(Error::config(format!(
-                "storage.url `{}` is not a PostgreSQL URL; expected postgres://user:password@host:port/database",
-                redact_url(&self.url)
-            )));
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "`{}` is not a PostgreSQL URL; expected postgres://user:password@host:port/database",
+                    redact_url(&self.url)
+                ),
+            ));
         }
         crate::OutboxTable::new(&self.schema, &self.table)?;
         let min = if self.wakeup { 2 } else { 1 };
         if self.max_connections < min {
-            return Err(Error::config(format!(
-                "storage.max_connections is {}; it must be at least {min} (the wake-up listener holds one)",
-                self.max_connections
-            )));
+            return Err(Error::setting(
+                "max_connections",
+                format!(
+                    "is {}; it must be at least {min} (the wake-up listener holds one)",
+                    self.max_connections
+                ),
+            ));
         }
         if !(1..=MAX_MAX_PER_KEY).contains(&self.max_per_key) {
-            return Err(Error::config(format!(
-                "relay.max_per_key is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
-                self.max_per_key
-            )));
+            return Err(Error::setting(
+                "max_per_key",
+                format!(
+                    "is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
+                    self.max_per_key
+                ),
+            ));
         }
         if self.retention.is_some_and(|r| r.is_zero()) {
-            return Err(Error::config(
-                "storage.retention is 0; leave it unset to delete delivered rows, or give a duration",
+            return Err(Error::setting(
+                "retention",
+                "is 0; leave it unset to delete delivered rows, or give a duration",
             ));
         }
         Ok(())

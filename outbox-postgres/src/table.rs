@@ -37,10 +37,13 @@ fn validate_name(what: &str, name: &str) -> Result<()> {
         .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
     let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
     if !first_ok || !rest_ok || name.len() > MAX_NAME || name.starts_with("pg_") {
-        return Err(Error::config(format!(
-            "{what} `{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
-             underscores, starting with a letter or underscore and not with `pg_`"
-        )));
+        return Err(Error::setting(
+            what,
+            format!(
+                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
+                 underscores, starting with a letter or underscore and not with `pg_`"
+            ),
+        ));
     }
     Ok(())
 }
@@ -48,8 +51,8 @@ fn validate_name(what: &str, name: &str) -> Result<()> {
 impl OutboxTable {
     /// The outbox table `schema.table`. Fails if either name is not a plain identifier.
     pub fn new(schema: &str, table: &str) -> Result<Self> {
-        validate_name("storage.schema", schema)?;
-        validate_name("storage.table", table)?;
+        validate_name("schema", schema)?;
+        validate_name("table", table)?;
         let outbox = format!(r#""{schema}"."{table}""#);
         let columns =
             "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
@@ -572,13 +575,10 @@ mod tests {
             &"a".repeat(41),
         ] {
             let err = OutboxTable::new(bad, "outbox").unwrap_err();
-            assert!(err.to_string().contains("storage.schema"), "{err}");
+            assert!(err.to_string().contains("schema `"), "{err}");
         }
         let err = OutboxTable::new("app", "bad name").unwrap_err();
-        assert!(
-            err.to_string().contains("storage.table `bad name`"),
-            "{err}"
-        );
+        assert!(err.to_string().contains("table `bad name`"), "{err}");
     }
 
     #[test]

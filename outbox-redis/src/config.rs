@@ -3,45 +3,40 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use outbox_core::{Error, Result, redact_url};
+use outbox_core::{Error, Result, Template, redact_url};
 
 /// Redis's own limit on one bulk argument (`proto-max-bulk-len`, 512 MiB by default).
 pub const DEFAULT_MAX_PAYLOAD: usize = 512 * 1024 * 1024;
 
-/// Which stream each topic is appended to.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Streams {
-    /// The stream is this template with every `{topic}` replaced by the message's topic
-    /// (default `{topic}`). A template without `{topic}` sends every topic to one stream.
-    Template(String),
-    /// An explicit map from topic to stream. A message whose topic is not in the map can
-    /// never be delivered and is dead-lettered (add the topic and replay it).
-    Map(BTreeMap<String, String>),
-}
-
-impl Default for Streams {
-    fn default() -> Self {
-        Streams::Template("{topic}".into())
-    }
-}
-
-/// Settings of the Redis Streams sink. `Debug` hides the password in the URL.
-#[derive(Clone, PartialEq)]
+/// Settings of the Redis Streams sink: the `[sink]` table of the relay's configuration file
+/// (`type = "redis"`, durations written `"5s"`, unknown keys refused) and the Rust API alike.
+/// Every key but `url` has a default. `Debug` hides the password in the URL.
+#[derive(Clone, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
     /// Connection URL: `redis://[user:password@]host:port[/db]`, or `rediss://...` for TLS
-    /// (the server certificate is checked against the system's root certificates).
+    /// (the server certificate is checked against the system's root certificates). No
+    /// default.
     pub url: String,
     /// Connections the pool may open (default 2). A sink publishes on one connection, kept
     /// between batches until it fails; more are opened only when one sink is shared by
     /// several workers publishing at the same time.
     pub pool_size: usize,
-    /// Longest wait for a connection, a command or a batch's replies (default 5 s). A
-    /// time-out counts as the broker being unavailable. Keep it shorter than the worker's lease.
-    pub command_timeout: Duration,
+    /// Longest wait for a connection, a `PING` or a batch's replies (default 5 s). A
+    /// time-out counts as the broker being unavailable. Keep it shorter than the worker's
+    /// lease.
+    #[serde(with = "humantime_serde")]
+    pub publish_timeout: Duration,
     /// Prepended to every stream name (default empty), e.g. `prod:`.
     pub stream_prefix: String,
-    /// Which stream each topic goes to (default the template `{topic}`).
-    pub streams: Streams,
+    /// The stream of each topic when [`streams`](Self::streams) is not set: `{topic}` is
+    /// replaced by the message's topic (default `{topic}`); `{key}` is refused. A template
+    /// without `{topic}` sends every topic to one stream.
+    pub stream_template: Template,
+    /// An explicit map from topic to stream, instead of the template (default none). A
+    /// message whose topic is not in the map can never be delivered and is dead-lettered
+    /// (add the topic and replay it).
+    pub streams: Option<BTreeMap<String, String>>,
     /// Trim each stream on append to about this many entries (`XADD ... MAXLEN ~ N`); `None`
     /// (the default) never trims.
     pub max_len: Option<u64>,
@@ -49,6 +44,7 @@ pub struct RedisConfig {
     /// whose id was already appended is not appended again (its first entry id is returned
     /// as the receipt). `None` (the default) turns it off. It must outlast any redelivery:
     /// give it hours, not seconds.
+    #[serde(with = "humantime_serde")]
     pub dedup_ttl: Option<Duration>,
     /// Prefix of the per-message de-duplication keys (default `outbox:dedup:`); the key is
     /// this prefix followed by the message id.
@@ -58,13 +54,32 @@ pub struct RedisConfig {
     pub max_payload: usize,
 }
 
+impl Default for RedisConfig {
+    /// The defaults, with no URL (which [`RedisConfig::validate`] refuses).
+    fn default() -> Self {
+        RedisConfig {
+            url: String::new(),
+            pool_size: 2,
+            publish_timeout: Duration::from_secs(5),
+            stream_prefix: String::new(),
+            stream_template: Template::topic(),
+            streams: None,
+            max_len: None,
+            dedup_ttl: None,
+            dedup_key_prefix: "outbox:dedup:".into(),
+            max_payload: DEFAULT_MAX_PAYLOAD,
+        }
+    }
+}
+
 impl std::fmt::Debug for RedisConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RedisConfig")
             .field("url", &redact_url(&self.url))
             .field("pool_size", &self.pool_size)
-            .field("command_timeout", &self.command_timeout)
+            .field("publish_timeout", &self.publish_timeout)
             .field("stream_prefix", &self.stream_prefix)
+            .field("stream_template", &self.stream_template)
             .field("streams", &self.streams)
             .field("max_len", &self.max_len)
             .field("dedup_ttl", &self.dedup_ttl)
@@ -79,15 +94,16 @@ impl RedisConfig {
     pub fn new(url: impl Into<String>) -> Self {
         RedisConfig {
             url: url.into(),
-            pool_size: 2,
-            command_timeout: Duration::from_secs(5),
-            stream_prefix: String::new(),
-            streams: Streams::default(),
-            max_len: None,
-            dedup_ttl: None,
-            dedup_key_prefix: "outbox:dedup:".into(),
-            max_payload: DEFAULT_MAX_PAYLOAD,
+            ..Self::default()
         }
+    }
+
+    /// Reads the settings from a configuration section (the relay's `[sink]` table without
+    /// `type`, as JSON) and validates them; errors are keyed by the setting.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Self = outbox_core::config::from_value(value)?;
+        config.validate()?;
+        Ok(config)
     }
 
     /// Sets the prefix of every stream name.
@@ -96,19 +112,21 @@ impl RedisConfig {
         self
     }
 
-    /// Sends each topic to the stream named by `template`, where `{topic}` stands for the topic.
-    pub fn stream_template(mut self, template: impl Into<String>) -> Self {
-        self.streams = Streams::Template(template.into());
+    /// Sends each topic to the stream named by `template` (and drops any stream map).
+    pub fn stream_template(mut self, template: Template) -> Self {
+        self.stream_template = template;
+        self.streams = None;
         self
     }
 
-    /// Sends each topic to the stream the map names for it.
+    /// Sends each topic to the stream the map names for it (instead of the template).
     pub fn stream_map<T, S>(mut self, map: impl IntoIterator<Item = (T, S)>) -> Self
     where
         T: Into<String>,
         S: Into<String>,
     {
-        self.streams = Streams::Map(map.into_iter().map(|(t, s)| (t.into(), s.into())).collect());
+        self.stream_template = Template::topic();
+        self.streams = Some(map.into_iter().map(|(t, s)| (t.into(), s.into())).collect());
         self
     }
 
@@ -124,92 +142,119 @@ impl RedisConfig {
         self
     }
 
-    /// Sets the command time-out.
-    pub fn command_timeout(mut self, timeout: Duration) -> Self {
-        self.command_timeout = timeout;
+    /// Sets the longest wait for a connection or a batch's replies.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
         self
     }
 
-    /// Checks every setting; the error names the bad one and says what to do.
+    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
+    /// section with [`Error::in_section`]) and says what to do.
     pub fn validate(&self) -> Result<()> {
         const SCHEMES: [&str; 4] = ["redis://", "rediss://", "redis+unix://", "unix://"];
+        if self.url.is_empty() {
+            return Err(Error::setting(
+                "url",
+                "is missing: give the Redis server, e.g. redis://127.0.0.1:6379",
+            ));
+        }
         if !SCHEMES.iter().any(|s| self.url.starts_with(s)) {
-            return Err(Error::config(format!(
-                "sink.url `{}` is not a Redis URL; expected redis://[:password@]host:port[/db], or rediss://... for TLS",
-                redact_url(&self.url)
-            )));
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "`{}` is not a Redis URL; expected redis://[:password@]host:port[/db], or rediss://... for TLS",
+                    redact_url(&self.url)
+                ),
+            ));
         }
         if let Err(error) =
             deadpool_redis::redis::IntoConnectionInfo::into_connection_info(self.url.as_str())
         {
-            return Err(Error::config(format!(
-                "sink.url `{}` is not a valid Redis URL ({}); expected redis://[:password@]host:port[/db]",
-                redact_url(&self.url),
-                error.detail().unwrap_or(error.category())
-            )));
-        }
-        if self.pool_size == 0 {
-            return Err(Error::config("sink.pool_size is 0; it must be at least 1"));
-        }
-        if self.command_timeout.is_zero() {
-            return Err(Error::config(
-                "sink.command_timeout is 0; give it a duration such as 5 s",
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "`{}` is not a valid Redis URL ({}); expected redis://[:password@]host:port[/db]",
+                    redact_url(&self.url),
+                    error.detail().unwrap_or(error.category())
+                ),
             ));
         }
-        match &self.streams {
-            Streams::Template(template) if template.trim().is_empty() => {
-                return Err(Error::config(
-                    "sink.stream_template is empty; give a stream name such as `{topic}` or `events:{topic}`",
+        if self.pool_size == 0 {
+            return Err(Error::setting("pool_size", "is 0; it must be at least 1"));
+        }
+        if self.publish_timeout.is_zero() {
+            return Err(Error::setting(
+                "publish_timeout",
+                "is 0; give it a duration such as 5 s",
+            ));
+        }
+        if self.stream_template.as_str().trim().is_empty() {
+            return Err(Error::setting(
+                "stream_template",
+                "is empty; give a stream name such as `{topic}` or `events:{topic}`",
+            ));
+        }
+        self.stream_template.refuse_key("stream_template")?;
+        if let Some(map) = &self.streams {
+            if self.stream_template != Template::topic() {
+                return Err(Error::setting(
+                    "stream_template",
+                    "is set together with streams; give a template or a map, not both",
                 ));
             }
-            Streams::Template(_) => {}
-            Streams::Map(map) if map.is_empty() => {
-                return Err(Error::config(
-                    "sink.streams is an empty map; map each topic to a stream, or use sink.stream_template",
+            if map.is_empty() {
+                return Err(Error::setting(
+                    "streams",
+                    "is an empty map; map each topic to a stream, or use stream_template",
                 ));
             }
-            Streams::Map(map) => {
-                if let Some((topic, _)) = map
-                    .iter()
-                    .find(|(t, s)| t.is_empty() || s.trim().is_empty())
-                {
-                    return Err(Error::config(format!(
-                        "sink.streams maps topic `{topic}` to an empty stream name (or has an empty topic); give each topic a stream"
-                    )));
-                }
+            if let Some((topic, _)) = map
+                .iter()
+                .find(|(t, s)| t.is_empty() || s.trim().is_empty())
+            {
+                return Err(Error::setting(
+                    "streams",
+                    format!(
+                        "maps topic `{topic}` to an empty stream name (or has an empty topic); give each topic a stream"
+                    ),
+                ));
             }
         }
         if self.max_len == Some(0) {
-            return Err(Error::config(
-                "sink.max_len is 0, which would trim every stream empty; leave it unset to keep everything, or give a length",
+            return Err(Error::setting(
+                "max_len",
+                "is 0, which would trim every stream empty; leave it unset to keep everything, or give a length",
             ));
         }
         if let Some(ttl) = self.dedup_ttl {
             if ttl < Duration::from_millis(1) {
-                return Err(Error::config(
-                    "sink.dedup_ttl is 0; leave it unset to turn de-duplication off, or give a duration such as 24 h",
+                return Err(Error::setting(
+                    "dedup_ttl",
+                    "is 0; leave it unset to turn de-duplication off, or give a duration such as 24 h",
                 ));
             }
             if self.dedup_key_prefix.is_empty() {
-                return Err(Error::config(
-                    "sink.dedup_key_prefix is empty; give a prefix such as `outbox:dedup:`",
+                return Err(Error::setting(
+                    "dedup_key_prefix",
+                    "is empty; give a prefix such as `outbox:dedup:`",
                 ));
             }
         }
         if self.max_payload == 0 {
-            return Err(Error::config(
-                "sink.max_payload is 0; it must be at least 1 byte (Redis's default limit is 512 MiB)",
+            return Err(Error::setting(
+                "max_payload",
+                "is 0; it must be at least 1 byte (Redis's default limit is 512 MiB)",
             ));
         }
         Ok(())
     }
 
-    /// The stream a message of `topic` is appended to, or `None` when an explicit map has no
+    /// The stream a message of `topic` is appended to, or `None` when the stream map has no
     /// entry for it.
     pub fn stream_for(&self, topic: &str) -> Option<String> {
         let name = match &self.streams {
-            Streams::Template(template) => template.replace("{topic}", topic),
-            Streams::Map(map) => map.get(topic)?.clone(),
+            Some(map) => map.get(topic)?.clone(),
+            None => self.stream_template.render(topic, ""),
         };
         Some(format!("{}{name}", self.stream_prefix))
     }
@@ -223,38 +268,60 @@ mod tests {
         config.validate().unwrap_err().to_string()
     }
 
+    fn template(text: &str) -> Template {
+        Template::new(text).unwrap()
+    }
+
     #[test]
     fn bad_settings_name_their_key() {
         let ok = RedisConfig::new("redis://127.0.0.1:6379");
         ok.validate().unwrap();
-        assert!(err(RedisConfig::new("localhost:6379")).contains("sink.url"));
+        assert!(err(RedisConfig::default()).contains("url is missing"));
+        assert!(err(RedisConfig::new("localhost:6379")).contains("url `localhost:6379`"));
         assert!(err(RedisConfig::new("http://x")).contains("not a Redis URL"));
-        assert!(err(RedisConfig::new("redis://host:notaport")).contains("sink.url"));
-        assert!(err(ok.clone().stream_template("")).contains("sink.stream_template is empty"));
-        assert!(err(ok.clone().stream_template("  ")).contains("sink.stream_template"));
-        assert!(err(ok.clone().max_len(0)).contains("sink.max_len is 0"));
-        assert!(err(ok.clone().dedup(Duration::ZERO)).contains("sink.dedup_ttl"));
+        assert!(err(RedisConfig::new("redis://host:notaport")).contains("url `"));
+        assert!(err(ok.clone().stream_template(template(""))).contains("stream_template is empty"));
+        assert!(err(ok.clone().stream_template(template("  "))).contains("stream_template"));
+        assert!(
+            err(ok.clone().stream_template(template("s:{key}")))
+                .contains("stream_template `s:{key}` uses {key}")
+        );
+        assert!(err(ok.clone().max_len(0)).contains("max_len is 0"));
+        assert!(err(ok.clone().dedup(Duration::ZERO)).contains("dedup_ttl is 0"));
         assert!(
             err(RedisConfig {
                 pool_size: 0,
                 ..ok.clone()
             })
-            .contains("sink.pool_size")
+            .contains("pool_size is 0")
         );
-        assert!(err(ok.clone().command_timeout(Duration::ZERO)).contains("sink.command_timeout"));
+        assert!(err(ok.clone().publish_timeout(Duration::ZERO)).contains("publish_timeout is 0"));
         assert!(
-            err(ok.clone().stream_map(Vec::<(String, String)>::new())).contains("sink.streams")
+            err(ok.clone().stream_map(Vec::<(String, String)>::new()))
+                .contains("streams is an empty map")
         );
         assert!(err(ok.clone().stream_map([("orders", "")])).contains("`orders`"));
+        assert!(
+            err(RedisConfig {
+                stream_template: template("events:{topic}"),
+                ..ok.clone().stream_map([("orders", "o")])
+            })
+            .contains("stream_template is set together with streams")
+        );
         assert!(
             err(RedisConfig {
                 max_payload: 0,
                 ..ok.clone()
             })
-            .contains("sink.max_payload")
+            .contains("max_payload is 0")
         );
-        let kind = ok.clone().max_len(0).validate().unwrap_err().kind();
-        assert_eq!(kind, outbox_core::ErrorKind::Config);
+        let error = ok.clone().max_len(0).validate().unwrap_err();
+        assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+        assert_eq!(
+            error.in_section("sink").message(),
+            "sink.max_len is 0, which would trim every stream empty; leave it unset to keep \
+             everything, or give a length"
+        );
     }
 
     #[test]
@@ -283,72 +350,73 @@ mod tests {
     fn stream_names() {
         let config = RedisConfig::new("redis://h").stream_prefix("t1:");
         assert_eq!(config.stream_for("orders").as_deref(), Some("t1:orders"));
-        let config = config.stream_template("events:{topic}:v1");
+        let config = config.stream_template(template("events:{topic}:v1"));
         assert_eq!(
             config.stream_for("orders").as_deref(),
             Some("t1:events:orders:v1")
         );
-        let config = config.stream_template("all");
+        let config = config.stream_template(template("all"));
         assert_eq!(config.stream_for("orders").as_deref(), Some("t1:all"));
         let config = config.stream_map([("orders", "o")]);
+        config.validate().unwrap();
         assert_eq!(config.stream_for("orders").as_deref(), Some("t1:o"));
         assert_eq!(config.stream_for("users"), None);
     }
-}
 
-/// The keys of the `[sink]` table in the relay's configuration file (`type = "redis"`);
-/// each is the [`RedisConfig`] field of the same name. Unknown keys are refused.
-#[derive(Debug, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct FileConfig {
-    url: String,
-    pool_size: Option<usize>,
-    #[serde(default, with = "humantime_serde")]
-    command_timeout: Option<Duration>,
-    stream_prefix: Option<String>,
-    /// `{topic}` template; give this or `streams`, not both.
-    stream_template: Option<String>,
-    /// Explicit topic → stream map.
-    streams: Option<BTreeMap<String, String>>,
-    max_len: Option<u64>,
-    #[serde(default, with = "humantime_serde")]
-    dedup_ttl: Option<Duration>,
-    dedup_key_prefix: Option<String>,
-    max_payload: Option<usize>,
-}
+    #[test]
+    fn reads_the_file_section_and_keys_its_errors() {
+        let config = RedisConfig::from_value(serde_json::json!({
+            "url": "redis://:s3cret@127.0.0.1:6379",
+            "publish_timeout": "250ms",
+            "stream_prefix": "prod:",
+            "stream_template": "events:{topic}",
+            "dedup_ttl": "24h",
+        }))
+        .unwrap();
+        assert_eq!(
+            config,
+            RedisConfig::new("redis://:s3cret@127.0.0.1:6379")
+                .publish_timeout(Duration::from_millis(250))
+                .stream_prefix("prod:")
+                .stream_template(template("events:{topic}"))
+                .dedup(Duration::from_secs(24 * 3600))
+        );
+        let map = RedisConfig::from_value(serde_json::json!({
+            "url": "redis://h",
+            "streams": { "orders.paid": "orders" },
+        }))
+        .unwrap();
+        assert_eq!(map.stream_for("orders.paid").as_deref(), Some("orders"));
 
-impl RedisConfig {
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors name the bad key.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let file: FileConfig = serde_path_to_error::deserialize(value).map_err(|e| {
-            let path = e.path().to_string();
-            let at = if path == "." {
-                String::new()
-            } else {
-                format!("sink.{path}: ")
-            };
-            Error::config(format!("redis sink configuration: {at}{}", e.inner()))
-        })?;
-        let mut config = RedisConfig::new(file.url);
-        config.pool_size = file.pool_size.unwrap_or(config.pool_size);
-        config.command_timeout = file.command_timeout.unwrap_or(config.command_timeout);
-        config.stream_prefix = file.stream_prefix.unwrap_or_default();
-        config.streams = match (file.stream_template, file.streams) {
-            (Some(_), Some(_)) => {
-                return Err(Error::config(
-                    "sink.stream_template and sink.streams are both set; give a template or a map, not both",
-                ));
-            }
-            (Some(template), None) => Streams::Template(template),
-            (None, Some(map)) => Streams::Map(map),
-            (None, None) => Streams::default(),
+        let error = |value: serde_json::Value| {
+            let error = RedisConfig::from_value(value).unwrap_err();
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            error.in_section("sink").message().to_string()
         };
-        config.max_len = file.max_len;
-        config.dedup_ttl = file.dedup_ttl;
-        config.dedup_key_prefix = file.dedup_key_prefix.unwrap_or(config.dedup_key_prefix);
-        config.max_payload = file.max_payload.unwrap_or(config.max_payload);
-        config.validate()?;
-        Ok(config)
+        let message = error(serde_json::json!({ "url": "redis://h", "command_timeout": "5s" }));
+        assert!(
+            message.starts_with("sink.command_timeout: unknown field"),
+            "{message}"
+        );
+        let message = error(serde_json::json!({ "url": "redis://h", "publish_timeout": "soon" }));
+        assert!(message.starts_with("sink.publish_timeout: "), "{message}");
+        let message = error(serde_json::json!({ "url": "redis://h", "stream_template": "{topc}" }));
+        assert!(
+            message.starts_with("sink.stream_template: `{topc}` uses the unknown placeholder"),
+            "{message}"
+        );
+        let message = error(serde_json::json!({ "url": "redis://h", "max_len": 0 }));
+        assert!(message.starts_with("sink.max_len is 0"), "{message}");
+        let message = error(serde_json::json!({
+            "url": "redis://h",
+            "stream_template": "a:{topic}",
+            "streams": { "t": "s" },
+        }));
+        assert!(
+            message.starts_with("sink.stream_template is set together with streams"),
+            "{message}"
+        );
+        let message = error(serde_json::json!({ "pool_size": 1 }));
+        assert!(message.starts_with("sink.url is missing"), "{message}");
     }
 }

@@ -1,8 +1,16 @@
-//! Mapping Redis client errors onto the engine's error kinds.
+//! Every failure of the Redis sink, mapped onto the engine's [`ErrorKind`]s.
+//!
+//! In short: what says nothing about the message (the connection, a time-out, a server-wide
+//! refusal such as `READONLY`, `OOM` or bad credentials) is `Unavailable`, so the worker
+//! charges no attempt; a message that can never be appended as it is (`WRONGTYPE`, a topic
+//! missing from the stream map, a payload over `max_payload`) is `Permanent`; any other
+//! error reply is `Temporary`; a URL the client cannot use is `Config`.
+
+use std::time::Duration;
 
 use deadpool_redis::PoolError;
 use deadpool_redis::redis::{ErrorKind as RedisKind, RedisError, ServerErrorKind};
-use outbox_core::{Error, ErrorKind};
+use outbox_core::{Error, ErrorKind, redact_url};
 
 /// Whether a Redis error is about the connection or the server as a whole (`Unavailable`:
 /// nothing is wrong with the message), about this message for good (`Permanent`), or may
@@ -55,10 +63,68 @@ pub(crate) fn pool_error(context: &str, error: PoolError) -> Error {
             Error::unavailable(format!("redis: {context}{}", hint(&error))).with_source(error)
         }
         PoolError::Timeout(_) => Error::unavailable(format!(
-            "redis: {context}: no connection within sink.command_timeout"
+            "redis: {context}: no connection within sink.publish_timeout"
         )),
         other => Error::unavailable(format!("redis: {context}")).with_source(other),
     }
+}
+
+/// No answer from the server at `url` within `timeout` while doing `what`: `Unavailable`.
+pub(crate) fn timed_out(what: &str, url: &str, timeout: Duration) -> Error {
+    Error::unavailable(format!(
+        "redis: {what}: no answer from {} within sink.publish_timeout ({timeout:?})",
+        redact_url(url)
+    ))
+}
+
+/// A `PING` that got an error reply: the server is not usable, whatever the error.
+pub(crate) fn ping_error(error: RedisError) -> Error {
+    Error::unavailable(redis_error("PING", error).to_string())
+}
+
+/// A `PING` that got no reply at all: `Unavailable`.
+pub(crate) fn no_ping_reply() -> Error {
+    Error::unavailable("redis: PING got no reply")
+}
+
+/// A pipeline that came back without a reply for this message: `Temporary` (it should not
+/// happen; the message is tried again).
+pub(crate) fn no_reply(message: impl std::fmt::Display) -> Error {
+    Error::temporary(format!(
+        "redis: no reply for message {message} in the pipeline"
+    ))
+}
+
+/// A topic the stream map does not name: `Permanent`, until the map names it and the
+/// message is replayed.
+pub(crate) fn unmapped_topic(topic: &str) -> Error {
+    Error::permanent(format!(
+        "redis: topic `{topic}` has no stream in sink.streams; add it and replay the message"
+    ))
+}
+
+/// A payload over `max_payload`: `Permanent`, it is not sent.
+pub(crate) fn too_large(size: usize, max_payload: usize) -> Error {
+    Error::permanent(format!(
+        "redis: payload of {size} bytes is larger than sink.max_payload ({max_payload} bytes)"
+    ))
+}
+
+/// A URL the client refuses when the sink is made: `Config`, keyed `url`.
+pub(crate) fn bad_url(url: &str, error: RedisError) -> Error {
+    Error::setting(
+        "url",
+        format!(
+            "`{}` cannot be used: {}",
+            redact_url(url),
+            error.detail().unwrap_or(error.category())
+        ),
+    )
+}
+
+/// The connection pool could not be built: `Config`.
+pub(crate) fn pool_not_built(error: impl std::fmt::Display) -> Error {
+    Error::config(format!("redis: cannot build the connection pool: {error}"))
 }
 
 fn hint(error: &RedisError) -> &'static str {

@@ -4,9 +4,10 @@
 mod config;
 mod error;
 mod sink;
+pub mod wire;
 
-pub use config::{DEFAULT_MAX_PAYLOAD, RedisConfig, Streams};
-pub use sink::{RedisSink, fields};
+pub use config::{DEFAULT_MAX_PAYLOAD, RedisConfig};
+pub use sink::RedisSink;
 
 /// The connection pool crate, re-exported so users and tests need no dependency of their own.
 pub use deadpool_redis;
@@ -21,11 +22,38 @@ use outbox_core::{Sink, SinkRegistry};
 pub const TYPE: &str = "redis";
 
 /// Registers the Redis Streams sink under [`TYPE`]: the factory reads a [`RedisConfig`]
-/// from the `[sink]` table (see [`RedisConfig::from_value`]) and builds the sink. It does not
-/// connect: a Redis that is down shows up in the health check, not as a start-up failure.
+/// from the `[sink]` table (see [`RedisConfig::from_value`]; errors are keyed by the setting,
+/// relative to the section) and builds the sink. It does not connect: a Redis that is down
+/// shows up in the health check, not as a start-up failure.
 pub fn register(registry: &mut SinkRegistry) {
     registry.register(TYPE, |config| async move {
         let sink = RedisSink::new(RedisConfig::from_value(config)?)?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn registers_a_factory_that_names_bad_keys() {
+        let mut registry = SinkRegistry::new();
+        register(&mut registry);
+        assert_eq!(registry.names(), [TYPE]);
+        let built = registry
+            .build(TYPE, serde_json::json!({ "url": "redis://127.0.0.1:1" }))
+            .await;
+        assert!(built.is_ok());
+        let error = registry
+            .build(
+                TYPE,
+                serde_json::json!({ "url": "redis://127.0.0.1:1", "publish_timeout": 5 }),
+            )
+            .await
+            .err()
+            .unwrap();
+        assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+        assert!(error.message().starts_with("publish_timeout: "), "{error}");
+    }
 }

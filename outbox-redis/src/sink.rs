@@ -12,35 +12,11 @@ use outbox_core::{
 };
 use tokio::time::{Instant, timeout_at};
 
-use crate::RedisConfig;
-use crate::error::{pool_error, redis_error};
-
-pub mod fields {
-    //! Names of the fields of a stream entry, for consumers.
-    //!
-    //! Every entry holds [`ID`], [`TOPIC`], [`PAYLOAD`] and [`CREATED_AT`]; [`KEY`],
-    //! [`CONTENT_TYPE`], [`TRACEPARENT`] and [`TRACESTATE`] only when the message has them;
-    //! and one field per header, named [`HEADER_PREFIX`] followed by the header name.
-
-    /// The message id, a UUID in its hyphenated form; de-duplicate redeliveries by it.
-    pub const ID: &str = "id";
-    /// The message's topic.
-    pub const TOPIC: &str = "topic";
-    /// The partition key (the unit of ordering); absent when the message has none.
-    pub const KEY: &str = "key";
-    /// The payload, byte for byte.
-    pub const PAYLOAD: &str = "payload";
-    /// The `content-type` header, repeated here for convenience; absent when not set.
-    pub const CONTENT_TYPE: &str = "content_type";
-    /// When the message was made: RFC 3339, UTC, microseconds (`2025-01-31T12:00:00.123456Z`).
-    pub const CREATED_AT: &str = "created_at";
-    /// The W3C `traceparent`; absent without a trace context.
-    pub const TRACEPARENT: &str = "traceparent";
-    /// The W3C `tracestate`; absent when empty.
-    pub const TRACESTATE: &str = "tracestate";
-    /// Prefix of header fields: header `x-tenant` is field `header:x-tenant`.
-    pub const HEADER_PREFIX: &str = "header:";
-}
+use crate::error::{
+    bad_url, no_ping_reply, no_reply, ping_error, pool_error, pool_not_built, redis_error,
+    too_large, unmapped_topic,
+};
+use crate::{RedisConfig, wire};
 
 /// Appends the entry unless the message id was seen, all in one atomic step, so that a
 /// message redelivered after a lost acknowledgement is not appended twice. The id is
@@ -93,17 +69,12 @@ impl RedisSink {
             // The TLS stack needs a crypto provider; keep one that is already installed.
             let _ = rustls::crypto::ring::default_provider().install_default();
         }
-        let timeout = Some(config.command_timeout);
+        let timeout = Some(config.publish_timeout);
         let connection = AsyncConnectionConfig::new()
             .set_connection_timeout(timeout)
             .set_response_timeout(timeout);
-        let manager = Manager::new_with_config(config.url.as_str(), connection).map_err(|e| {
-            Error::config(format!(
-                "sink.url `{}` cannot be used: {}",
-                redact_url(&config.url),
-                e.detail().unwrap_or(e.category())
-            ))
-        })?;
+        let manager = Manager::new_with_config(config.url.as_str(), connection)
+            .map_err(|e| bad_url(&config.url, e))?;
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .runtime(Runtime::Tokio1)
@@ -111,7 +82,7 @@ impl RedisSink {
             .create_timeout(timeout)
             .recycle_timeout(timeout)
             .build()
-            .map_err(|e| Error::config(format!("redis: cannot build the connection pool: {e}")))?;
+            .map_err(pool_not_built)?;
         let dedup = config.dedup_ttl.map(|_| Script::new(DEDUP_SCRIPT));
         tracing::debug!(url = %redact_url(&config.url), "redis sink ready");
         Ok(RedisSink {
@@ -135,21 +106,15 @@ impl RedisSink {
     /// The stream a message of `topic` goes to, or a permanent error when the stream map has
     /// no entry for it.
     pub fn stream_for(&self, topic: &str) -> Result<String> {
-        self.config.stream_for(topic).ok_or_else(|| {
-            Error::permanent(format!(
-                "redis: topic `{topic}` has no stream in sink.streams; add it and replay the message"
-            ))
-        })
+        self.config
+            .stream_for(topic)
+            .ok_or_else(|| unmapped_topic(topic))
     }
 
     /// Checks a message and names its stream.
     fn prepare(&self, message: &Message) -> Result<String> {
         if message.payload.len() > self.config.max_payload {
-            return Err(Error::permanent(format!(
-                "redis: payload of {} bytes is larger than sink.max_payload ({} bytes)",
-                message.payload.len(),
-                self.config.max_payload
-            )));
+            return Err(too_large(message.payload.len(), self.config.max_payload));
         }
         self.stream_for(&message.topic)
     }
@@ -208,10 +173,10 @@ impl RedisSink {
         }
     }
 
-    /// Runs `pipe` within the command time-out. A connection that failed or timed out is
+    /// Runs `pipe` within the publish time-out. A connection that failed or timed out is
     /// closed rather than handed back to the pool.
     async fn run(&self, pipe: &Pipeline, what: &str) -> Result<Vec<RedisResult<String>>> {
-        self.run_until(pipe, what, Instant::now() + self.config.command_timeout)
+        self.run_until(pipe, what, Instant::now() + self.config.publish_timeout)
             .await
     }
 
@@ -248,47 +213,40 @@ impl RedisSink {
     }
 
     fn timed_out(&self, what: &str) -> Error {
-        let error = Error::unavailable(format!(
-            "redis: {what}: no answer from {} within sink.command_timeout ({:?})",
-            redact_url(&self.config.url),
-            self.config.command_timeout
-        ));
+        let error = crate::error::timed_out(what, &self.config.url, self.config.publish_timeout);
         tracing::warn!(%error, "redis time-out");
         error
     }
 }
 
-/// The fields of the stream entry of `message`, in order (see [`fields`]).
+/// The fields of the stream entry of `message`, in order (see [`wire`]).
 fn entry(message: &Message) -> Vec<(Cow<'_, str>, Cow<'_, [u8]>)> {
     let mut entry: Vec<(Cow<'_, str>, Cow<'_, [u8]>)> =
         Vec::with_capacity(8 + message.headers.len());
-    entry.push((
-        fields::ID.into(),
-        message.id.to_string().into_bytes().into(),
-    ));
-    entry.push((fields::TOPIC.into(), message.topic.as_bytes().into()));
+    entry.push((wire::ID.into(), message.id.to_string().into_bytes().into()));
+    entry.push((wire::TOPIC.into(), message.topic.as_bytes().into()));
     if let Some(key) = &message.key {
-        entry.push((fields::KEY.into(), key.as_bytes().into()));
+        entry.push((wire::KEY.into(), key.as_bytes().into()));
     }
-    entry.push((fields::PAYLOAD.into(), message.payload.as_slice().into()));
+    entry.push((wire::PAYLOAD.into(), message.payload.as_slice().into()));
     if let Some(content_type) = message.content_type() {
-        entry.push((fields::CONTENT_TYPE.into(), content_type.as_bytes().into()));
+        entry.push((wire::CONTENT_TYPE.into(), content_type.as_bytes().into()));
     }
     let created_at = message
         .created_at
         .to_rfc3339_opts(SecondsFormat::Micros, true);
-    entry.push((fields::CREATED_AT.into(), created_at.into_bytes().into()));
+    entry.push((wire::CREATED_AT.into(), created_at.into_bytes().into()));
     if let Some(trace) = &message.trace_context {
         entry.push((
-            fields::TRACEPARENT.into(),
+            wire::TRACEPARENT.into(),
             trace.traceparent.as_bytes().into(),
         ));
         if let Some(state) = trace.tracestate.as_deref().filter(|s| !s.is_empty()) {
-            entry.push((fields::TRACESTATE.into(), state.as_bytes().into()));
+            entry.push((wire::TRACESTATE.into(), state.as_bytes().into()));
         }
     }
     for (name, value) in &message.headers {
-        let field = format!("{}{name}", fields::HEADER_PREFIX);
+        let field = format!("{}{name}", wire::HEADER_PREFIX);
         entry.push((field.into(), value.as_bytes().into()));
     }
     entry
@@ -336,10 +294,7 @@ impl Sink for RedisSink {
                         broken |= error.kind() == ErrorKind::Unavailable;
                         Outcome::Failed(error)
                     }
-                    None => Outcome::Failed(Error::temporary(format!(
-                        "redis: no reply for message {} in the pipeline",
-                        message.id
-                    ))),
+                    None => Outcome::Failed(no_reply(message.id)),
                 },
             };
             outcomes.push(outcome);
@@ -364,7 +319,7 @@ impl Sink for RedisSink {
         let mut pipe = redis::pipe();
         pipe.cmd("PING");
         let what = format!("PING {}", redact_url(&self.config.url));
-        let deadline = Instant::now() + self.config.command_timeout;
+        let deadline = Instant::now() + self.config.publish_timeout;
         let idle = self
             .kept
             .lock()
@@ -381,8 +336,8 @@ impl Sink for RedisSink {
         };
         match replies.into_iter().next() {
             Some(Ok(_)) => Ok(()),
-            Some(Err(error)) => Err(Error::unavailable(redis_error("PING", error).to_string())),
-            None => Err(Error::unavailable("redis: PING got no reply")),
+            Some(Err(error)) => Err(ping_error(error)),
+            None => Err(no_ping_reply()),
         }
     }
 
@@ -392,9 +347,9 @@ impl Sink for RedisSink {
             .with_max_payload(Some(self.config.max_payload))
     }
 
-    /// A batch is one pipelined round trip within `command_timeout`.
+    /// A batch is one pipelined round trip within `publish_timeout`.
     fn publish_timeout(&self) -> Option<std::time::Duration> {
-        Some(self.config.command_timeout)
+        Some(self.config.publish_timeout)
     }
 }
 

@@ -6,9 +6,9 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template, TraceContext};
 use outbox_redis::redis::{self, AsyncCommands, Value};
-use outbox_redis::{RedisConfig, RedisSink, fields};
+use outbox_redis::{RedisConfig, RedisSink, wire};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
@@ -49,7 +49,11 @@ async fn prefix() -> String {
 fn config(url: &str, prefix: &str) -> RedisConfig {
     RedisConfig::new(url)
         .stream_prefix(prefix)
-        .command_timeout(Duration::from_secs(2))
+        .publish_timeout(Duration::from_secs(2))
+}
+
+fn template(text: &str) -> Template {
+    Template::new(text).expect("a valid template")
 }
 
 fn message(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
@@ -150,29 +154,26 @@ async fn entries_hold_the_exact_message() {
     for ((message, (entry_id, fields)), receipt) in batch.iter().zip(&entries).zip(&receipts) {
         assert_eq!(entry_id, receipt, "the receipt is the stream entry id");
         assert_eq!(
-            fields[fields::PAYLOAD],
+            fields[wire::PAYLOAD],
             message.payload,
             "payload bytes exact"
         );
-        assert_eq!(text(fields, fields::ID), message.id.to_string());
-        assert_eq!(text(fields, fields::TOPIC), "orders");
-        assert_eq!(text(fields, fields::KEY), *message.key.as_ref().unwrap());
-        assert_eq!(
-            text(fields, fields::CONTENT_TYPE),
-            "application/octet-stream"
-        );
+        assert_eq!(text(fields, wire::ID), message.id.to_string());
+        assert_eq!(text(fields, wire::TOPIC), "orders");
+        assert_eq!(text(fields, wire::KEY), *message.key.as_ref().unwrap());
+        assert_eq!(text(fields, wire::CONTENT_TYPE), "application/octet-stream");
         assert_eq!(text(fields, "header:x-tenant"), message.headers["x-tenant"]);
         assert_eq!(
             text(fields, "header:content-type"),
             "application/octet-stream"
         );
         assert_eq!(
-            text(fields, fields::TRACEPARENT),
+            text(fields, wire::TRACEPARENT),
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
         );
-        assert!(!fields.contains_key(fields::TRACESTATE));
+        assert!(!fields.contains_key(wire::TRACESTATE));
         assert_eq!(
-            text(fields, fields::CREATED_AT),
+            text(fields, wire::CREATED_AT),
             message
                 .created_at
                 .to_rfc3339_opts(chrono::SecondsFormat::Micros, true)
@@ -185,7 +186,8 @@ async fn entries_hold_the_exact_message() {
 async fn keys_keep_their_order_within_a_stream() {
     let prefix = prefix().await;
     let sink =
-        RedisSink::new(config(&redis_url(), &prefix).stream_template("events:{topic}")).unwrap();
+        RedisSink::new(config(&redis_url(), &prefix).stream_template(template("events:{topic}")))
+            .unwrap();
     // Rounds as the worker makes them: one message per key per call.
     let mut sent: Vec<Message> = Vec::new();
     for round in 0..20 {
@@ -208,7 +210,7 @@ async fn keys_keep_their_order_within_a_stream() {
             .filter(|m| m.topic == topic)
             .map(|m| m.id.to_string())
             .collect();
-        let got: Vec<String> = entries.iter().map(|(_, f)| text(f, fields::ID)).collect();
+        let got: Vec<String> = entries.iter().map(|(_, f)| text(f, wire::ID)).collect();
         assert_eq!(got, expected, "stream {topic} in publish order");
     }
     cleanup(&prefix).await;
@@ -272,7 +274,7 @@ async fn dedup_appends_a_batch_published_twice_once() {
     let sink = RedisSink::new(
         config(&redis_url(), &prefix)
             .dedup(Duration::from_secs(60))
-            .stream_template("s"),
+            .stream_template(template("s")),
     )
     .unwrap();
     assert!(sink.capabilities().deduplicates);
@@ -297,7 +299,7 @@ async fn dedup_appends_a_batch_published_twice_once() {
     let restarted = RedisSink::new(
         config(&redis_url(), &prefix)
             .dedup(Duration::from_secs(60))
-            .stream_template("s"),
+            .stream_template(template("s")),
     )
     .unwrap();
     let mut mixed = batch[..10].to_vec();
@@ -315,7 +317,8 @@ async fn dedup_appends_a_batch_published_twice_once() {
     assert!(ttl > 0 && ttl <= 60_000, "ttl {ttl}");
 
     // Without de-duplication the same batch is appended twice.
-    let plain = RedisSink::new(config(&redis_url(), &prefix).stream_template("plain")).unwrap();
+    let plain =
+        RedisSink::new(config(&redis_url(), &prefix).stream_template(template("plain"))).unwrap();
     assert!(!plain.capabilities().deduplicates);
     plain.publish(&batch).await.unwrap();
     plain.publish(&batch).await.unwrap();
@@ -336,7 +339,7 @@ async fn max_len_trims_the_stream() {
     let sink = RedisSink::new(
         config(&redis_url(), &prefix)
             .max_len(10)
-            .stream_template("s"),
+            .stream_template(template("s")),
     )
     .unwrap();
     for round in 0..10 {
@@ -398,7 +401,8 @@ async fn one_pipelined_round_trip_per_batch() {
     for dedup in [false, true] {
         let prefix = prefix().await;
         let proxy = Proxy::start(&redis_addr()).await;
-        let mut config = config(&format!("redis://{}", proxy.addr), &prefix).stream_template("s");
+        let mut config =
+            config(&format!("redis://{}", proxy.addr), &prefix).stream_template(template("s"));
         if dedup {
             config = config.dedup(Duration::from_secs(60));
         }
@@ -494,7 +498,7 @@ async fn outage_is_unavailable_then_recovers() {
     let payloads: Vec<Vec<u8>> = xrange(&format!("{prefix}t"))
         .await
         .into_iter()
-        .map(|(_, f)| f[fields::PAYLOAD].clone())
+        .map(|(_, f)| f[wire::PAYLOAD].clone())
         .collect();
     assert_eq!(payloads, [&b"before"[..], b"reconnected", b"after"]);
     cleanup(&prefix).await;
@@ -505,7 +509,7 @@ async fn a_silent_server_times_out_as_unavailable() {
     let prefix = prefix().await;
     let proxy = Proxy::start(&redis_addr()).await;
     let config = config(&format!("redis://{}", proxy.addr), &prefix)
-        .command_timeout(Duration::from_millis(300));
+        .publish_timeout(Duration::from_millis(300));
     let sink = RedisSink::new(config).unwrap();
     sink.health().await.unwrap();
 
@@ -515,7 +519,7 @@ async fn a_silent_server_times_out_as_unavailable() {
     let error = sink.publish(&[message("t", "k", "x")]).await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
     assert!(
-        error.to_string().contains("within sink.command_timeout"),
+        error.to_string().contains("within sink.publish_timeout"),
         "{error}"
     );
     // New connections accepted, never answered (the timed-out one was closed).
@@ -546,7 +550,7 @@ async fn unreachable_or_misconfigured_servers_are_unavailable() {
     // TLS against the plain port: the handshake fails, and nothing panics.
     let tls = redis_url().replacen("redis://", "rediss://", 1);
     let sink =
-        RedisSink::new(RedisConfig::new(tls).command_timeout(Duration::from_secs(2))).unwrap();
+        RedisSink::new(RedisConfig::new(tls).publish_timeout(Duration::from_secs(2))).unwrap();
     let error = sink.health().await.unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
 
@@ -569,9 +573,12 @@ async fn unreachable_or_misconfigured_servers_are_unavailable() {
 #[tokio::test]
 async fn bad_config_is_refused_at_start_up() {
     for (config, needle) in [
-        (RedisConfig::new("127.0.0.1:6379"), "sink.url"),
         (
-            RedisConfig::new(redis_url()).stream_template(""),
+            RedisConfig::new("127.0.0.1:6379"),
+            "sink.url `127.0.0.1:6379`",
+        ),
+        (
+            RedisConfig::new(redis_url()).stream_template(template("")),
             "sink.stream_template is empty",
         ),
         (
@@ -579,7 +586,7 @@ async fn bad_config_is_refused_at_start_up() {
             "sink.max_len is 0",
         ),
     ] {
-        let error = RedisSink::new(config).unwrap_err();
+        let error = RedisSink::new(config).unwrap_err().in_section("sink");
         assert_eq!(error.kind(), ErrorKind::Config);
         assert!(error.to_string().contains(needle), "{error}");
     }

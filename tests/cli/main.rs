@@ -163,9 +163,10 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         (format!("{storage}[relay]\npoll_intervall = \"1s\"\n[sink]\ntype = \"redis\"\n"), "poll_intervall"),
         (format!("{storage}[sink]\ntype = \"redis\"\nurl = \"http://nope\"\n"), "sink.url"),
         ("[storage]\nurl = \"postgres://app:hunter2@127.0.0.1:1/x\"\nschema = \"Bad\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema"),
-        // 8 rounds (relay.max_per_key) × Redis's 5 s command time-out do not fit a 10 s lease.
+        // 8 rounds (storage.max_per_key) × Redis's 5 s publish time-out do not fit a 10 s lease.
         (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "relay.lease is 10s, shorter than the worst case of a batch"),
-        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "or lower relay.max_per_key or the sink's time-out"),
+        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "or lower the storage's max_per_key or the sink's time-out"),
+        (format!("{storage}[relay]\nper_key_order = false\n[sink]\ntype = \"redis\"\n"), "relay.per_key_order is a setting of the storage: move it to [storage]"),
     ];
     for (contents, expected) in cases {
         let config = ConfigFile::new(&contents);
@@ -308,8 +309,8 @@ async fn redis_stream(stream: &str) -> Vec<(Option<String>, Vec<u8>)> {
         .iter()
         .map(|e| {
             (
-                e.get::<String>(outbox::redis::fields::KEY),
-                e.get::<Vec<u8>>(outbox::redis::fields::PAYLOAD)
+                e.get::<String>(outbox::redis::wire::KEY),
+                e.get::<Vec<u8>>(outbox::redis::wire::PAYLOAD)
                     .unwrap_or_default(),
             )
         })
@@ -391,7 +392,7 @@ impl AmqpQueue {
                         .properties
                         .headers()
                         .as_ref()
-                        .and_then(|h| h.inner().get(outbox::amqp::KEY_HEADER).cloned())
+                        .and_then(|h| h.inner().get(outbox::amqp::wire::KEY).cloned())
                         .and_then(|v| match v {
                             outbox::amqp::lapin::types::AMQPValue::LongString(s) => {
                                 Some(s.to_string())
@@ -657,7 +658,7 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     // A sink that cannot be reached: live, but not ready.
     let addr = format!("127.0.0.1:{}", free_port());
     let down = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ncommand_timeout = \"300ms\"\n",
+        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\npublish_timeout = \"300ms\"\n",
         storage_section(&schema)
     ));
     let relay = RelayProcess::start(&down.path);

@@ -1,45 +1,23 @@
 //! Shared support for the integration suites: a fresh, migrated outbox schema per test,
-//! relays running in the background, and a TCP proxy that tests cut to simulate outages.
+//! relays running in the background, the conformance suite and the end-to-end scripts every
+//! broker runs. What does not need the outbox (service URLs, names, the proxy, broker
+//! helpers) is in `outbox-test-support`, re-exported here where the suites used it from.
 //!
 //! Every test talks to the real services. A server that is not there makes the test fail
 //! with a message naming it; nothing is skipped.
 
 pub mod conformance;
-pub mod kafka;
+pub mod end_to_end;
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{Backoff, CancellationToken, NewMessage, QueueStats, Sink, Worker, WorkerConfig};
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
+pub use outbox_test_support::{Proxy, Service, host_port, kafka, postgres_url, unique_name};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use tokio::net::{TcpListener, TcpStream};
-
-/// PostgreSQL for tests: `$OUTBOX_TEST_POSTGRES_URL`, or the local server's `test` database.
-pub fn postgres_url() -> String {
-    std::env::var("OUTBOX_TEST_POSTGRES_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_string())
-}
-
-/// A name no other test uses: `prefix`, an underscore and 16 random hex digits.
-pub fn unique_name(prefix: &str) -> String {
-    format!("{prefix}_{:016x}", fastrand::u64(..))
-}
-
-/// The `host:port` of a server URL such as `amqp://user:password@host:5672/vhost`, for
-/// putting a [`Proxy`] in front of it.
-pub fn host_port(url: &str) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let authority = rest.split('/').next().unwrap_or(rest);
-    authority
-        .rsplit('@')
-        .next()
-        .unwrap_or(authority)
-        .to_string()
-}
 
 /// Worker settings for tests: fast polling and short backoff.
 pub fn test_worker_config(worker_id: &str) -> WorkerConfig {
@@ -79,15 +57,13 @@ impl TestOutbox {
         adjust(&mut config);
         let storage = PgStorage::new(config).expect("valid test configuration");
         if let Err(error) = storage.migrate().await {
-            panic!(
-                "PostgreSQL must be running at {url} (start it with `cargo xtask services`): {error}"
-            );
+            Service::Postgres.missing(error);
         }
         let pool = PgPoolOptions::new()
             .max_connections(20)
             .connect(&url)
             .await
-            .unwrap_or_else(|e| panic!("PostgreSQL must be running at {url}: {e}"));
+            .unwrap_or_else(|e| Service::Postgres.missing(e));
         TestOutbox {
             table: storage.table().clone(),
             pool,
@@ -142,6 +118,56 @@ impl TestOutbox {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+    }
+
+    /// Waits until nothing is pending or in flight; panics at once, with the reasons, if
+    /// anything is dead-lettered meanwhile, and with the figures on time-out.
+    pub async fn drained_with_no_dead_letters(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let stats = self.stats().await;
+            if stats.dead_lettered > 0 {
+                panic!("dead-lettered: {:?}", self.dead_letters().await);
+            }
+            if stats.pending == 0 && stats.in_flight == 0 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not drained within {timeout:?}: {stats:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until `check` holds for the queue figures, polling; panics with `what` after
+    /// 30 s.
+    pub async fn wait_for(&self, what: &str, check: impl Fn(&QueueStats) -> bool) {
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let stats = self.stats().await;
+            if check(&stats) {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{what} within 30 s: {stats:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The receipts kept with the delivered rows (retention on), by message id.
+    pub async fn receipts(&self) -> HashMap<uuid::Uuid, String> {
+        sqlx::query_as::<_, (uuid::Uuid, String)>(&format!(
+            "SELECT id, receipt FROM {}",
+            self.table.qualified("_delivered")
+        ))
+        .fetch_all(&self.pool)
+        .await
+        .expect("delivered rows")
+        .into_iter()
+        .collect()
     }
 
     /// The attempts column of every message in the outbox, in enqueue order.
@@ -213,80 +239,5 @@ impl Relay {
     pub async fn stop(self) {
         self.shutdown.cancel();
         self.handle.await.expect("relay task panicked");
-    }
-}
-
-/// A TCP proxy in front of a real server, which a test cuts to simulate an outage without
-/// stopping the shared server.
-pub struct Proxy {
-    addr: SocketAddr,
-    up: Arc<AtomicBool>,
-    connections: Arc<Mutex<CancellationToken>>,
-    accept: tokio::task::JoinHandle<()>,
-}
-
-impl Proxy {
-    /// Listens on a free port of 127.0.0.1 and forwards to `target` (`host:port`).
-    pub async fn start(target: &str) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let addr = listener.local_addr().expect("proxy address");
-        let up = Arc::new(AtomicBool::new(true));
-        let connections = Arc::new(Mutex::new(CancellationToken::new()));
-        let target = target.to_string();
-        let accept = tokio::spawn({
-            let (up, connections) = (up.clone(), connections.clone());
-            async move {
-                while let Ok((mut inbound, _)) = listener.accept().await {
-                    if !up.load(Ordering::SeqCst) {
-                        drop(inbound); // cut: close at once
-                        continue;
-                    }
-                    let cut = connections.lock().expect("proxy lock").clone();
-                    let target = target.clone();
-                    tokio::spawn(async move {
-                        let Ok(mut outbound) = TcpStream::connect(&target).await else {
-                            return;
-                        };
-                        tokio::select! {
-                            _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
-                            _ = cut.cancelled() => {}
-                        }
-                    });
-                }
-            }
-        });
-        Proxy {
-            addr,
-            up,
-            connections,
-            accept,
-        }
-    }
-
-    /// The address clients should use instead of the server's: `127.0.0.1:port`.
-    pub fn addr(&self) -> String {
-        self.addr.to_string()
-    }
-
-    /// Drops every live connection and closes new ones at once.
-    pub fn cut(&self) {
-        self.up.store(false, Ordering::SeqCst);
-        let old = std::mem::replace(
-            &mut *self.connections.lock().expect("proxy lock"),
-            CancellationToken::new(),
-        );
-        old.cancel();
-    }
-
-    /// Lets connections through again.
-    pub fn restore(&self) {
-        self.up.store(true, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.accept.abort();
-        self.connections.lock().map(|c| c.cancel()).ok();
     }
 }

@@ -4,191 +4,170 @@
 //! broker errors. Each test uses topics of its own. Tests of the sink alone are in
 //! outbox-kafka/tests/broker.rs (tansu) and outbox-kafka/tests/mock.rs (mock cluster).
 
+use std::any::Any;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use outbox_core::{NewMessage, TraceContext};
+use async_trait::async_trait;
+use outbox_core::{NewMessage, Sink, Template};
 use outbox_kafka::rdkafka::mocking::MockCluster;
 use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
-use outbox_kafka::{HEADER_CREATED_AT, HEADER_TOPIC, KafkaConfig, KafkaSink};
-use outbox_tests::kafka::{Record, consume, create_topic, require_broker};
-use outbox_tests::{Proxy, TestOutbox, unique_name};
+use outbox_kafka::{KafkaConfig, KafkaSink, wire};
+use outbox_test_support::kafka::{
+    Record, Tansu, consume, consume_until, create_topic, require_broker,
+};
+use outbox_test_support::{Proxy, Service, free_addr, unique_name};
+use outbox_tests::TestOutbox;
+use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use uuid::Uuid;
 
 fn sink(config: KafkaConfig) -> Arc<KafkaSink> {
     Arc::new(KafkaSink::new(config).expect("valid sink configuration"))
 }
 
-/// Receipts kept with the delivered rows (retention on): id → `partition:offset`.
-async fn receipts(outbox: &TestOutbox) -> HashMap<Uuid, String> {
-    sqlx::query_as::<_, (Uuid, String)>(&format!(
-        "SELECT id, receipt FROM {}",
-        outbox.table.qualified("_delivered")
-    ))
-    .fetch_all(&outbox.pool)
-    .await
-    .expect("delivered rows")
-    .into_iter()
-    .collect()
+fn template(text: &str) -> Template {
+    Template::new(text).expect("a valid template")
+}
+
+/// The outbox id of a record.
+fn id(record: &Record) -> Uuid {
+    let id = record.header(wire::ID).expect("outbox-id header");
+    id.parse().expect("a UUID")
+}
+
+/// The sink under the end-to-end scripts: each destination is a topic of its own, of three
+/// partitions, per outbox topic.
+struct Kafka {
+    brokers: String,
+}
+
+impl Kafka {
+    fn new() -> Kafka {
+        Kafka {
+            brokers: require_broker(),
+        }
+    }
+}
+
+struct Topics {
+    brokers: String,
+    /// Outbox topic → Kafka topic.
+    topics: BTreeMap<String, String>,
+}
+
+#[async_trait]
+impl Fixture for Kafka {
+    type Native = Record;
+    type Destination = Topics;
+
+    const SERVICE: Service = Service::Kafka;
+
+    async fn destination(&self, topics: &[&str], via: Option<&str>) -> Topics {
+        let brokers = via.map_or_else(|| self.brokers.clone(), str::to_string);
+        let mut map = BTreeMap::new();
+        for topic in topics {
+            let kafka_topic = unique_name(topic);
+            create_topic(&brokers, &kafka_topic, 3).await;
+            map.insert(topic.to_string(), kafka_topic);
+        }
+        Topics {
+            brokers,
+            topics: map,
+        }
+    }
+
+    /// `via` is where the destination is: the proxy in front of a tansu of the test's own.
+    async fn sink(&self, topics: &Topics, via: Option<&str>) -> Arc<dyn Sink> {
+        let mut config = KafkaConfig::new(&topics.brokers);
+        for (outbox_topic, kafka_topic) in &topics.topics {
+            config = config.topic(outbox_topic, kafka_topic);
+        }
+        if via.is_some() {
+            config.publish_timeout = Duration::from_secs(3);
+            config.health_timeout = Duration::from_secs(1);
+        }
+        sink(config)
+    }
+
+    async fn read(&self, topics: &Topics, count: usize) -> Vec<Arrived<Record>> {
+        let names: Vec<&str> = topics.topics.values().map(String::as_str).collect();
+        let timeout = Duration::from_secs(60);
+        let records = consume_until(&topics.brokers, &names, 3, count, timeout).await;
+        assert!(
+            records.len() >= count,
+            "consumed {} of {count} records of {names:?} within {timeout:?}",
+            records.len()
+        );
+        records
+            .into_iter()
+            .map(|r| Arrived {
+                id: id(&r),
+                topic: r.header(wire::TOPIC).expect("outbox-topic header").into(),
+                key: r.key.clone(),
+                payload: r.payload.clone(),
+                headers: r.headers.clone(),
+                trace_context: trace_context(
+                    r.headers.get(wire::TRACEPARENT).cloned(),
+                    r.headers.get(wire::TRACESTATE).cloned(),
+                ),
+                // The receipt is where the record went.
+                receipt: Some(format!("{}:{}", r.partition, r.offset)),
+                native: r,
+            })
+            .collect()
+    }
+
+    /// Kafka clients connect to the address the broker advertises, not the one they were
+    /// given, so a proxy in front of the shared broker would be bypassed: behind this one is
+    /// a tansu of the test's own that advertises the proxy.
+    async fn proxy(&self) -> (Proxy, Box<dyn Any + Send>) {
+        let listen = free_addr();
+        let proxy = Proxy::start(&listen).await;
+        let log = std::env::temp_dir().join(format!("{}.log", unique_name("outbox-test-tansu")));
+        let tansu = Tansu::start(&listen, &proxy.addr(), log)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        (proxy, Box::new(tansu))
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trip_through_postgres_and_the_relay() {
-    let brokers = require_broker();
-    let topic = unique_name("orders");
-    let other = unique_name("users");
-    create_topic(&brokers, &topic, 3).await;
-    create_topic(&brokers, &other, 1).await;
-    let outbox = TestOutbox::with_config(|c| c.retention = Some(Duration::from_secs(3600))).await;
-    let messages = vec![
-        NewMessage::new("orders", (0..=255u8).rev().collect::<Vec<u8>>())
-            .key("order-1")
-            .header("content-type", "application/octet-stream")
-            .header("x-tenant", "acme")
-            .trace_context(TraceContext {
-                traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
-                tracestate: Some("rojo=00f067aa0ba902b7".into()),
-            }),
-        NewMessage::new("orders", vec![0xc3, 0x28, 0x00, 0xff]).key("order-2"),
-        NewMessage::json("orders", &BTreeMap::from([("order", 3)]))
-            .unwrap()
-            .key("order-1"),
-        NewMessage::new("users", "no key, other topic"),
-    ];
-    outbox.enqueue(&messages).await;
-    let config = KafkaConfig::new(&brokers)
-        .topic("orders", &topic)
-        .topic("users", &other);
-    let relay = outbox.relay("kafka-w1", sink(config));
-    outbox.wait_until_drained(Duration::from_secs(30)).await;
-    relay.stop().await;
-    assert_eq!(outbox.stats().await.dead_lettered, 0);
-
-    let orders = consume(&brokers, &topic, 3, 3, Duration::from_secs(20)).await;
-    let users = consume(&brokers, &other, 1, 1, Duration::from_secs(20)).await;
-    assert_eq!(orders.len(), 3, "each once: {orders:?}");
-    assert_eq!(users.len(), 1, "each once: {users:?}");
-    let order_1: Vec<Uuid> = orders
-        .iter()
-        .filter(|r| r.key.as_deref() == Some("order-1"))
-        .map(Record::id)
-        .collect();
-    assert_eq!(
-        order_1,
-        [messages[0].id, messages[2].id],
-        "one key in enqueue order"
-    );
-
-    let kept = receipts(&outbox).await;
-    let by_id: HashMap<Uuid, &Record> = orders.iter().chain(&users).map(|r| (r.id(), r)).collect();
-    for message in &messages {
-        let record = by_id[&message.id];
-        assert_eq!(
-            record.payload, message.payload,
-            "payload bytes of {}",
-            message.id
-        );
-        assert_eq!(record.key, message.key, "key of {}", message.id);
-        assert_eq!(record.headers[HEADER_TOPIC], message.topic);
-        let created =
-            chrono::DateTime::parse_from_rfc3339(&record.headers[HEADER_CREATED_AT]).unwrap();
+    for (message, got) in end_to_end::round_trip(&Kafka::new()).await {
+        let created = got
+            .native
+            .header(wire::CREATED_AT)
+            .expect("created-at header");
+        let created = chrono::DateTime::parse_from_rfc3339(created).expect("RFC 3339");
         assert_eq!(
             created.timestamp_micros(),
             message.created_at.timestamp_micros()
         );
-        for (name, value) in &message.headers {
-            assert_eq!(
-                record.headers.get(name),
-                Some(value),
-                "header {name} of {}",
-                message.id
-            );
-        }
-        assert_eq!(
-            kept[&message.id],
-            format!("{}:{}", record.partition, record.offset),
-            "the receipt is partition:offset"
-        );
     }
-    let first = by_id[&messages[0].id];
-    assert_eq!(
-        first.headers["traceparent"],
-        "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
-    );
-    assert_eq!(first.headers["tracestate"], "rojo=00f067aa0ba902b7");
-    assert!(!by_id[&messages[3].id].headers.contains_key("traceparent"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn per_key_order_over_5000_messages_and_50_keys_with_two_relays() {
-    const MESSAGES: usize = 5_000;
-    const KEYS: usize = 50;
-    let brokers = require_broker();
-    let topic = unique_name("order");
-    create_topic(&brokers, &topic, 3).await;
-    let outbox = TestOutbox::new().await;
-    let messages: Vec<NewMessage> = (0..MESSAGES)
-        .map(|i| NewMessage::new("t", format!("{i}")).key(format!("k{}", i % KEYS)))
-        .collect();
-    for chunk in messages.chunks(500) {
-        outbox.enqueue(chunk).await;
-    }
-    let config = KafkaConfig::new(&brokers).topic_template(&topic);
-    let started = Instant::now();
-    let relays = [
-        outbox.relay("kafka-a", sink(config.clone())),
-        outbox.relay("kafka-b", sink(config)),
-    ];
-    outbox.wait_until_drained(Duration::from_secs(180)).await;
-    let elapsed = started.elapsed();
-    for relay in relays {
-        relay.stop().await;
-    }
-    assert_eq!(outbox.stats().await.dead_lettered, 0);
-
-    let records = consume(&brokers, &topic, 3, MESSAGES, Duration::from_secs(60)).await;
-    assert_eq!(records.len(), MESSAGES, "every message once");
-    let ids: HashSet<Uuid> = records.iter().map(Record::id).collect();
-    assert_eq!(
-        ids,
-        messages.iter().map(|m| m.id).collect(),
-        "no duplicates, none missing"
-    );
-    let mut by_key: BTreeMap<String, Vec<&Record>> = BTreeMap::new();
-    for record in &records {
-        by_key
-            .entry(record.key.clone().expect("keyed"))
+    let arrived = end_to_end::per_key_order_with_two_relays(&Kafka::new()).await;
+    let mut partitions: BTreeMap<&str, HashSet<i32>> = BTreeMap::new();
+    for a in &arrived {
+        let key = a.key.as_deref().expect("keyed");
+        partitions
+            .entry(key)
             .or_default()
-            .push(record);
+            .insert(a.native.partition);
     }
-    assert_eq!(by_key.len(), KEYS);
-    let partitions: HashSet<i32> = records.iter().map(|r| r.partition).collect();
-    assert_eq!(partitions.len(), 3, "50 keys spread over the 3 partitions");
-    for (key, records) in &by_key {
-        assert!(
-            records.iter().all(|r| r.partition == records[0].partition),
-            "key {key} in one partition"
-        );
-        let seqs: Vec<usize> = records
-            .iter()
-            .map(|r| {
-                String::from_utf8(r.payload.clone())
-                    .unwrap()
-                    .parse()
-                    .unwrap()
-            })
-            .collect();
-        let expected: Vec<usize> = (0..MESSAGES)
-            .filter(|i| format!("k{}", i % KEYS) == *key)
-            .collect();
-        assert_eq!(seqs, expected, "key {key} in enqueue order");
+    for (key, of_key) in &partitions {
+        assert_eq!(of_key.len(), 1, "key {key} in one partition");
     }
-    println!(
-        "kafka (tansu): {MESSAGES} messages, {KEYS} keys, 3 partitions, 2 relays: {elapsed:?} ({:.0} messages/s)",
-        MESSAGES as f64 / elapsed.as_secs_f64()
-    );
+    let used: HashSet<i32> = arrived.iter().map(|a| a.native.partition).collect();
+    assert_eq!(used.len(), 3, "50 keys spread over the 3 partitions");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn outage_charges_no_attempt_and_everything_arrives_once_back() {
+    end_to_end::outage(&Kafka::new()).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,182 +207,9 @@ async fn too_large_and_unknown_topic_are_dead_lettered_and_the_rest_flow() {
         dead[&lost.id]
     );
     let records = consume(&brokers, &topic, 1, fine.len(), Duration::from_secs(20)).await;
-    let ids: HashSet<Uuid> = records.iter().map(Record::id).collect();
+    let ids: HashSet<Uuid> = records.iter().map(id).collect();
     assert_eq!(records.len(), fine.len());
     assert_eq!(ids, fine.iter().map(|m| m.id).collect());
-}
-
-/// A tansu of this test's own, killed on drop.
-struct OwnTansu {
-    child: std::process::Child,
-    log: PathBuf,
-}
-
-impl Drop for OwnTansu {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// tansu: `$OUTBOX_TEST_TANSU`, else ~/.cargo/bin/tansu (where `cargo xtask services`
-/// installs it), else `tansu` on the PATH.
-fn tansu_binary() -> PathBuf {
-    if let Some(path) = std::env::var_os("OUTBOX_TEST_TANSU") {
-        return path.into();
-    }
-    let home = std::env::var_os("CARGO_HOME")
-        .map(PathBuf::from)
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cargo")));
-    match home.map(|h| h.join("bin").join("tansu")) {
-        Some(path) if path.is_file() => path,
-        _ => PathBuf::from("tansu"),
-    }
-}
-
-/// `127.0.0.1:port` with a port that was free a moment ago.
-fn free_addr() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    listener.local_addr().expect("its address").to_string()
-}
-
-/// Starts tansu listening on `listen` and telling clients to connect to `advertised`.
-async fn start_own_tansu(listen: &str, advertised: &str) -> OwnTansu {
-    let log = std::env::temp_dir().join(format!("{}.log", unique_name("outbox-test-tansu")));
-    let binary = tansu_binary();
-    let child = std::process::Command::new(&binary)
-        .args(["broker", "--listener-url", &format!("tcp://{listen}")])
-        .args(["--advertised-listener-url", &format!("tcp://{advertised}")])
-        .args(["--storage-engine", "memory://tansu/"])
-        .stdout(std::fs::File::create(&log).expect("tansu log"))
-        .stderr(std::fs::File::create(&log).expect("tansu log"))
-        .spawn()
-        .unwrap_or_else(|e| {
-            panic!(
-                "tansu must be installed ({}; `cargo xtask services` installs it): {e}",
-                binary.display()
-            )
-        });
-    let tansu = OwnTansu { child, log };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while tokio::net::TcpStream::connect(listen).await.is_err() {
-        assert!(
-            Instant::now() < deadline,
-            "tansu did not listen on {listen} within 20 s; see {}",
-            tansu.log.display()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tansu
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn outage_charges_no_attempt_and_everything_arrives_once_back() {
-    // Kafka clients connect to the address the broker advertises, not the one they were
-    // given, so a proxy in front of the shared broker would be bypassed: this test runs a
-    // tansu of its own that advertises the proxy.
-    let outbox = TestOutbox::new().await;
-    let listen = free_addr();
-    let proxy = Proxy::start(&listen).await;
-    let _tansu = start_own_tansu(&listen, &proxy.addr()).await;
-    let brokers = proxy.addr();
-    let topic = unique_name("outage");
-    create_topic(&brokers, &topic, 3).await;
-
-    let mut config = KafkaConfig::new(&brokers).topic_template(&topic);
-    config.delivery_timeout = Duration::from_secs(3);
-    config.health_timeout = Duration::from_secs(1);
-    let relay = outbox.relay("kafka-outage", sink(config));
-    let first: Vec<NewMessage> = (0..50)
-        .map(|i| NewMessage::new("t", format!("{i}")).key(format!("k{}", i % 5)))
-        .collect();
-    outbox.enqueue(&first).await;
-    outbox.wait_until_drained(Duration::from_secs(30)).await;
-
-    proxy.cut();
-    let second: Vec<NewMessage> = (50..250)
-        .map(|i| NewMessage::new("t", format!("{i}")).key(format!("k{}", i % 5)))
-        .collect();
-    outbox.enqueue(&second).await;
-    // A batch claimed before the relay noticed the cut fails within the delivery time-out
-    // (plus the sink's 5 s grace) and is released; after that the health gate holds.
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    wait_for(&outbox, "the batch in flight released", |s| {
-        s.in_flight == 0
-    })
-    .await;
-    let stats = outbox.stats().await;
-    assert_eq!(stats.pending, 200, "nothing delivered while cut: {stats:?}");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
-    let attempts = outbox.attempts().await;
-    assert_eq!(attempts.len(), 200);
-    assert!(
-        attempts.iter().all(|&a| a == 0),
-        "an outage charges no attempt: {attempts:?}"
-    );
-
-    proxy.restore();
-    drained_with_no_dead_letters(&outbox, Duration::from_secs(60)).await;
-    relay.stop().await;
-    assert_eq!(outbox.stats().await.dead_lettered, 0);
-    let records = consume(&brokers, &topic, 3, 250, Duration::from_secs(30)).await;
-    assert_eq!(records.len(), 250, "everything delivered once");
-    let ids: HashSet<Uuid> = records.iter().map(Record::id).collect();
-    assert_eq!(ids, first.iter().chain(&second).map(|m| m.id).collect());
-    let mut by_key: BTreeMap<&str, Vec<usize>> = BTreeMap::new();
-    for r in &records {
-        let seq = String::from_utf8(r.payload.clone())
-            .unwrap()
-            .parse()
-            .unwrap();
-        by_key
-            .entry(r.key.as_deref().unwrap())
-            .or_default()
-            .push(seq);
-    }
-    for (key, seqs) in by_key {
-        assert!(
-            seqs.is_sorted(),
-            "key {key} in enqueue order across the outage: {seqs:?}"
-        );
-    }
-}
-
-/// Waits until nothing is pending or in flight; panics at once, with the reasons, if
-/// anything is dead-lettered meanwhile.
-async fn drained_with_no_dead_letters(outbox: &TestOutbox, timeout: Duration) {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let stats = outbox.stats().await;
-        if stats.dead_lettered > 0 {
-            panic!("dead-lettered: {:?}", outbox.dead_letters().await);
-        }
-        if stats.pending == 0 && stats.in_flight == 0 {
-            return;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "not drained within {timeout:?}: {stats:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Waits until `check` holds for the outbox, polling; panics with `what` on time-out.
-async fn wait_for(
-    outbox: &TestOutbox,
-    what: &str,
-    check: impl Fn(&outbox_core::QueueStats) -> bool,
-) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let stats = outbox.stats().await;
-        if check(&stats) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "{what} within 30 s: {stats:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
 }
 
 /// librdkafka's mock cluster injects what tansu cannot: broker errors on produce requests.
@@ -416,9 +222,9 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
     mock.create_topic(&topic, 1, 1).expect("mock topic");
     let outbox = TestOutbox::with_config(|c| c.retention = Some(Duration::from_secs(3600))).await;
     let mut config = KafkaConfig::new(&servers)
-        .topic_template(&topic)
+        .topic_template(template(&topic))
         .property("retry.backoff.ms", "10");
-    config.delivery_timeout = Duration::from_secs(5);
+    config.publish_timeout = Duration::from_secs(5);
     let relay = outbox.relay("kafka-mock", sink(config));
 
     // Retryable broker errors (and a dropped connection): librdkafka retries them within
@@ -463,10 +269,11 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
         let message = NewMessage::new("t", reason).key(reason);
         let dead_before = outbox.stats().await.dead_lettered;
         outbox.enqueue(std::slice::from_ref(&message)).await;
-        wait_for(&outbox, &format!("{reason} dead-lettered"), |s| {
-            s.dead_lettered == dead_before + 1 && s.pending == 0 && s.in_flight == 0
-        })
-        .await;
+        outbox
+            .wait_for(&format!("{reason} dead-lettered"), |s| {
+                s.dead_lettered == dead_before + 1 && s.pending == 0 && s.in_flight == 0
+            })
+            .await;
         doomed.push((message.id, reason));
     }
     let after = NewMessage::new("t", "after the refusals").key("after");
@@ -499,7 +306,7 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
     assert_eq!(attempts[&after.id], 0);
 
     let records = consume(&servers, &topic, 1, 12, Duration::from_secs(20)).await;
-    let ids: Vec<Uuid> = records.iter().map(Record::id).collect();
+    let ids: Vec<Uuid> = records.iter().map(id).collect();
     let expected: HashSet<Uuid> = retried
         .iter()
         .chain([&desync, &after])
@@ -507,10 +314,10 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
         .collect();
     assert_eq!(ids.len(), expected.len(), "once each: {records:?}");
     assert_eq!(ids.into_iter().collect::<HashSet<_>>(), expected);
-    let receipts = receipts(&outbox).await;
+    let receipts = outbox.receipts().await;
     for record in &records {
         assert_eq!(
-            receipts[&record.id()],
+            receipts[&id(record)],
             format!("{}:{}", record.partition, record.offset)
         );
     }
@@ -534,7 +341,7 @@ impl Harness {
 
     fn config(brokers: &str) -> KafkaConfig {
         let mut config = KafkaConfig::new(brokers);
-        config.delivery_timeout = Self::DELIVERY;
+        config.publish_timeout = Self::DELIVERY;
         config.health_timeout = Self::DELIVERY;
         config
     }
@@ -561,9 +368,9 @@ impl outbox_tests::conformance::SinkHarness for Harness {
         destination: &outbox_tests::conformance::Destination,
         at_least: usize,
     ) -> Vec<outbox_tests::conformance::Received> {
-        let mut records = outbox_tests::kafka::consume_until(
+        let mut records = consume_until(
             &self.brokers,
-            &destination.topic,
+            &[&destination.topic],
             3,
             at_least,
             Duration::from_secs(10),

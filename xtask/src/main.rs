@@ -7,6 +7,9 @@
 //! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]`: `services`, then the
 //!   relay binary with every sink (debug build), then the chaos run against it (docs/chaos.md).
 
+#[cfg(test)]
+mod tidy;
+
 use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};

@@ -531,8 +531,8 @@ fn a_lease_shorter_than_the_worst_batch_is_refused_naming_both_settings() {
     .err()
     .expect("8 rounds of 10 s do not fit a 60 s lease");
     assert_eq!(err.kind(), ErrorKind::Config);
-    let text = err.to_string();
-    for needle in ["relay.lease", "relay.batch_size", "80s"] {
+    let text = err.in_section("relay").to_string();
+    for needle in ["relay.lease is 60s", "(batch_size)", "80s"] {
         assert!(text.contains(needle), "{needle} missing from: {text}");
     }
     // Without per-key order a batch is one round.

@@ -16,7 +16,7 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use outbox::{Backoff, WorkerConfig, redact_url};
+use outbox::{WorkerConfig, redact_url};
 use outbox_postgres::PostgresConfig;
 use serde::Deserialize;
 use toml::{Table, Value};
@@ -48,6 +48,10 @@ pub struct Config {
 #[derive(Debug, Clone)]
 pub struct RelayDef {
     pub name: String,
+    /// Where its settings sit in the file, for errors found later (`relay`, `relay[orders]`).
+    pub key: String,
+    /// Where its sink's settings sit (`sink`, `relay[orders].sink`).
+    pub sink_key: String,
     /// Create or upgrade the tables when the relay starts.
     pub migrate: bool,
     pub storage: PostgresConfig,
@@ -97,48 +101,8 @@ pub enum LogFormat {
     Json,
 }
 
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct StorageSection {
-    url: Option<String>,
-    schema: Option<String>,
-    table: Option<String>,
-    max_connections: Option<u32>,
-    #[serde(default, with = "humantime_serde")]
-    connect_timeout: Option<Duration>,
-    /// Run `migrate` when the relay starts.
-    migrate: Option<bool>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RelaySettings {
-    batch_size: Option<usize>,
-    #[serde(default, with = "humantime_serde")]
-    poll_interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    lease: Option<Duration>,
-    max_attempts: Option<u32>,
-    backoff: Option<BackoffSettings>,
-    #[serde(default, with = "humantime_serde")]
-    shutdown_timeout: Option<Duration>,
-    per_key_order: Option<bool>,
-    max_per_key: Option<usize>,
-    wakeup: Option<bool>,
-    #[serde(default, with = "humantime_serde")]
-    retention: Option<Duration>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct BackoffSettings {
-    #[serde(default, with = "humantime_serde")]
-    initial: Option<Duration>,
-    #[serde(default, with = "humantime_serde")]
-    max: Option<Duration>,
-    multiplier: Option<f64>,
-    jitter: Option<f64>,
-}
+/// Keys that used to sit in `[relay]` and are settings of the storage now.
+const MOVED_TO_STORAGE: [&str; 4] = ["per_key_order", "max_per_key", "wakeup", "retention"];
 
 /// Reads, overrides from the environment and validates the configuration in `path`.
 pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
@@ -289,21 +253,22 @@ pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
         let Value::Table(mut block) = block else {
             unreachable!("blocks are tables")
         };
+        let (storage_key, sink_key) = if name == "default" {
+            ("storage".to_string(), "sink".to_string())
+        } else {
+            (format!("{key}.storage"), format!("{key}.sink"))
+        };
         let storage = merge(storage_defaults.clone(), block.remove("storage"));
         let sink = block.remove("sink").or_else(|| sink_default.clone());
-        let settings: RelaySettings = typed(&key, Value::Table(block))?;
-        let storage_key = if name == "default" {
-            "storage".to_string()
-        } else {
-            format!("{key}.storage")
-        };
-        let storage: StorageSection = typed(&storage_key, storage)?;
         relays.push(relay_def(
             &name,
-            &key,
-            &storage_key,
+            Section {
+                relay: key,
+                storage: storage_key,
+                sink: sink_key,
+            },
+            block,
             storage,
-            settings,
             sink,
         )?);
     }
@@ -325,76 +290,83 @@ fn merge(base: Value, over: Option<Value>) -> Value {
     }
 }
 
+/// Where one relay's sections sit in the file, for naming keys in errors.
+struct Section {
+    relay: String,
+    storage: String,
+    sink: String,
+}
+
+/// A library configuration error, placed in `section` of the file.
+fn placed(section: &str) -> impl Fn(outbox::Error) -> ConfigError + '_ {
+    move |error| err(error.in_section(section).message())
+}
+
+/// The TOML table as the JSON value the libraries deserialise from.
+fn json(table: Table) -> Result<serde_json::Value, ConfigError> {
+    serde_json::to_value(Value::Table(table)).map_err(|e| err(format!("cannot convert: {e}")))
+}
+
 fn relay_def(
     name: &str,
-    key: &str,
-    storage_key: &str,
-    storage: StorageSection,
-    settings: RelaySettings,
+    section: Section,
+    settings: Table,
+    storage: Value,
     sink: Option<Value>,
 ) -> Result<RelayDef, ConfigError> {
-    let url = storage
-        .url
-        .ok_or_else(|| err(format!("{storage_key}.url is missing: give the PostgreSQL URL, e.g. postgres://user@127.0.0.1:5432/app")))?;
-    let mut postgres = PostgresConfig::new(url);
-    postgres.schema = storage.schema.unwrap_or(postgres.schema);
-    postgres.table = storage.table.unwrap_or(postgres.table);
-    postgres.max_connections = storage.max_connections.unwrap_or(postgres.max_connections);
-    postgres.connect_timeout = storage.connect_timeout.unwrap_or(postgres.connect_timeout);
-    postgres.per_key_order = settings.per_key_order.unwrap_or(postgres.per_key_order);
-    postgres.max_per_key = settings.max_per_key.unwrap_or(postgres.max_per_key);
-    postgres.wakeup = settings.wakeup.unwrap_or(postgres.wakeup);
-    postgres.retention = settings.retention;
-    postgres
-        .validate()
-        .map_err(|e| err(e.message().replace("storage.", &format!("{storage_key}."))))?;
-
-    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
-    let mut worker = WorkerConfig::new(format!("{name}@{host}:{}", std::process::id()));
-    worker.batch_size = settings.batch_size.unwrap_or(worker.batch_size);
-    worker.poll_interval = settings.poll_interval.unwrap_or(worker.poll_interval);
-    worker.lease = settings.lease.unwrap_or(worker.lease);
-    worker.max_attempts = settings.max_attempts.unwrap_or(worker.max_attempts);
-    worker.shutdown_timeout = settings.shutdown_timeout.unwrap_or(worker.shutdown_timeout);
-    if let Some(b) = settings.backoff {
-        let d = Backoff::default();
-        worker.backoff = Backoff {
-            initial: b.initial.unwrap_or(d.initial),
-            max: b.max.unwrap_or(d.max),
-            multiplier: b.multiplier.unwrap_or(d.multiplier),
-            jitter: b.jitter.unwrap_or(d.jitter),
-        };
+    if let Some(moved) = MOVED_TO_STORAGE.iter().find(|k| settings.contains_key(**k)) {
+        return Err(err(format!(
+            "{}.{moved} is a setting of the storage: move it to [{}] (`{}.{moved}`)",
+            section.relay, section.storage, section.storage
+        )));
     }
-    worker
-        .validate()
-        .map_err(|e| err(format!("{key}.{}", e.message())))?;
+    let Value::Table(mut storage) = storage else {
+        return Err(err(format!("{} must be a table", section.storage)));
+    };
+    let migrate = match storage.remove("migrate") {
+        None => false,
+        Some(Value::Boolean(migrate)) => migrate,
+        Some(other) => {
+            return Err(err(format!(
+                "{}.migrate must be true or false, not a {}",
+                section.storage,
+                other.type_str()
+            )));
+        }
+    };
+    let postgres = PostgresConfig::from_value(json(storage)?).map_err(placed(&section.storage))?;
 
+    let mut worker: WorkerConfig =
+        outbox::config::from_value(json(settings)?).map_err(placed(&section.relay))?;
+    let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
+    worker.worker_id = format!("{name}@{host}:{}", std::process::id());
+    worker.validate().map_err(placed(&section.relay))?;
+
+    let types = crate::sinks::registry().names().join("\", \"");
     let Some(Value::Table(mut sink)) = sink else {
         return Err(err(format!(
-            "{}: the sink section is missing; add [sink] with type = \"redis\", \"amqp\", \"kafka\" or \"nats\"",
-            if name == "default" {
-                "sink".to_string()
-            } else {
-                format!("{key}.sink")
-            }
+            "{}: the sink section is missing; add [sink] with type = \"{types}\"",
+            section.sink
         )));
     };
     let sink_type = match sink.remove("type") {
         Some(Value::String(t)) => t,
         _ => {
-            return Err(err(
-                "sink.type is missing: set it to \"redis\", \"amqp\", \"kafka\" or \"nats\"",
-            ));
+            return Err(err(format!(
+                "{}.type is missing: set it to one of \"{types}\"",
+                section.sink
+            )));
         }
     };
-    let sink = serde_json::to_value(Value::Table(sink)).map_err(|e| err(format!("sink: {e}")))?;
     Ok(RelayDef {
         name: name.to_string(),
-        migrate: storage.migrate.unwrap_or(false),
+        key: section.relay,
+        sink_key: section.sink,
+        migrate,
         storage: postgres,
         worker,
         sink_type,
-        sink,
+        sink: json(sink)?,
     })
 }
 
@@ -438,6 +410,14 @@ mod tests {
             ("[storage]\nurl = \"postgres://h/db\"\n".to_string(), "sink section is missing"),
             (format!("{MINIMAL}[observability]\nlog_format = \"xml\"\n"), "observability.log_format"),
             (format!("{MINIMAL}[extra]\n"), "unknown section `extra`"),
+            (format!("{MINIMAL}[relay]\nbackoff = {{ initial = \"2s\", max = \"1s\" }}\n"), "relay.backoff.max must be at least initial"),
+            (format!("{MINIMAL}[relay]\nbackoff = {{ maximum = \"1s\" }}\n"), "relay.backoff.maximum: unknown field"),
+            (format!("{MINIMAL}[relay]\nretention = \"1h\"\n"), "relay.retention is a setting of the storage: move it to [storage] (`storage.retention`)"),
+            (MINIMAL.replace("[sink]", "retention = \"0s\"\n[sink]"), "storage.retention is 0"),
+            (MINIMAL.replace("[sink]", "max_per_key = 0\n[sink]"), "storage.max_per_key is 0"),
+            (MINIMAL.replace("[sink]", "migrate = \"yes\"\n[sink]"), "storage.migrate must be true or false"),
+            (MINIMAL.replace("[sink]", "max_connections = \"four\"\n[sink]"), "storage.max_connections: invalid type"),
+            ("[storage]\nurl = \"postgres://h/db\"\n[[relay]]\nname = \"orders\"\nstorage = { table = \"Orders\" }\n[relay.sink]\ntype = \"redis\"\n".to_string(), "relay[orders].storage.table `Orders` is not allowed"),
         ];
         for (text, expected) in cases {
             let error = parse_str(&text).unwrap_err().0;

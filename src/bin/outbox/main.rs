@@ -11,7 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Parser, Subcommand};
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 
 /// Exit code for a configuration error (EX_CONFIG from sysexits.h).
 const EXIT_CONFIG: u8 = 78;
@@ -22,7 +22,7 @@ const EXIT_FAILURE: u8 = 1;
 #[command(
     name = "outbox",
     version,
-    about = "Transactional outbox relay: PostgreSQL to Redis Streams, RabbitMQ or Kafka"
+    about = "Transactional outbox relay: delivers the messages your transactions write to a broker"
 )]
 struct Cli {
     /// Configuration file (TOML).
@@ -125,7 +125,11 @@ impl From<outbox::Error> for Failure {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().after_help(sinks::help()).get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(error) => error.exit(),
+    };
     let config = match config::load(&cli.config) {
         Ok(config) => config,
         Err(error) => {

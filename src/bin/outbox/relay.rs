@@ -3,6 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox::metrics as names;
 use outbox::{CancellationToken, Sink, Storage, Worker};
 use outbox_postgres::PgStorage;
 
@@ -55,7 +56,7 @@ pub async fn build(
                     return Err(Failure::Config(format!(
                         "relay `{}`: {}",
                         def.name,
-                        error.message()
+                        error.in_section(&def.sink_key).message()
                     )));
                 }
                 (_, None) => {
@@ -81,7 +82,7 @@ pub async fn build(
             return Err(Failure::Config(format!(
                 "relay `{}`: {}",
                 def.name,
-                error.message()
+                error.in_section(&def.key).message()
             )));
         }
         relays.push(Relay {
@@ -130,6 +131,7 @@ pub async fn run(config: Config) -> Result<(), Failure> {
         tasks.push(tokio::spawn(async move { worker.run(token).await }));
         tasks.push(tokio::spawn(report_stats(
             relay.def.name.clone(),
+            relay.def.worker.worker_id.clone(),
             relay.storage.clone(),
             config.observability.summary_interval,
             shutdown.clone(),
@@ -165,9 +167,11 @@ async fn wait_for_signal() {
     }
 }
 
-/// Refreshes the queue gauges every few seconds and logs a summary now and then.
+/// Refreshes the queue gauges (labelled with the worker's id, as its own figures are) every
+/// few seconds and logs a summary now and then.
 async fn report_stats(
     name: String,
+    label: String,
     storage: Arc<PgStorage>,
     summary_every: Duration,
     shutdown: CancellationToken,
@@ -180,15 +184,15 @@ async fn report_stats(
                     .oldest_pending
                     .map(|t| (chrono_now() - t.timestamp_millis()).max(0) as f64 / 1000.0)
                     .unwrap_or(0.0);
-                metrics::gauge!("outbox_pending", "relay" => name.clone())
+                metrics::gauge!(names::PENDING, names::RELAY => label.clone())
                     .set(stats.pending as f64);
-                metrics::gauge!("outbox_in_flight", "relay" => name.clone())
+                metrics::gauge!(names::IN_FLIGHT, names::RELAY => label.clone())
                     .set(stats.in_flight as f64);
-                metrics::gauge!("outbox_dead_lettered", "relay" => name.clone())
+                metrics::gauge!(names::DEAD_LETTERED, names::RELAY => label.clone())
                     .set(stats.dead_lettered as f64);
-                metrics::gauge!("outbox_parked_keys", "relay" => name.clone())
+                metrics::gauge!(names::PARKED_KEYS, names::RELAY => label.clone())
                     .set(stats.parked_keys as f64);
-                metrics::gauge!("outbox_oldest_pending_age_seconds", "relay" => name.clone())
+                metrics::gauge!(names::OLDEST_PENDING_AGE_SECONDS, names::RELAY => label.clone())
                     .set(age);
                 if last_summary.elapsed() >= summary_every {
                     last_summary = tokio::time::Instant::now();

@@ -1,6 +1,20 @@
-//! The sinks compiled into this build, in a registry that configuration picks from.
+//! The backends this program knows of, in one list, and the sinks compiled into this build,
+//! in a registry that configuration picks from. `--help`, the configuration errors and the
+//! registry all read the lists below; the tidy test checks that they name every backend
+//! crate of the workspace.
 
 use outbox::SinkRegistry;
+
+/// Every storage type: its `[storage]` name and what it stores in.
+pub const STORAGES: [(&str, &str); 1] = [("postgres", "PostgreSQL")];
+
+/// Every sink type: its `[sink] type` name (also its cargo feature) and what it delivers to.
+pub const SINKS: [(&str, &str); 4] = [
+    ("redis", "Redis Streams"),
+    ("amqp", "AMQP 0-9-1, RabbitMQ"),
+    ("kafka", "Kafka"),
+    ("nats", "NATS JetStream"),
+];
 
 /// Every sink type this build has; the others are noted with the cargo feature that adds
 /// them, so asking for one says how to get it.
@@ -14,8 +28,26 @@ pub fn registry() -> SinkRegistry {
     outbox::kafka::register(&mut registry);
     #[cfg(feature = "nats")]
     outbox::nats::register(&mut registry);
-    for name in ["redis", "amqp", "kafka", "nats"] {
+    for (name, _) in SINKS {
         registry.note_missing(name, name);
     }
     registry
+}
+
+/// The backends for `--help`: every storage and sink, and which sinks this build has.
+pub fn help() -> String {
+    let list = |types: &[(&str, &str)]| {
+        types
+            .iter()
+            .map(|(name, what)| format!("{name} ({what})"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    format!(
+        "Storages: {}.\nSinks: {}.\nThis build has the sinks: {}; the others are added by the \
+         cargo feature of the same name.",
+        list(&STORAGES),
+        list(&SINKS),
+        registry().names().join(", ")
+    )
 }

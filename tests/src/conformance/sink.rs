@@ -47,7 +47,7 @@ pub struct Destination {
 ///
 ///     async fn destination(&self) -> Destination {
 ///         let topic = outbox_tests::unique_name("conformance");   // the stream is named after it
-///         let config = RedisConfig { command_timeout: self.timeout(), ..RedisConfig::new(&self.url) };
+///         let config = RedisConfig { publish_timeout: self.timeout(), ..RedisConfig::new(&self.url) };
 ///         Destination { sink: Arc::new(RedisSink::new(config).unwrap()), topic }
 ///     }
 ///
@@ -57,7 +57,7 @@ pub struct Destination {
 ///     }
 ///
 ///     async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
-///         let config = RedisConfig { command_timeout: self.timeout(), ..RedisConfig::new(format!("redis://{addr}")) };
+///         let config = RedisConfig { publish_timeout: self.timeout(), ..RedisConfig::new(format!("redis://{addr}")) };
 ///         Arc::new(RedisSink::new(config).unwrap())
 ///     }
 /// }

@@ -1,0 +1,49 @@
+//! The names of every metric the relay records, and of their labels, in one place: the
+//! worker and the binary record them under these names, docs/configuration.md lists them
+//! (a test checks that it lists each one), and dashboards can rely on them.
+
+/// Label: the relay the figure belongs to (the worker's `worker_id`).
+pub const RELAY: &str = "relay";
+/// Label: the message's topic.
+pub const TOPIC: &str = "topic";
+
+/// Counter (relay, topic): messages the sink accepted.
+pub const DELIVERED_TOTAL: &str = "outbox_delivered_total";
+/// Counter (relay, topic): failed attempts that will be retried.
+pub const RETRIED_TOTAL: &str = "outbox_retried_total";
+/// Counter (relay, topic): messages dead-lettered.
+pub const DEAD_LETTERED_TOTAL: &str = "outbox_dead_lettered_total";
+/// Counter (relay, topic): retried plus dead-lettered.
+pub const FAILED_TOTAL: &str = "outbox_failed_total";
+/// Histogram (relay): one publish call, a round of a batch, in seconds.
+pub const PUBLISH_DURATION_SECONDS: &str = "outbox_publish_duration_seconds";
+/// Histogram (relay): a batch from claim to recorded outcomes, in seconds.
+pub const BATCH_DURATION_SECONDS: &str = "outbox_batch_duration_seconds";
+/// Gauge (relay): 1 when the sink's last health check or publish succeeded, else 0.
+pub const SINK_UP: &str = "outbox_sink_up";
+/// Gauge (relay): messages waiting for delivery.
+pub const PENDING: &str = "outbox_pending";
+/// Gauge (relay): messages claimed by a relay right now.
+pub const IN_FLIGHT: &str = "outbox_in_flight";
+/// Gauge (relay): messages in the dead-letter table.
+pub const DEAD_LETTERED: &str = "outbox_dead_lettered";
+/// Gauge (relay): partition keys held back behind a dead letter.
+pub const PARKED_KEYS: &str = "outbox_parked_keys";
+/// Gauge (relay): age of the oldest pending message, in seconds.
+pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_oldest_pending_age_seconds";
+
+/// Every metric name above.
+pub const ALL: [&str; 12] = [
+    DELIVERED_TOTAL,
+    RETRIED_TOTAL,
+    DEAD_LETTERED_TOTAL,
+    FAILED_TOTAL,
+    PUBLISH_DURATION_SECONDS,
+    BATCH_DURATION_SECONDS,
+    SINK_UP,
+    PENDING,
+    IN_FLIGHT,
+    DEAD_LETTERED,
+    PARKED_KEYS,
+    OLDEST_PENDING_AGE_SECONDS,
+];

@@ -1,0 +1,188 @@
+//! RabbitMQ: a connection of the test's own that declares exchanges and queues and reads
+//! them back.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicConsumeOptions, BasicGetOptions, ExchangeDeclareOptions, QueueBindOptions,
+    QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use crate::{Service, unique_name};
+
+/// How long [`Broker::take`] waits for the messages it expects.
+pub const TAKE_DEADLINE: Duration = Duration::from_secs(60);
+/// How long [`Broker::take`] then waits for one more, which would be one too many.
+pub const EXTRA_WAIT: Duration = Duration::from_millis(500);
+
+/// RabbitMQ for tests: `$OUTBOX_TEST_AMQP_URL`, or the local server's default vhost.
+pub fn url() -> String {
+    Service::Amqp.url()
+}
+
+/// The test's own connection, to declare, bind and consume.
+pub struct Broker {
+    _connection: Connection,
+    /// A channel of the connection, for what the helpers do not cover.
+    pub channel: Channel,
+}
+
+impl Broker {
+    /// Connects to [`url`]; panics naming the server when it does not answer within 5 s.
+    pub async fn connect() -> Broker {
+        let url = url();
+        let connect = Connection::connect(&url, ConnectionProperties::default());
+        let connection = match tokio::time::timeout(Duration::from_secs(5), connect).await {
+            Ok(Ok(connection)) => connection,
+            Ok(Err(e)) => Service::Amqp.missing(e),
+            Err(_) => Service::Amqp.missing("no answer within 5 s"),
+        };
+        let channel = connection.create_channel().await.expect("open a channel");
+        Broker {
+            _connection: connection,
+            channel,
+        }
+    }
+
+    /// A fresh exchange, deleted by the broker once its last queue is gone.
+    pub async fn exchange(&self, kind: ExchangeKind) -> String {
+        let name = unique_name("outbox_test_x");
+        let options = ExchangeDeclareOptions {
+            auto_delete: true,
+            ..Default::default()
+        };
+        self.channel
+            .exchange_declare(name.as_str().into(), kind, options, FieldTable::default())
+            .await
+            .expect("declare exchange");
+        name
+    }
+
+    /// A fresh queue of this connection (gone when it closes), bound to `exchange` with
+    /// `binding`.
+    pub async fn queue(&self, exchange: &str, binding: &str) -> String {
+        let name = unique_name("outbox_test_q");
+        let options = QueueDeclareOptions {
+            exclusive: true,
+            ..Default::default()
+        };
+        self.channel
+            .queue_declare(name.as_str().into(), options, FieldTable::default())
+            .await
+            .expect("declare queue");
+        self.bind(&name, exchange, binding).await;
+        name
+    }
+
+    /// Binds `queue` to `exchange` with `binding`.
+    pub async fn bind(&self, queue: &str, exchange: &str, binding: &str) {
+        self.channel
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                binding.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .expect("bind queue");
+    }
+
+    /// Exactly `count` messages from `queue`, in queue order; panics if fewer arrive within
+    /// [`TAKE_DEADLINE`], or one more within [`EXTRA_WAIT`] after them.
+    pub async fn take(&self, queue: &str, count: usize) -> Vec<Delivery> {
+        let options = BasicConsumeOptions {
+            no_ack: true,
+            ..Default::default()
+        };
+        let tag = unique_name("c");
+        let mut consumer = self
+            .channel
+            .basic_consume(
+                queue.into(),
+                tag.as_str().into(),
+                options,
+                FieldTable::default(),
+            )
+            .await
+            .expect("consume");
+        let mut got = Vec::with_capacity(count);
+        let deadline = tokio::time::Instant::now() + TAKE_DEADLINE;
+        while got.len() < count {
+            match tokio::time::timeout_at(deadline, consumer.next()).await {
+                Ok(Some(delivery)) => got.push(delivery.expect("delivery")),
+                Ok(None) => panic!("consumer of {queue} ended after {} of {count}", got.len()),
+                Err(_) => panic!("only {} of {count} messages arrived in {queue}", got.len()),
+            }
+        }
+        if let Ok(Some(extra)) = tokio::time::timeout(EXTRA_WAIT, consumer.next()).await {
+            panic!("more messages than expected in {queue}: {extra:?}");
+        }
+        // Cancel at the broker, or it keeps delivering to this consumer after it is dropped
+        // and a later take on the same queue misses those messages.
+        self.channel
+            .basic_cancel(tag.as_str().into(), Default::default())
+            .await
+            .expect("cancel consumer");
+        got
+    }
+
+    /// Everything in `queue` once it held at least `at_least` messages (or `timeout` passed),
+    /// taken one by one with `basic.get`.
+    pub async fn get(&self, queue: &str, at_least: usize, timeout: Duration) -> Vec<Delivery> {
+        let mut got = Vec::new();
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let message = self
+                .channel
+                .basic_get(queue.into(), BasicGetOptions { no_ack: true })
+                .await
+                .expect("basic.get");
+            match message {
+                Some(message) => got.push(message.delivery),
+                None if got.len() >= at_least || tokio::time::Instant::now() >= deadline => break,
+                None => tokio::time::sleep(Duration::from_millis(20)).await,
+            }
+        }
+        got
+    }
+}
+
+/// A header value as the sink writes text: a long string.
+pub fn text(value: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(value))
+}
+
+/// The text headers of a delivery, by name.
+pub fn headers(delivery: &Delivery) -> BTreeMap<String, String> {
+    delivery
+        .properties
+        .headers()
+        .as_ref()
+        .map(|table| {
+            table
+                .inner()
+                .iter()
+                .filter_map(|(name, value)| match value {
+                    AMQPValue::LongString(s) => Some((name.to_string(), s.to_string())),
+                    _ => None,
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The `message_id` property of a delivery; panics when it has none.
+pub fn message_id(delivery: &Delivery) -> &str {
+    delivery
+        .properties
+        .message_id()
+        .as_ref()
+        .expect("message_id is set")
+        .as_str()
+}

@@ -1,0 +1,227 @@
+//! What the outbox test suites share, without depending on any backend: where the services
+//! are ([`Service`]), names no other test uses ([`unique_name`]), URL surgery for putting a
+//! proxy in front of a server ([`host_port`], [`through`]), and a TCP [`Proxy`] that cuts,
+//! stalls, holds and counts.
+//!
+//! Helpers for one broker are behind a feature of its name, each bringing that broker's
+//! client crate only: `redis`, `amqp`, `kafka`, `nats`.
+//!
+//! Every helper talks to the real services. A server that is not there makes it panic with
+//! a message naming the server, its address and how to start it; nothing is skipped.
+
+#[cfg(feature = "amqp")]
+pub mod amqp;
+#[cfg(feature = "kafka")]
+pub mod kafka;
+#[cfg(feature = "nats")]
+pub mod nats;
+mod proxy;
+#[cfg(feature = "redis")]
+pub mod redis;
+
+use std::fmt::Display;
+use std::time::Duration;
+
+pub use proxy::{Proxy, Traffic};
+
+/// A server the suites run against, on this machine unless its environment variable says
+/// otherwise. `cargo xtask services` starts them all.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Service {
+    Postgres,
+    Redis,
+    Amqp,
+    Nats,
+    /// A Kafka-protocol broker (tansu); its "URL" is a `host:port` bootstrap list.
+    Kafka,
+}
+
+impl Service {
+    /// The environment variable that points the suites at another server.
+    pub const fn env(self) -> &'static str {
+        match self {
+            Service::Postgres => "OUTBOX_TEST_POSTGRES_URL",
+            Service::Redis => "OUTBOX_TEST_REDIS_URL",
+            Service::Amqp => "OUTBOX_TEST_AMQP_URL",
+            Service::Nats => "OUTBOX_TEST_NATS_URL",
+            Service::Kafka => "OUTBOX_TEST_KAFKA_BROKERS",
+        }
+    }
+
+    /// The local server `cargo xtask services` starts.
+    pub const fn default_url(self) -> &'static str {
+        match self {
+            Service::Postgres => "postgres://postgres@127.0.0.1:5432/test",
+            Service::Redis => "redis://127.0.0.1:6379",
+            Service::Amqp => "amqp://guest:guest@127.0.0.1:5672/%2f",
+            Service::Nats => "nats://127.0.0.1:4222",
+            Service::Kafka => "127.0.0.1:9092",
+        }
+    }
+
+    /// A short name, for names of relays and reports: `redis`.
+    pub const fn id(self) -> &'static str {
+        match self {
+            Service::Postgres => "postgres",
+            Service::Redis => "redis",
+            Service::Amqp => "amqp",
+            Service::Nats => "nats",
+            Service::Kafka => "kafka",
+        }
+    }
+
+    /// What to call the server in a message.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Service::Postgres => "PostgreSQL",
+            Service::Redis => "Redis",
+            Service::Amqp => "RabbitMQ",
+            Service::Nats => "NATS with JetStream",
+            Service::Kafka => "Kafka (tansu)",
+        }
+    }
+
+    /// `$`[`Service::env`], or [`Service::default_url`].
+    pub fn url(self) -> String {
+        std::env::var(self.env()).unwrap_or_else(|_| self.default_url().to_string())
+    }
+
+    /// The `host:port` of the server (the first broker of a Kafka list).
+    pub fn addr(self) -> String {
+        let url = self.url();
+        host_port(url.split(',').next().unwrap_or_default().trim())
+    }
+
+    /// Panics with `error`, naming the server, its address and how to start it.
+    #[track_caller]
+    pub fn missing(self, error: impl Display) -> ! {
+        panic!(
+            "{} must be running at {} (start it with `cargo xtask services`, or set {}): {error}",
+            self.name(),
+            outbox_core::redact_url(&self.url()),
+            self.env()
+        )
+    }
+
+    /// The server's URL, once something accepts connections at its address; panics (see
+    /// [`Service::missing`]) when nothing does within 3 s.
+    #[track_caller]
+    pub fn require(self) -> String {
+        let addr = self.addr();
+        let connected = std::net::ToSocketAddrs::to_socket_addrs(&addr)
+            .and_then(|mut addrs| {
+                addrs
+                    .next()
+                    .ok_or_else(|| std::io::Error::other("no address"))
+            })
+            .and_then(|a| std::net::TcpStream::connect_timeout(&a, Duration::from_secs(3)));
+        if let Err(error) = connected {
+            self.missing(error);
+        }
+        self.url()
+    }
+}
+
+/// PostgreSQL for tests: `$OUTBOX_TEST_POSTGRES_URL`, or the local server's `test` database.
+pub fn postgres_url() -> String {
+    Service::Postgres.url()
+}
+
+/// A name no other test uses: `prefix`, an underscore and 16 random hex digits.
+pub fn unique_name(prefix: &str) -> String {
+    format!("{prefix}_{:016x}", fastrand::u64(..))
+}
+
+/// `127.0.0.1:port` with a port that was free a moment ago, for a server of the test's own.
+pub fn free_addr() -> String {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    listener.local_addr().expect("its address").to_string()
+}
+
+/// A URL's parts: scheme with its `://` (or empty), user info with its `@` (or empty),
+/// `host[:port]`, and the rest (path, query).
+fn url_parts(url: &str) -> (&str, &str, &str, &str) {
+    let (scheme, rest) = match url.find("://") {
+        Some(at) => url.split_at(at + 3),
+        None => ("", url),
+    };
+    let (authority, tail) = rest.split_at(rest.find(['/', '?', '#']).unwrap_or(rest.len()));
+    let (userinfo, host) = authority.split_at(authority.rfind('@').map_or(0, |at| at + 1));
+    (scheme, userinfo, host, tail)
+}
+
+/// The `host:port` a server URL such as `amqp://user:password@host:5672/vhost` names, with
+/// the scheme's usual port when it names none: where to point a [`Proxy`].
+pub fn host_port(url: &str) -> String {
+    let (scheme, _, host, _) = url_parts(url);
+    let has_port = host
+        .rsplit_once(':')
+        .is_some_and(|(_, port)| !port.is_empty() && !port.contains(']'));
+    let default = match scheme.trim_end_matches("://") {
+        "postgres" | "postgresql" => Some(5432),
+        "redis" | "rediss" => Some(6379),
+        "amqp" => Some(5672),
+        "amqps" => Some(5671),
+        "nats" | "tls" => Some(4222),
+        _ => None,
+    };
+    match default {
+        Some(port) if !has_port => format!("{host}:{port}"),
+        _ => host.to_string(),
+    }
+}
+
+/// `url` with its `host[:port]` replaced by `addr`: the same server, reached through the
+/// proxy at `addr`.
+pub fn through(url: &str, addr: &str) -> String {
+    let (scheme, userinfo, _, tail) = url_parts(url);
+    format!("{scheme}{userinfo}{addr}{tail}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_are_pointed_at_the_proxy() {
+        let url = "postgres://u:secret@db.local/test?sslmode=disable";
+        assert_eq!(
+            through(url, "127.0.0.1:4000"),
+            "postgres://u:secret@127.0.0.1:4000/test?sslmode=disable"
+        );
+        assert_eq!(host_port(url), "db.local:5432");
+        assert_eq!(host_port("postgres://h:6543/x"), "h:6543");
+        assert_eq!(through("postgres://h/x", "p:1"), "postgres://p:1/x");
+        let amqp = "amqp://guest:guest@127.0.0.1:5672/%2f";
+        assert_eq!(host_port(amqp), "127.0.0.1:5672");
+        assert_eq!(
+            through(amqp, "127.0.0.1:1"),
+            "amqp://guest:guest@127.0.0.1:1/%2f"
+        );
+        assert_eq!(host_port("redis://127.0.0.1"), "127.0.0.1:6379");
+        assert_eq!(host_port("nats://[::1]"), "[::1]:4222");
+        assert_eq!(host_port("nats://[::1]:4333"), "[::1]:4333");
+        assert_eq!(host_port("127.0.0.1:9092"), "127.0.0.1:9092");
+    }
+
+    #[test]
+    fn every_service_has_a_local_default() {
+        for service in [
+            Service::Postgres,
+            Service::Redis,
+            Service::Amqp,
+            Service::Nats,
+            Service::Kafka,
+        ] {
+            let addr = host_port(service.default_url());
+            assert!(addr.starts_with("127.0.0.1:"), "{service:?}: {addr}");
+        }
+    }
+
+    #[test]
+    fn unique_names_differ() {
+        let (a, b) = (unique_name("t"), unique_name("t"));
+        assert_ne!(a, b);
+        assert!(a.starts_with("t_") && a.len() == 18, "{a}");
+    }
+}
