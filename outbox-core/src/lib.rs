@@ -1,6 +1,7 @@
 #![doc = include_str!("../README.md")]
 #![deny(missing_docs)]
 
+mod admin;
 mod backoff;
 pub mod config;
 mod error;
@@ -16,12 +17,13 @@ pub mod memory;
 #[cfg(feature = "runner")]
 mod worker;
 
+pub use admin::{DeadLetterFilter, DeadLetterRow, ParkedKey, StorageAdmin, TopicStats};
 pub use backoff::Backoff;
 pub use config::Template;
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Message, NewMessage, TraceContext};
 pub use redact::redact_url;
-pub use registry::{BoxFuture, SinkFactory, SinkRegistry};
+pub use registry::{BoxFuture, Factory, Registry, SinkFactory, SinkRegistry, StorageRegistry};
 pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
 pub use storage::{
     Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Settlement, Storage,

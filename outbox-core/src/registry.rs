@@ -1,43 +1,69 @@
-//! The run-time registry of sink types: configuration names a type, the registry builds it.
-//! Each sink crate exports its type name and a `register` function, so a third-party crate
-//! plugs in without editing ours.
+//! The run-time registries of sink and storage types: configuration names a type, the
+//! registry builds it. Each backend crate exports its type name and a `register` function,
+//! so a third-party crate plugs in without editing ours.
 
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::{Error, Result, Sink};
+use crate::{Error, Result, Sink, StorageAdmin};
 
-/// A boxed future, as returned by a [`SinkFactory`].
+/// A boxed future, as returned by a [`Factory`].
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send + 'static>>;
 
-/// Builds a sink from its configuration (the `[sink]` table of the relay's configuration,
-/// without `type`, as JSON). Must validate the configuration and return a `Config` error
-/// keyed by the bad setting inside the section ([`Error::setting`], or
-/// [`config::from_value`](crate::config::from_value) which does so); the caller adds the
+/// Builds a backend from its configuration section (the `[sink]` or `[storage]` table of
+/// the relay's configuration, without `type`, as JSON). Must validate the configuration and
+/// return a `Config` error keyed by the bad setting inside the section ([`Error::setting`],
+/// or [`config::from_value`](crate::config::from_value) which does so); the caller adds the
 /// section.
-pub type SinkFactory =
-    Arc<dyn Fn(serde_json::Value) -> BoxFuture<Result<Arc<dyn Sink>>> + Send + Sync>;
+pub type Factory<T> = Arc<dyn Fn(serde_json::Value) -> BoxFuture<Result<Arc<T>>> + Send + Sync>;
+
+/// Builds a sink: see [`Factory`].
+pub type SinkFactory = Factory<dyn Sink>;
 
 /// Sink types known to this process, by name.
-#[derive(Clone, Default)]
-pub struct SinkRegistry {
-    factories: BTreeMap<String, SinkFactory>,
+pub type SinkRegistry = Registry<dyn Sink>;
+
+/// Storage types known to this process, by name. A storage is built as a
+/// [`StorageAdmin`], which is also the [`Storage`](crate::Storage) the worker runs on.
+pub type StorageRegistry = Registry<dyn StorageAdmin>;
+
+/// Backend types of one kind (sinks or storages) known to this process, by name.
+pub struct Registry<T: ?Sized> {
+    factories: BTreeMap<String, Factory<T>>,
     /// Types that exist but were not compiled in, with the cargo feature that adds each.
     missing: BTreeMap<String, String>,
 }
 
-impl std::fmt::Debug for SinkRegistry {
+impl<T: ?Sized> Clone for Registry<T> {
+    fn clone(&self) -> Self {
+        Registry {
+            factories: self.factories.clone(),
+            missing: self.missing.clone(),
+        }
+    }
+}
+
+impl<T: ?Sized> Default for Registry<T> {
+    fn default() -> Self {
+        Registry {
+            factories: BTreeMap::new(),
+            missing: BTreeMap::new(),
+        }
+    }
+}
+
+impl<T: ?Sized + 'static> std::fmt::Debug for Registry<T> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SinkRegistry")
+        f.debug_struct("Registry")
             .field("types", &self.names())
             .field("not_compiled_in", &self.missing)
             .finish()
     }
 }
 
-impl SinkRegistry {
+impl<T: ?Sized + 'static> Registry<T> {
     /// An empty registry.
     pub fn new() -> Self {
         Self::default()
@@ -47,7 +73,7 @@ impl SinkRegistry {
     pub fn register<F, Fut>(&mut self, name: &str, factory: F)
     where
         F: Fn(serde_json::Value) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Arc<dyn Sink>>> + Send + 'static,
+        Fut: Future<Output = Result<Arc<T>>> + Send + 'static,
     {
         self.missing.remove(name);
         self.factories.insert(
@@ -56,7 +82,7 @@ impl SinkRegistry {
         );
     }
 
-    /// Records that sink type `name` exists but this build lacks it, and which cargo feature
+    /// Records that type `name` exists but this build lacks it, and which cargo feature
     /// adds it, so the error for it can say so.
     pub fn note_missing(&mut self, name: &str, feature: &str) {
         if !self.factories.contains_key(name) {
@@ -69,10 +95,10 @@ impl SinkRegistry {
         self.factories.keys().map(String::as_str).collect()
     }
 
-    /// Builds the sink of type `name` from `config`. An unknown type is a `Config` error
+    /// Builds the backend of type `name` from `config`. An unknown type is a `Config` error
     /// keyed `type` that lists the registered ones (and the feature that adds a known but
-    /// missing one); errors are relative to the sink's section (see [`Error::in_section`]).
-    pub async fn build(&self, name: &str, config: serde_json::Value) -> Result<Arc<dyn Sink>> {
+    /// missing one); errors are relative to the section (see [`Error::in_section`]).
+    pub async fn build(&self, name: &str, config: serde_json::Value) -> Result<Arc<T>> {
         match self.factories.get(name) {
             Some(factory) => factory(config).await,
             None => Err(Error::setting(
@@ -91,7 +117,7 @@ impl SinkRegistry {
 
     fn list(&self) -> String {
         match self.names() {
-            names if names.is_empty() => "no sinks".to_string(),
+            names if names.is_empty() => "none".to_string(),
             names => names.join(", "),
         }
     }

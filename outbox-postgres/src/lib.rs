@@ -11,8 +11,23 @@ mod storage;
 mod table;
 mod wakeup;
 
-pub use admin::{DeadLetterFilter, DeadLetterRow, TopicStats};
+/// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
+/// code written against this crate.
+pub use outbox_core::{DeadLetterFilter, DeadLetterRow, TopicStats};
 pub use config::{DEFAULT_MAX_PER_KEY, PostgresConfig};
+/// The storage type name in the relay's configuration: `[storage] type = "postgres"`.
+pub const TYPE: &str = "postgres";
+
+/// Registers the PostgreSQL storage under [`TYPE`]: the factory reads a [`PostgresConfig`]
+/// from the `[storage]` section (errors keyed by the setting) and builds a [`PgStorage`],
+/// which connects lazily.
+pub fn register(registry: &mut outbox_core::StorageRegistry) {
+    registry.register(TYPE, |config| async move {
+        let storage = PgStorage::new(PostgresConfig::from_value(config)?)?;
+        Ok(std::sync::Arc::new(storage) as std::sync::Arc<dyn outbox_core::StorageAdmin>)
+    });
+}
+
 /// The sqlx this crate is built with, so an application enqueues through the same version.
 pub use sqlx;
 pub use storage::PgStorage;

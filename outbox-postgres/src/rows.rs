@@ -8,7 +8,7 @@ use sqlx::postgres::PgRow;
 use uuid::Uuid;
 
 use crate::error::db_error;
-use crate::{DeadLetterRow, TopicStats};
+use outbox_core::{DeadLetterRow, TopicStats};
 
 /// Reads a message from a row holding [`crate::sql::MESSAGE_COLUMNS`].
 pub(crate) fn message(row: &PgRow) -> Result<Message> {

@@ -22,6 +22,9 @@ pub(crate) const DURABLE_COMMITS: &str = "SET synchronous_commit = on";
 /// Back to [`SESSION_SETTINGS`] after a migration.
 pub(crate) const FAST_COMMITS: &str = "SET synchronous_commit = off";
 
+/// Durable commits for one transaction on a relay session (an operator's enqueue).
+pub(crate) const DURABLE_COMMITS_IN_TRANSACTION: &str = "SET LOCAL synchronous_commit = on";
+
 /// The health check.
 pub(crate) const PING: &str = "SELECT 1";
 

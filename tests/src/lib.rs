@@ -13,7 +13,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Backoff, CancellationToken, NewMessage, QueueStats, Sink, Worker, WorkerConfig};
+use outbox_core::{
+    Backoff, CancellationToken, NewMessage, QueueStats, Sink, StorageAdmin, Worker, WorkerConfig,
+};
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
 pub use outbox_test_support::{Proxy, Service, host_port, kafka, postgres_url, unique_name};
 use sqlx::PgPool;
@@ -184,7 +186,7 @@ impl TestOutbox {
     /// Dead letters as (id, last error), oldest first.
     pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
         self.storage
-            .dead_letters(100_000)
+            .dead_letters(&Default::default(), 100_000)
             .await
             .expect("dead letters")
             .into_iter()

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryStorage, MemoryTransaction};
-use outbox_core::{NewMessage, Storage};
+use outbox_core::{NewMessage, Storage, StorageAdmin};
 use outbox_postgres::OutboxTable;
 use outbox_tests::TestOutbox;
 use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};

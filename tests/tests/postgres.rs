@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use outbox_core::memory::MemorySink;
 use outbox_core::{
-    Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, TraceContext,
-    WorkerConfig,
+    Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, StorageAdmin,
+    TraceContext, WorkerConfig,
 };
 use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{TestOutbox, postgres_url, test_worker_config};
@@ -550,7 +550,11 @@ async fn a_permanent_failure_is_dead_lettered_at_once_and_release_unparks() {
         assert!(tokio::time::Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let dead = outbox.storage.dead_letters(10).await.unwrap();
+    let dead = outbox
+        .storage
+        .dead_letters(&Default::default(), 10)
+        .await
+        .unwrap();
     assert_eq!(dead[0].message.attempts, 1);
     assert_eq!(
         dead[0].last_error,

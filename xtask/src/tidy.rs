@@ -111,7 +111,7 @@ fn problems(root: &Path) -> Vec<String> {
         ));
     }
     let features = features(root);
-    let backend_list = read(&root.join("src/bin/outbox/sinks.rs"));
+    let backend_list = read(&root.join("src/bin/outbox/backends.rs"));
     let readme = read(&root.join("README.md"));
     let architecture = read(&root.join("docs/ARCHITECTURE.md"));
     for backend in &backends {
@@ -165,7 +165,7 @@ fn problems(root: &Path) -> Vec<String> {
         }
         if !backend_list.contains(&format!("({quoted}, ")) {
             problems.push(format!(
-                "src/bin/outbox/sinks.rs does not list {quoted} in STORAGES or SINKS, so --help \
+                "src/bin/outbox/backends.rs does not list {quoted} in STORAGES or SINKS, so --help \
                  and the configuration errors do not name it"
             ));
         }
@@ -296,7 +296,7 @@ mod tests {
         write("docs/ARCHITECTURE.md", "features `cli`");
         write("docs/configuration.md", "`outbox_sent_total`");
         write("README.md", "");
-        write("src/bin/outbox/sinks.rs", "");
+        write("src/bin/outbox/backends.rs", "");
         write(
             "outbox-core/src/metrics.rs",
             "pub const SENT: &str = \"outbox_sent_total\";\npub const LOST: &str = \"outbox_lost_total\";\n",
@@ -313,7 +313,7 @@ mod tests {
             "outbox-mqtt lacks README.md",
             "docs/sinks/mqtt.md lacks the section `## Layout on the wire`",
             "docs/sinks/mqtt.md lacks the section `## Error mapping`",
-            "src/bin/outbox/sinks.rs does not list \"mqtt\"",
+            "src/bin/outbox/backends.rs does not list \"mqtt\"",
             "README.md does not name outbox-mqtt",
             "docs/ARCHITECTURE.md does not name outbox-mqtt",
             "docs/ARCHITECTURE.md does not name the facade feature `mqtt`",

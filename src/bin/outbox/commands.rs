@@ -5,8 +5,9 @@ use std::time::Duration;
 
 use base64::Engine;
 use clap::Args;
-use outbox::{NewMessage, Storage};
-use outbox_postgres::{DeadLetterFilter, OutboxTable, PgStorage};
+use std::sync::Arc;
+
+use outbox::{DeadLetterFilter, NewMessage, StorageAdmin};
 use uuid::Uuid;
 
 use crate::config::{Config, RelayDef};
@@ -38,17 +39,15 @@ fn pick<'a>(config: &'a Config, name: Option<&str>) -> Result<&'a RelayDef, Fail
     }
 }
 
-fn storage(def: &RelayDef) -> Result<PgStorage, Failure> {
-    Ok(PgStorage::new(def.storage.clone())?)
+async fn storage(def: &RelayDef) -> Result<Arc<dyn StorageAdmin>, Failure> {
+    crate::relay::open_storage(def).await
 }
 
 pub async fn migrate(config: &Config) -> Result<(), Failure> {
     for def in &config.relays {
-        storage(def)?.migrate().await?;
-        println!(
-            "relay {}: {}.{} is up to date",
-            def.name, def.storage.schema, def.storage.table
-        );
+        let storage = storage(def).await?;
+        storage.migrate().await?;
+        println!("relay {}: {} is up to date", def.name, storage.describe());
     }
     Ok(())
 }
@@ -58,11 +57,10 @@ pub async fn check(config: &Config) -> Result<(), Failure> {
     let mut failed = false;
     for relay in &relays {
         println!(
-            "relay {}: storage {} ({}.{}), sink {}",
+            "relay {}: storage {} ({}), sink {}",
             relay.def.name,
-            relay.def.safe_url(),
-            relay.def.storage.schema,
-            relay.def.storage.table,
+            relay.def.storage_type,
+            relay.storage.describe(),
             relay.def.sink_type
         );
         let storage = match relay.storage.stats().await {
@@ -102,10 +100,10 @@ pub async fn status(
         Some(_) => vec![pick(config, relay)?],
         None => config.relays.iter().collect(),
     };
-    let storages = defs
-        .iter()
-        .map(|d| storage(d))
-        .collect::<Result<Vec<_>, _>>()?;
+    let mut storages = Vec::new();
+    for def in &defs {
+        storages.push(storage(def).await?);
+    }
     loop {
         for (def, storage) in defs.iter().zip(&storages) {
             print_status(def, storage).await?;
@@ -120,7 +118,7 @@ pub async fn status(
     }
 }
 
-async fn print_status(def: &RelayDef, storage: &PgStorage) -> Result<(), Failure> {
+async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result<(), Failure> {
     let stats = storage.stats().await?;
     let now = chrono_like_now();
     let age = |t: Option<chrono::DateTime<chrono::Utc>>| match t {
@@ -130,10 +128,7 @@ async fn print_status(def: &RelayDef, storage: &PgStorage) -> Result<(), Failure
         ),
         None => "-".into(),
     };
-    println!(
-        "relay {} ({}.{})",
-        def.name, def.storage.schema, def.storage.table
-    );
+    println!("relay {} ({})", def.name, storage.describe());
     println!(
         "  pending {}  oldest pending age {}  in flight {}  dead-lettered {}  parked keys {}",
         stats.pending,
@@ -159,8 +154,11 @@ async fn print_status(def: &RelayDef, storage: &PgStorage) -> Result<(), Failure
             );
         }
     }
-    for (key, dead_letter) in storage.parked_keys().await? {
-        println!("  parked key {key:?} behind dead letter {dead_letter}");
+    for parked in storage.parked_keys().await? {
+        println!(
+            "  parked key {:?} behind dead letter {}",
+            parked.key, parked.dead_letter
+        );
     }
     Ok(())
 }
@@ -211,10 +209,8 @@ impl FilterArgs {
 pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result<(), Failure> {
     match command {
         DeadLetterCommand::List { filter, limit } => {
-            let storage = storage(pick(config, filter.relay.as_deref())?)?;
-            let rows = storage
-                .find_dead_letters(&filter.filter(false)?, limit)
-                .await?;
+            let storage = storage(pick(config, filter.relay.as_deref())?).await?;
+            let rows = storage.dead_letters(&filter.filter(false)?, limit).await?;
             println!(
                 "{:<36}  {:<24} {:<16} {:>8}  last error",
                 "id", "topic", "key", "attempts"
@@ -233,12 +229,12 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             println!("{} dead letter(s)", rows.len());
         }
         DeadLetterCommand::Show { id, relay } => {
-            let storage = storage(pick(config, relay.relay.as_deref())?)?;
+            let storage = storage(pick(config, relay.relay.as_deref())?).await?;
             let filter = DeadLetterFilter {
                 ids: Some(vec![id]),
                 ..Default::default()
             };
-            let Some(row) = storage.find_dead_letters(&filter, 1).await?.pop() else {
+            let Some(row) = storage.dead_letters(&filter, 1).await?.pop() else {
                 return Err(Failure::Runtime(format!("no dead letter with id {id}")));
             };
             let m = &row.message;
@@ -261,19 +257,19 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             }
         }
         DeadLetterCommand::Replay { filter } => {
-            let storage = storage(pick(config, filter.relay.as_deref())?)?;
+            let storage = storage(pick(config, filter.relay.as_deref())?).await?;
             let ids = matching_ids(&storage, &filter.filter(true)?).await?;
             let n = storage.replay_dead_letters(&ids).await?;
             println!("replayed {n} dead letter(s)");
         }
         DeadLetterCommand::Purge { filter } => {
-            let storage = storage(pick(config, filter.relay.as_deref())?)?;
+            let storage = storage(pick(config, filter.relay.as_deref())?).await?;
             let ids = matching_ids(&storage, &filter.filter(true)?).await?;
             let n = storage.purge_dead_letters(&ids).await?;
             println!("purged {n} dead letter(s)");
         }
         DeadLetterCommand::Release { key, relay } => {
-            let storage = storage(pick(config, relay.relay.as_deref())?)?;
+            let storage = storage(pick(config, relay.relay.as_deref())?).await?;
             if storage.release_parked_key(&key).await? {
                 println!("released key {key:?}");
             } else {
@@ -285,11 +281,11 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
 }
 
 async fn matching_ids(
-    storage: &PgStorage,
+    storage: &Arc<dyn StorageAdmin>,
     filter: &DeadLetterFilter,
 ) -> Result<Vec<Uuid>, Failure> {
     Ok(storage
-        .find_dead_letters(filter, i64::MAX)
+        .dead_letters(filter, usize::MAX)
         .await?
         .into_iter()
         .map(|d| d.message.id)
@@ -365,14 +361,7 @@ fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
 
 pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> {
     let def = pick(config, args.relay.as_deref())?;
-    let table = OutboxTable::new(&def.storage.schema, &def.storage.table)?;
-    // Enqueue on a connection of its own: the relay's sessions do not wait for durable commits.
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(1)
-        .acquire_timeout(def.storage.connect_timeout)
-        .connect(&def.storage.url)
-        .await
-        .map_err(|e| Failure::Runtime(format!("cannot connect to {}: {e}", def.safe_url())))?;
+    let storage = storage(def).await?;
     let messages = if args.stdin {
         let mut messages = Vec::new();
         for (i, line) in std::io::stdin().lock().lines().enumerate() {
@@ -390,11 +379,8 @@ pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> 
         message.headers.extend(args.headers);
         vec![message]
     };
-    let db = |e: sqlx::Error| Failure::Runtime(format!("enqueue failed: {e}"));
     for chunk in messages.chunks(1000) {
-        let mut tx = pool.begin().await.map_err(db)?;
-        table.enqueue_many(&mut tx, chunk).await?;
-        tx.commit().await.map_err(db)?;
+        storage.enqueue(chunk).await?;
     }
     for m in &messages {
         println!("{}", m.id);

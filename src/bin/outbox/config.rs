@@ -16,8 +16,7 @@ use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::time::Duration;
 
-use outbox::{WorkerConfig, redact_url};
-use outbox_postgres::PostgresConfig;
+use outbox::WorkerConfig;
 use serde::Deserialize;
 use toml::{Table, Value};
 
@@ -52,9 +51,14 @@ pub struct RelayDef {
     pub key: String,
     /// Where its sink's settings sit (`sink`, `relay[orders].sink`).
     pub sink_key: String,
+    /// Where its storage's settings sit (`storage`, `relay[orders].storage`).
+    pub storage_key: String,
     /// Create or upgrade the tables when the relay starts.
     pub migrate: bool,
-    pub storage: PostgresConfig,
+    pub storage_type: String,
+    /// The storage's options (the `[storage]` table without `type` and `migrate`), for the
+    /// registry.
+    pub storage: serde_json::Value,
     pub worker: WorkerConfig,
     pub sink_type: String,
     /// The sink's options (the `[sink]` table without `type`), for the registry.
@@ -334,7 +338,17 @@ fn relay_def(
             )));
         }
     };
-    let postgres = PostgresConfig::from_value(json(storage)?).map_err(placed(&section.storage))?;
+    let storage_type = match storage.remove("type") {
+        None => crate::backends::DEFAULT_STORAGE.to_string(),
+        Some(Value::String(t)) => t,
+        Some(other) => {
+            return Err(err(format!(
+                "{}.type must be a string such as \"postgres\", not a {}",
+                section.storage,
+                other.type_str()
+            )));
+        }
+    };
 
     let mut worker: WorkerConfig =
         outbox::config::from_value(json(settings)?).map_err(placed(&section.relay))?;
@@ -342,7 +356,7 @@ fn relay_def(
     worker.worker_id = format!("{name}@{host}:{}", std::process::id());
     worker.validate().map_err(placed(&section.relay))?;
 
-    let types = crate::sinks::registry().names().join("\", \"");
+    let types = crate::backends::sinks().names().join("\", \"");
     let Some(Value::Table(mut sink)) = sink else {
         return Err(err(format!(
             "{}: the sink section is missing; add [sink] with type = \"{types}\"",
@@ -361,20 +375,15 @@ fn relay_def(
     Ok(RelayDef {
         name: name.to_string(),
         key: section.relay,
+        storage_key: section.storage,
         sink_key: section.sink,
         migrate,
-        storage: postgres,
+        storage_type,
+        storage: json(storage)?,
         worker,
         sink_type,
         sink: json(sink)?,
     })
-}
-
-impl RelayDef {
-    /// The storage URL with its password hidden.
-    pub fn safe_url(&self) -> String {
-        redact_url(&self.storage.url)
-    }
 }
 
 #[cfg(test)]
@@ -394,33 +403,86 @@ mod tests {
         assert_eq!(config.relays.len(), 1);
         let relay = &config.relays[0];
         assert_eq!(relay.worker.batch_size, 100);
-        assert_eq!(relay.storage.schema, "outbox");
+        assert_eq!(relay.storage_type, "postgres");
+        assert_eq!(relay.storage["url"], "postgres://u:secret@h/db");
         assert_eq!(relay.sink_type, "redis");
-        assert_eq!(relay.safe_url(), "postgres://u:***@h/db");
     }
 
     #[test]
     fn errors_name_the_key() {
         let cases = [
-            (format!("{MINIMAL}[relay]\nbatch_size = 0\n"), "relay.batch_size"),
-            (format!("{MINIMAL}[relay]\nbatchsize = 5\n"), "unknown field `batchsize`"),
-            (format!("{MINIMAL}[relay]\npoll_interval = \"soon\"\n"), "relay.poll_interval"),
-            ("[sink]\ntype = \"redis\"\n".to_string(), "storage.url is missing"),
-            ("[storage]\nurl = \"postgres://h/db\"\nschema = \"Bad-Name\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema `Bad-Name`"),
-            ("[storage]\nurl = \"postgres://h/db\"\n".to_string(), "sink section is missing"),
-            (format!("{MINIMAL}[observability]\nlog_format = \"xml\"\n"), "observability.log_format"),
+            (
+                format!("{MINIMAL}[relay]\nbatch_size = 0\n"),
+                "relay.batch_size",
+            ),
+            (
+                format!("{MINIMAL}[relay]\nbatchsize = 5\n"),
+                "unknown field `batchsize`",
+            ),
+            (
+                format!("{MINIMAL}[relay]\npoll_interval = \"soon\"\n"),
+                "relay.poll_interval",
+            ),
+            (
+                "[storage]\nurl = \"postgres://h/db\"\n".to_string(),
+                "sink section is missing",
+            ),
+            (
+                format!("{MINIMAL}[observability]\nlog_format = \"xml\"\n"),
+                "observability.log_format",
+            ),
             (format!("{MINIMAL}[extra]\n"), "unknown section `extra`"),
-            (format!("{MINIMAL}[relay]\nbackoff = {{ initial = \"2s\", max = \"1s\" }}\n"), "relay.backoff.max must be at least initial"),
-            (format!("{MINIMAL}[relay]\nbackoff = {{ maximum = \"1s\" }}\n"), "relay.backoff.maximum: unknown field"),
-            (format!("{MINIMAL}[relay]\nretention = \"1h\"\n"), "relay.retention is a setting of the storage: move it to [storage] (`storage.retention`)"),
-            (MINIMAL.replace("[sink]", "retention = \"0s\"\n[sink]"), "storage.retention is 0"),
-            (MINIMAL.replace("[sink]", "max_per_key = 0\n[sink]"), "storage.max_per_key is 0"),
-            (MINIMAL.replace("[sink]", "migrate = \"yes\"\n[sink]"), "storage.migrate must be true or false"),
-            (MINIMAL.replace("[sink]", "max_connections = \"four\"\n[sink]"), "storage.max_connections: invalid type"),
-            ("[storage]\nurl = \"postgres://h/db\"\n[[relay]]\nname = \"orders\"\nstorage = { table = \"Orders\" }\n[relay.sink]\ntype = \"redis\"\n".to_string(), "relay[orders].storage.table `Orders` is not allowed"),
+            (
+                format!("{MINIMAL}[relay]\nbackoff = {{ initial = \"2s\", max = \"1s\" }}\n"),
+                "relay.backoff.max must be at least initial",
+            ),
+            (
+                format!("{MINIMAL}[relay]\nbackoff = {{ maximum = \"1s\" }}\n"),
+                "relay.backoff.maximum: unknown field",
+            ),
+            (
+                format!("{MINIMAL}[relay]\nretention = \"1h\"\n"),
+                "relay.retention is a setting of the storage: move it to [storage] (`storage.retention`)",
+            ),
+            (
+                MINIMAL.replace("[sink]", "migrate = \"yes\"\n[sink]"),
+                "storage.migrate must be true or false",
+            ),
+            (
+                MINIMAL.replace("[sink]", "type = 5\n[sink]"),
+                "storage.type must be a string",
+            ),
         ];
         for (text, expected) in cases {
             let error = parse_str(&text).unwrap_err().0;
+            assert!(
+                error.contains(expected),
+                "expected `{expected}` in: {error}"
+            );
+            assert!(!error.contains("secret"), "password leaked: {error}");
+        }
+    }
+
+    /// The storage's own settings are checked when the registry builds it (as `check` and
+    /// `relay` do before anything else), and the error names the key where it is written.
+    #[tokio::test]
+    async fn storage_errors_name_the_key() {
+        let cases = [
+            ("[sink]\ntype = \"redis\"\n".to_string(), "storage.url is missing"),
+            ("[storage]\nurl = \"postgres://h/db\"\nschema = \"Bad-Name\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema `Bad-Name`"),
+            (MINIMAL.replace("[sink]", "retention = \"0s\"\n[sink]"), "storage.retention is 0"),
+            (MINIMAL.replace("[sink]", "max_per_key = 0\n[sink]"), "storage.max_per_key is 0"),
+            (MINIMAL.replace("[sink]", "max_connections = \"four\"\n[sink]"), "storage.max_connections: invalid type"),
+            (MINIMAL.replace("[sink]", "type = \"oracle\"\n[sink]"), "storage.type `oracle` is unknown"),
+            ("[storage]\nurl = \"postgres://h/db\"\n[[relay]]\nname = \"orders\"\nstorage = { table = \"Orders\" }\n[relay.sink]\ntype = \"redis\"\n".to_string(), "relay[orders].storage.table `Orders` is not allowed"),
+        ];
+        for (text, expected) in cases {
+            let config = parse_str(&text).unwrap();
+            let error = match crate::relay::open_storage(&config.relays[0]).await {
+                Err(crate::Failure::Config(error)) => error,
+                Err(_) => panic!("`{expected}`: not a configuration error"),
+                Ok(_) => panic!("`{expected}`: accepted"),
+            };
             assert!(
                 error.contains(expected),
                 "expected `{expected}` in: {error}"
@@ -451,14 +513,17 @@ mod tests {
         };
         assert_eq!(
             (
-                orders.storage.schema.as_str(),
+                orders.storage["schema"].as_str().unwrap_or_default(),
                 orders.worker.batch_size,
                 orders.sink_type.as_str()
             ),
             ("orders", 500, "redis")
         );
         assert_eq!(
-            (billing.storage.table.as_str(), billing.sink_type.as_str()),
+            (
+                billing.storage["table"].as_str().unwrap_or_default(),
+                billing.sink_type.as_str()
+            ),
             ("events", "amqp")
         );
         assert_eq!(billing.sink["uri"], "amqp://h");
@@ -482,7 +547,7 @@ mod tests {
         .unwrap();
         let config = parse(table).unwrap();
         assert_eq!(config.relays[0].worker.batch_size, 250);
-        assert_eq!(config.relays[0].storage.url, "postgres://other/db");
+        assert_eq!(config.relays[0].storage["url"], "postgres://other/db");
         assert_eq!(config.relays[0].worker.backoff.max, Duration::from_secs(30));
     }
 }

@@ -9,7 +9,7 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
-use outbox::{CancellationToken, Storage};
+use outbox::CancellationToken;
 
 use crate::Failure;
 use crate::relay::Relay;

@@ -1,11 +1,11 @@
 //! `outbox`: the outbox relay as a program. Brokers are swapped by configuration; see
 //! docs/configuration.md for every key and `outbox --help` for the commands.
 
+mod backends;
 mod commands;
 mod config;
 mod http;
 mod relay;
-mod sinks;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -75,7 +75,7 @@ enum DeadLetterCommand {
         #[command(flatten)]
         filter: commands::FilterArgs,
         #[arg(long, default_value_t = 100)]
-        limit: i64,
+        limit: usize,
     },
     /// Show one dead letter in full.
     Show {
@@ -125,7 +125,7 @@ impl From<outbox::Error> for Failure {
 }
 
 fn main() -> ExitCode {
-    let matches = Cli::command().after_help(sinks::help()).get_matches();
+    let matches = Cli::command().after_help(backends::help()).get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(error) => error.exit(),

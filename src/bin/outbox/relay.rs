@@ -4,8 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::metrics as names;
-use outbox::{CancellationToken, Sink, Storage, Worker};
-use outbox_postgres::PgStorage;
+use outbox::{CancellationToken, Sink, Storage, StorageAdmin, Worker};
 
 use crate::Failure;
 use crate::config::{Config, LogFormat, Observability, RelayDef};
@@ -28,9 +27,28 @@ pub fn init_logging(observability: &Observability) {
 
 /// A relay ready to run: its storage and sink are built, its settings valid.
 pub struct Relay {
-    pub storage: Arc<PgStorage>,
+    pub storage: Arc<dyn StorageAdmin>,
     pub sink: Arc<dyn Sink>,
     pub def: RelayDef,
+}
+
+/// Builds the storage of `def` from the registry; a bad setting is a configuration error
+/// that names its key where the file has it. Storages connect lazily: nothing is reached yet.
+pub async fn open_storage(def: &RelayDef) -> Result<Arc<dyn StorageAdmin>, Failure> {
+    crate::backends::storages()
+        .build(&def.storage_type, def.storage.clone())
+        .await
+        .map_err(|error| match error.kind() {
+            outbox::ErrorKind::Config => Failure::Config(format!(
+                "relay `{}`: {}",
+                def.name,
+                error.in_section(&def.storage_key).message()
+            )),
+            _ => Failure::Runtime(format!(
+                "relay `{}`: cannot open the storage: {error}",
+                def.name
+            )),
+        })
 }
 
 /// Builds the storage and the sink of every relay; configuration errors come out here. With
@@ -40,10 +58,10 @@ pub async fn build(
     config: &Config,
     wait_for_broker: Option<&CancellationToken>,
 ) -> Result<Vec<Relay>, Failure> {
-    let registry = crate::sinks::registry();
+    let registry = crate::backends::sinks();
     let mut relays = Vec::new();
     for def in &config.relays {
-        let storage = Arc::new(PgStorage::new(def.storage.clone())?);
+        let storage = open_storage(def).await?;
         let mut failures = 0;
         let sink = loop {
             let error = match registry.build(&def.sink_type, def.sink.clone()).await {
@@ -78,7 +96,11 @@ pub async fn build(
         };
         // The worker's own checks, such as a lease that cannot cover the worst batch of this
         // storage and sink, are configuration errors of this relay.
-        if let Err(error) = Worker::new(def.worker.clone(), storage.clone(), sink.clone()) {
+        if let Err(error) = Worker::new(
+            def.worker.clone(),
+            storage.clone() as Arc<dyn Storage>,
+            sink.clone(),
+        ) {
             return Err(Failure::Config(format!(
                 "relay `{}`: {}",
                 def.name,
@@ -116,14 +138,12 @@ pub async fn run(config: Config) -> Result<(), Failure> {
     for relay in relays.iter() {
         let worker = Worker::new(
             relay.def.worker.clone(),
-            relay.storage.clone(),
+            relay.storage.clone() as Arc<dyn Storage>,
             relay.sink.clone(),
         )?;
         tracing::info!(
             relay = %relay.def.name,
-            storage = %relay.def.safe_url(),
-            schema = %relay.def.storage.schema,
-            table = %relay.def.storage.table,
+            storage = %relay.storage.describe(),
             sink = %relay.def.sink_type,
             "relay starting"
         );
@@ -172,7 +192,7 @@ async fn wait_for_signal() {
 async fn report_stats(
     name: String,
     label: String,
-    storage: Arc<PgStorage>,
+    storage: Arc<dyn StorageAdmin>,
     summary_every: Duration,
     shutdown: CancellationToken,
 ) {

@@ -1,9 +1,13 @@
-//! The backends this program knows of, in one list, and the sinks compiled into this build,
-//! in a registry that configuration picks from. `--help`, the configuration errors and the
-//! registry all read the lists below; the tidy test checks that they name every backend
-//! crate of the workspace.
+//! The backends this program knows of, in one list, and the storages and sinks compiled
+//! into this build, in registries that configuration picks from. `--help`, the
+//! configuration errors and the registries all read the lists below; the tidy test checks
+//! that they name every backend crate of the workspace.
 
-use outbox::SinkRegistry;
+use outbox::{SinkRegistry, StorageRegistry};
+
+/// The storage type when `[storage]` names none (configurations written before there was a
+/// choice).
+pub const DEFAULT_STORAGE: &str = "postgres";
 
 /// Every storage type: its `[storage]` name and what it stores in.
 pub const STORAGES: [(&str, &str); 1] = [("postgres", "PostgreSQL")];
@@ -16,9 +20,21 @@ pub const SINKS: [(&str, &str); 4] = [
     ("nats", "NATS JetStream"),
 ];
 
+/// Every storage type this build has; the others are noted with the cargo feature that adds
+/// them, so asking for one says how to get it.
+pub fn storages() -> StorageRegistry {
+    let mut registry = StorageRegistry::new();
+    #[cfg(feature = "postgres")]
+    outbox::postgres::register(&mut registry);
+    for (name, _) in STORAGES {
+        registry.note_missing(name, name);
+    }
+    registry
+}
+
 /// Every sink type this build has; the others are noted with the cargo feature that adds
 /// them, so asking for one says how to get it.
-pub fn registry() -> SinkRegistry {
+pub fn sinks() -> SinkRegistry {
     let mut registry = SinkRegistry::new();
     #[cfg(feature = "redis")]
     outbox::redis::register(&mut registry);
@@ -34,7 +50,7 @@ pub fn registry() -> SinkRegistry {
     registry
 }
 
-/// The backends for `--help`: every storage and sink, and which sinks this build has.
+/// The backends for `--help`: every storage and sink, and which ones this build has.
 pub fn help() -> String {
     let list = |types: &[(&str, &str)]| {
         types
@@ -44,10 +60,11 @@ pub fn help() -> String {
             .join(", ")
     };
     format!(
-        "Storages: {}.\nSinks: {}.\nThis build has the sinks: {}; the others are added by the \
-         cargo feature of the same name.",
+        "Storages: {}.\nSinks: {}.\nThis build has: {}, {}; the others are added by the cargo \
+         feature of the same name.",
         list(&STORAGES),
         list(&SINKS),
-        registry().names().join(", ")
+        storages().names().join(", "),
+        sinks().names().join(", ")
     )
 }

@@ -1,0 +1,98 @@
+//! The operator's side of a storage: what `outbox status`, `outbox dead-letters …` and
+//! `outbox enqueue` do. The relay itself never calls it; every storage the binary runs
+//! implements it, so every command works on every storage.
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use uuid::Uuid;
+
+use crate::{Message, NewMessage, Result, Storage};
+
+/// Which dead letters an operator command applies to; unset fields match everything.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeadLetterFilter {
+    /// Only these ids.
+    pub ids: Option<Vec<Uuid>>,
+    /// Only this topic.
+    pub topic: Option<String>,
+    /// Only this partition key.
+    pub key: Option<String>,
+}
+
+/// Queue figures of one topic.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TopicStats {
+    /// The topic.
+    pub topic: String,
+    /// Messages waiting (including retries and parked ones).
+    pub pending: u64,
+    /// Creation time of the oldest pending message.
+    pub oldest_pending: Option<DateTime<Utc>>,
+    /// Messages claimed under a live lease.
+    pub in_flight: u64,
+    /// Messages in the dead letters.
+    pub dead_lettered: u64,
+}
+
+/// A dead-lettered message with why and when it was dead-lettered.
+#[derive(Debug, Clone)]
+pub struct DeadLetterRow {
+    /// The message, with the attempts it used.
+    pub message: Message,
+    /// The last error.
+    pub last_error: String,
+    /// When it was dead-lettered.
+    pub dead_lettered_at: DateTime<Utc>,
+}
+
+/// A partition key held back behind a dead letter (with per-key order).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParkedKey {
+    /// The key.
+    pub key: String,
+    /// The dead letter that holds it back (the oldest, when there are several).
+    pub dead_letter: Uuid,
+}
+
+/// The operator's side of a [`Storage`]: creating its tables, enqueueing from outside an
+/// application, queue figures per topic, and the dead-letter repairs.
+#[async_trait]
+pub trait StorageAdmin: Storage {
+    /// Where the messages are kept, for logs and `outbox status`, with any password hidden
+    /// (for example `postgres://app:***@db/app, table outbox.outbox`).
+    fn describe(&self) -> String;
+
+    /// Creates or upgrades the storage's tables. Safe to run again and from several
+    /// processes at once.
+    async fn migrate(&self) -> Result<()>;
+
+    /// Enqueues `messages` durably in one transaction of the storage's own (all or none), as
+    /// an application's transaction would.
+    async fn enqueue(&self, messages: &[NewMessage]) -> Result<()>;
+
+    /// Queue figures per topic, sorted by topic.
+    async fn topic_stats(&self) -> Result<Vec<TopicStats>>;
+
+    /// Dead letters that match `filter`, oldest first, at most `limit`.
+    async fn dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: usize,
+    ) -> Result<Vec<DeadLetterRow>>;
+
+    /// Puts dead letters back into the outbox at their original position (first in their
+    /// key's order) with their attempts reset, and releases their keys once no dead letter
+    /// of the key remains. Returns how many were replayed.
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64>;
+
+    /// Deletes dead letters for good. A key parked behind one stays parked until it is
+    /// released. Returns how many were deleted.
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64>;
+
+    /// The keys held back behind a dead letter, sorted by key.
+    async fn parked_keys(&self) -> Result<Vec<ParkedKey>>;
+
+    /// Lets a parked key's messages flow again without replaying its dead letters. Returns
+    /// whether the key was parked.
+    async fn release_parked_key(&self, key: &str) -> Result<bool>;
+}
