@@ -3,152 +3,26 @@
 //! The tests through PostgreSQL and the relay are in the workspace's `tests` crate.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use futures_util::StreamExt;
-use outbox_amqp::lapin::message::Delivery;
-use outbox_amqp::lapin::options::{
-    BasicConsumeOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueBindOptions,
-    QueueDeclareOptions, QueueDeleteOptions,
-};
-use outbox_amqp::lapin::types::{AMQPValue, FieldTable, LongString};
-use outbox_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use outbox_amqp::lapin::ExchangeKind;
+use outbox_amqp::lapin::options::{ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions};
+use outbox_amqp::lapin::types::{AMQPValue, FieldTable};
 use outbox_amqp::{AmqpConfig, AmqpSink, ExchangeSetup, Unroutable};
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template, TraceContext};
-use tokio::io::copy_bidirectional;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::AbortHandle;
-
-fn amqp_url() -> String {
-    std::env::var("OUTBOX_TEST_AMQP_URL")
-        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".into())
-}
+use outbox_test_support::amqp::{Broker, message_id, text, url};
+use outbox_test_support::{Proxy, free_addr, host_port, through, unique_name};
 
 /// A template the test knows to be valid (an exchange name, `{topic}`, …).
 fn template(text: &str) -> Template {
     Template::new(text).unwrap_or_else(|e| panic!("template `{text}`: {e}"))
 }
 
-fn unique(prefix: &str) -> String {
-    format!("{prefix}_{:016x}", fastrand::u64(..))
-}
-
-/// The test's own connection, to declare, bind and consume.
-struct Broker {
-    _connection: Connection,
-    channel: Channel,
-}
-
-impl Broker {
-    async fn connect() -> Broker {
-        let url = amqp_url();
-        let connection = Connection::connect(&url, ConnectionProperties::default())
-            .await
-            .unwrap_or_else(|e| {
-                panic!(
-                    "RabbitMQ is not reachable at {} ({e}); these tests need the real broker \
-                     (set OUTBOX_TEST_AMQP_URL to point elsewhere)",
-                    outbox_core::redact_url(&url)
-                )
-            });
-        let channel = connection.create_channel().await.expect("open a channel");
-        Broker {
-            _connection: connection,
-            channel,
-        }
-    }
-
-    /// A fresh exchange, deleted by the broker once its last queue is gone.
-    async fn exchange(&self, kind: ExchangeKind) -> String {
-        let name = unique("outbox_test_x");
-        let options = ExchangeDeclareOptions {
-            auto_delete: true,
-            ..Default::default()
-        };
-        self.channel
-            .exchange_declare(name.as_str().into(), kind, options, FieldTable::default())
-            .await
-            .expect("declare exchange");
-        name
-    }
-
-    /// A fresh queue of this connection (gone when it closes), bound to `exchange` with
-    /// `binding`.
-    async fn queue(&self, exchange: &str, binding: &str) -> String {
-        let name = unique("outbox_test_q");
-        let options = QueueDeclareOptions {
-            exclusive: true,
-            ..Default::default()
-        };
-        self.channel
-            .queue_declare(name.as_str().into(), options, FieldTable::default())
-            .await
-            .expect("declare queue");
-        self.bind(&name, exchange, binding).await;
-        name
-    }
-
-    async fn bind(&self, queue: &str, exchange: &str, binding: &str) {
-        self.channel
-            .queue_bind(
-                queue.into(),
-                exchange.into(),
-                binding.into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind queue");
-    }
-
-    /// Exactly `count` messages from `queue`, in queue order; then checks that no more come.
-    async fn take(&self, queue: &str, count: usize) -> Vec<Delivery> {
-        let options = BasicConsumeOptions {
-            no_ack: true,
-            ..Default::default()
-        };
-        let tag = unique("c");
-        let mut consumer = self
-            .channel
-            .basic_consume(
-                queue.into(),
-                tag.as_str().into(),
-                options,
-                FieldTable::default(),
-            )
-            .await
-            .expect("consume");
-        let mut got = Vec::with_capacity(count);
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-        while got.len() < count {
-            match tokio::time::timeout_at(deadline, consumer.next()).await {
-                Ok(Some(delivery)) => got.push(delivery.expect("delivery")),
-                Ok(None) => panic!("consumer of {queue} ended after {} of {count}", got.len()),
-                Err(_) => panic!("only {} of {count} messages arrived in {queue}", got.len()),
-            }
-        }
-        if let Ok(Some(extra)) =
-            tokio::time::timeout(Duration::from_millis(300), consumer.next()).await
-        {
-            panic!("more messages than expected in {queue}: {extra:?}");
-        }
-        // Cancel at the broker, or it keeps delivering to this consumer after it is dropped
-        // and a later take on the same queue misses those messages.
-        self.channel
-            .basic_cancel(tag.as_str().into(), Default::default())
-            .await
-            .expect("cancel consumer");
-        got
-    }
-}
-
 /// A sink for `config`; fails the test loudly if the broker is not there.
 async fn sink(config: AmqpConfig) -> AmqpSink {
     AmqpSink::connect(config)
         .await
-        .unwrap_or_else(|e| panic!("cannot start the AMQP sink against {}: {e}", amqp_url()))
+        .unwrap_or_else(|e| panic!("cannot start the AMQP sink against {}: {e}", url()))
 }
 
 fn receipt(outcome: &Outcome) -> String {
@@ -165,16 +39,12 @@ fn failure(outcome: &Outcome) -> (ErrorKind, String) {
     }
 }
 
-fn header(value: &str) -> AMQPValue {
-    AMQPValue::LongString(LongString::from(value))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn properties_headers_and_payload_arrive_exactly() {
     let broker = Broker::connect().await;
     let exchange = broker.exchange(ExchangeKind::Topic).await;
     let queue = broker.queue(&exchange, "orders.#").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
 
     let trace = TraceContext {
         traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
@@ -204,10 +74,7 @@ async fn properties_headers_and_payload_arrive_exactly() {
         assert_eq!(delivery.routing_key.as_str(), sent.topic);
         let p = &delivery.properties;
         assert_eq!(p.delivery_mode(), &Some(2), "persistent");
-        assert_eq!(
-            p.message_id().as_ref().map(|s| s.to_string()),
-            Some(sent.id.to_string())
-        );
+        assert_eq!(message_id(delivery), sent.id.to_string());
         assert_eq!(
             p.kind().as_ref().map(|s| s.to_string()),
             Some(sent.topic.clone())
@@ -224,11 +91,11 @@ async fn properties_headers_and_payload_arrive_exactly() {
         Some("application/json".into())
     );
     let mut expected = FieldTable::default();
-    expected.insert("content-type".into(), header("application/json"));
-    expected.insert("tenant".into(), header("acme"));
-    expected.insert("outbox-key".into(), header("o-7"));
-    expected.insert("traceparent".into(), header(&trace.traceparent));
-    expected.insert("tracestate".into(), header("vendor=1"));
+    expected.insert("content-type".into(), text("application/json"));
+    expected.insert("tenant".into(), text("acme"));
+    expected.insert("outbox-key".into(), text("o-7"));
+    expected.insert("traceparent".into(), text(&trace.traceparent));
+    expected.insert("tracestate".into(), text("vendor=1"));
     assert_eq!(p0.headers().as_ref(), Some(&expected));
 
     let p1 = &got[1].properties;
@@ -242,7 +109,7 @@ async fn properties_headers_and_payload_arrive_exactly() {
         "no key, no headers"
     );
     let mut expected = FieldTable::default();
-    expected.insert("outbox-key".into(), header("o-8"));
+    expected.insert("outbox-key".into(), text("o-8"));
     assert_eq!(got[2].properties.headers().as_ref(), Some(&expected));
 }
 
@@ -253,7 +120,7 @@ async fn routes_and_templates_pick_exchange_and_routing_key() {
     let audit = broker.exchange(ExchangeKind::Fanout).await;
     let by_key = broker.queue(&events, "orders.o-1").await;
     let audited = broker.queue(&audit, "").await;
-    let config = AmqpConfig::new(amqp_url(), template(&events))
+    let config = AmqpConfig::new(url(), template(&events))
         .routing_key(template("{topic}.{key}"))
         .route("audit", template(&audit), template("log"));
     let sink = sink(config).await;
@@ -275,7 +142,7 @@ async fn routes_and_templates_pick_exchange_and_routing_key() {
     assert_eq!(broker.take(&audited, 1).await[0].data, b"b");
 
     // `{key}` alone is empty for a message without a key: that message fails for good.
-    let config = AmqpConfig::new(amqp_url(), template(&events)).routing_key(template("{key}"));
+    let config = AmqpConfig::new(url(), template(&events)).routing_key(template("{key}"));
     let sink = self::sink(config).await;
     let outcomes = sink
         .publish(&[NewMessage::new("orders", b"x".to_vec()).into()])
@@ -295,7 +162,7 @@ async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
         (Unroutable::Retry, ErrorKind::Temporary),
         (Unroutable::DeadLetter, ErrorKind::Permanent),
     ] {
-        let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange)).unroutable(setting)).await;
+        let sink = sink(AmqpConfig::new(url(), template(&exchange)).unroutable(setting)).await;
         let batch: Vec<Message> = [
             NewMessage::new("routed", b"1".to_vec()),
             NewMessage::new("nowhere", b"2".to_vec()),
@@ -327,10 +194,10 @@ async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_settings_are_refused_at_start_up() {
     let broker = Broker::connect().await;
-    let url = amqp_url();
+    let url = url();
 
     // A missing exchange with passive set-up (the default).
-    let missing = unique("outbox_test_missing");
+    let missing = unique_name("outbox_test_missing");
     let error = AmqpSink::connect(AmqpConfig::new(&url, template(&missing)))
         .await
         .unwrap_err();
@@ -379,19 +246,17 @@ async fn bad_settings_are_refused_at_start_up() {
     assert!(!format!("{error:?}").contains("wrong-s3cret"), "{error:?}");
     assert!(error.to_string().contains("refused the login"), "{error}");
     let (base, _vhost) = url.rsplit_once('/').expect("a vhost in the test URL");
-    let no_vhost = format!("{base}/{}", unique("no_such_vhost"));
+    let no_vhost = format!("{base}/{}", unique_name("no_such_vhost"));
     let error = AmqpSink::connect(AmqpConfig::new(&no_vhost, template(&topic)))
         .await
         .unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config, "{error}");
 
     // Nothing listening: unavailable, promptly.
-    let closed = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let port = closed.local_addr().unwrap().port();
-    drop(closed);
+    let closed = free_addr();
     let started = Instant::now();
     let error = AmqpSink::connect(AmqpConfig::new(
-        format!("amqp://guest:guest@127.0.0.1:{port}"),
+        format!("amqp://guest:guest@{closed}"),
         template(&topic),
     ))
     .await
@@ -407,11 +272,11 @@ async fn bad_settings_are_refused_at_start_up() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use() {
     let broker = Broker::connect().await;
-    let prefix = unique("outbox_test_t");
+    let prefix = unique_name("outbox_test_t");
     let existing = broker.exchange(ExchangeKind::Fanout).await;
     // The exchange is named after the topic: `existing` exists, the other does not.
     let queue = broker.queue(&existing, "").await;
-    let config = AmqpConfig::new(amqp_url(), template("{topic}"));
+    let config = AmqpConfig::new(url(), template("{topic}"));
     let sink = sink(config).await;
     let batch: Vec<Message> = [
         NewMessage::new(existing.as_str(), b"1".to_vec()),
@@ -434,7 +299,7 @@ async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use(
 
     // With `declare`, the sink creates the exchange (durable) and publishing works.
     let declared = format!("{prefix}_declared");
-    let config = AmqpConfig::new(amqp_url(), template(&declared))
+    let config = AmqpConfig::new(url(), template(&declared))
         .exchange_setup(ExchangeSetup::Declare)
         .exchange_kind(ExchangeKind::Topic);
     let sink = self::sink(config).await;
@@ -458,7 +323,7 @@ async fn oversized_messages_fail_for_good_without_harming_the_batch() {
     let queue = broker.queue(&exchange, "").await;
     let config = AmqpConfig {
         max_payload: 1024,
-        ..AmqpConfig::new(amqp_url(), template(&exchange))
+        ..AmqpConfig::new(url(), template(&exchange))
     };
     let sink = sink(config).await;
     assert_eq!(sink.capabilities().max_payload, Some(1024));
@@ -485,76 +350,14 @@ async fn oversized_messages_fail_for_good_without_harming_the_batch() {
     assert_eq!(broker.take(&queue, 1).await[0].data, vec![2u8; 1024]);
 }
 
-/// A TCP proxy the test can cut: drops live connections and refuses new ones.
-struct Proxy {
-    addr: String,
-    cut: Arc<AtomicBool>,
-    links: Arc<std::sync::Mutex<Vec<AbortHandle>>>,
-    accept: AbortHandle,
-}
-
-impl Proxy {
-    async fn start(target: String) -> Proxy {
-        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind proxy");
-        let addr = listener.local_addr().unwrap().to_string();
-        let cut = Arc::new(AtomicBool::new(false));
-        let links = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let (cut2, links2) = (cut.clone(), links.clone());
-        let accept = tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                if cut2.load(Ordering::SeqCst) {
-                    continue; // dropped: refused
-                }
-                let target = target.clone();
-                let link = tokio::spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(&target).await {
-                        let _ = copy_bidirectional(&mut client, &mut server).await;
-                    }
-                });
-                links2.lock().unwrap().push(link.abort_handle());
-            }
-        });
-        Proxy {
-            addr,
-            cut,
-            links,
-            accept: accept.abort_handle(),
-        }
-    }
-
-    fn cut(&self) {
-        self.cut.store(true, Ordering::SeqCst);
-        for link in self.links.lock().unwrap().drain(..) {
-            link.abort();
-        }
-    }
-
-    fn restore(&self) {
-        self.cut.store(false, Ordering::SeqCst);
-    }
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.cut();
-        self.accept.abort();
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_connection_reports_unavailable_and_reconnects() {
     let broker = Broker::connect().await;
     let exchange = broker.exchange(ExchangeKind::Fanout).await;
     let queue = broker.queue(&exchange, "").await;
-    let url = amqp_url();
-    let target = url
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .expect("host:port in the test URL")
-        .to_string();
-    let proxy = Proxy::start(target.clone()).await;
-    let mut config = AmqpConfig::new(url.replacen(&target, &proxy.addr, 1), template(&exchange));
+    let url = url();
+    let proxy = Proxy::start(&host_port(&url)).await;
+    let mut config = AmqpConfig::new(through(&url, &proxy.addr()), template(&exchange));
     config.connect_timeout = Duration::from_secs(2);
     config.publish_timeout = Duration::from_secs(2);
     let sink = sink(config).await;
@@ -619,7 +422,7 @@ async fn rate(sink: &AmqpSink, total: usize, per_call: usize) -> f64 {
 async fn batched_confirms_beat_one_confirm_per_message() {
     let broker = Broker::connect().await;
     let exchange = broker.exchange(ExchangeKind::Fanout).await;
-    let queue = unique("outbox_test_durable");
+    let queue = unique_name("outbox_test_durable");
     let mut arguments = FieldTable::default();
     arguments.insert("x-expires".into(), AMQPValue::LongInt(600_000));
     let options = QueueDeclareOptions {
@@ -632,7 +435,7 @@ async fn batched_confirms_beat_one_confirm_per_message() {
         .await
         .expect("declare durable queue");
     broker.bind(&queue, &exchange, "").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
 
     rate(&sink, 200, 100).await; // warm up
     let total = 2_000;
@@ -665,7 +468,7 @@ async fn batched_confirms_beat_one_confirm_per_message() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection() {
     let broker = Broker::connect().await;
-    let exchange = unique("outbox_test_deleted");
+    let exchange = unique_name("outbox_test_deleted");
     broker
         .channel
         .exchange_declare(
@@ -677,7 +480,7 @@ async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection(
         .await
         .expect("declare exchange");
     let queue = broker.queue(&exchange, "").await;
-    let sink = sink(AmqpConfig::new(amqp_url(), template(&exchange))).await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
     let batch = |n: u8| -> Vec<Message> {
         (0..n)
             .map(|i| NewMessage::new("t", vec![i]).into())
@@ -729,8 +532,7 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
     outbox_amqp::register(&mut registry);
     assert_eq!(registry.names(), [outbox_amqp::TYPE]);
 
-    let config =
-        serde_json::json!({ "url": amqp_url(), "exchange": exchange, "publish_timeout": "5s" });
+    let config = serde_json::json!({ "url": url(), "exchange": exchange, "publish_timeout": "5s" });
     let sink = registry
         .build("amqp", config)
         .await
@@ -742,7 +544,7 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
     assert_eq!(broker.take(&queue, 1).await[0].data, b"via registry");
 
     let missing =
-        serde_json::json!({ "url": amqp_url(), "exchange": unique("outbox_test_missing") });
+        serde_json::json!({ "url": url(), "exchange": unique_name("outbox_test_missing") });
     let error = registry
         .build("amqp", missing)
         .await
@@ -752,8 +554,7 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
     assert!(error.to_string().contains("does not exist"), "{error}");
 
     // Errors are keyed relative to the table; the relay puts the section in front.
-    let bad =
-        serde_json::json!({ "url": amqp_url(), "exchange": exchange, "publish_timeout": "soon" });
+    let bad = serde_json::json!({ "url": url(), "exchange": exchange, "publish_timeout": "soon" });
     let error = registry
         .build("amqp", bad)
         .await

@@ -1,13 +1,13 @@
 //! The sink against the real Kafka-protocol broker (tansu on 127.0.0.1:9092, or
 //! $OUTBOX_TEST_KAFKA_BROKERS).
 
-mod common;
-
+use std::collections::HashMap;
 use std::time::{Duration, Instant};
 
-use common::*;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
 use outbox_kafka::{KafkaConfig, KafkaSink};
+use outbox_test_support::kafka::{Record, consume, create_topic, require_broker, try_create_topic};
+use outbox_test_support::{free_addr, unique_name};
 
 fn sink(brokers: &str) -> KafkaSink {
     KafkaSink::new(KafkaConfig::new(brokers)).expect("sink")
@@ -23,11 +23,34 @@ fn receipts(outcomes: &[Outcome]) -> Vec<String> {
         .collect()
 }
 
+/// Messages of `topic` for `keys` keys, `per_key` each, interleaved in enqueue order.
+fn keyed_messages(topic: &str, keys: usize, per_key: usize) -> Vec<Message> {
+    let mut messages = Vec::new();
+    for seq in 0..per_key {
+        for k in 0..keys {
+            messages.push(Message::from(
+                NewMessage::new(topic, format!("k{k}:{seq}")).key(format!("k{k}")),
+            ));
+        }
+    }
+    messages
+}
+
+/// Groups records by key, in consumed order (which is offset order per partition).
+fn by_key(records: &[Record]) -> HashMap<String, Vec<&Record>> {
+    let mut map: HashMap<String, Vec<&Record>> = HashMap::new();
+    for r in records {
+        let key = r.key.clone().expect("keyed record");
+        map.entry(key).or_default().push(r);
+    }
+    map
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn round_trip_keeps_key_headers_and_payload_bytes() {
     let brokers = require_broker();
-    let topic = unique_topic("rt");
-    create_topic(&brokers, &topic, 3, &[]).await;
+    let topic = unique_name("rt");
+    create_topic(&brokers, &topic, 3).await;
     let sink = sink(&brokers);
     sink.health().await.expect("healthy");
 
@@ -63,10 +86,7 @@ async fn round_trip_keeps_key_headers_and_payload_bytes() {
             .unwrap_or_else(|| panic!("message {id} not consumed"));
         assert_eq!(receipt, &format!("{}:{}", record.partition, record.offset));
         assert_eq!(record.payload, message.payload, "payload bytes exact");
-        assert_eq!(
-            record.key.as_deref(),
-            message.key.as_deref().map(str::as_bytes)
-        );
+        assert_eq!(record.key, message.key);
         assert_eq!(record.header("outbox-topic"), Some(topic.as_str()));
         let created = chrono::DateTime::parse_from_rfc3339(
             record.header("outbox-created-at").expect("created"),
@@ -82,7 +102,7 @@ async fn round_trip_keeps_key_headers_and_payload_bytes() {
     }
     let first = records
         .iter()
-        .find(|r| r.key.as_deref() == Some(b"order-1"))
+        .find(|r| r.key.as_deref() == Some("order-1"))
         .unwrap();
     assert_eq!(first.header("tenant"), Some("acme"));
     assert_eq!(
@@ -98,8 +118,8 @@ async fn round_trip_keeps_key_headers_and_payload_bytes() {
 #[tokio::test(flavor = "multi_thread")]
 async fn same_key_same_partition_in_order_across_calls() {
     let brokers = require_broker();
-    let topic = unique_topic("order");
-    create_topic(&brokers, &topic, 3, &[]).await;
+    let topic = unique_name("order");
+    create_topic(&brokers, &topic, 3).await;
     let sink = sink(&brokers);
     let (keys, per_key) = (20, 10);
     let messages = keyed_messages(&topic, keys, per_key);
@@ -135,9 +155,9 @@ async fn same_key_same_partition_in_order_across_calls() {
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_topic_is_permanent_and_does_not_stop_the_others() {
     let brokers = require_broker();
-    let topic = unique_topic("known");
-    create_topic(&brokers, &topic, 1, &[]).await;
-    let missing = unique_topic("missing");
+    let topic = unique_name("known");
+    create_topic(&brokers, &topic, 1).await;
+    let missing = unique_name("missing");
     let sink = sink(&brokers);
     let batch: Vec<Message> = vec![
         NewMessage::new(&topic, b"a".to_vec()).key("a").into(),
@@ -172,8 +192,10 @@ async fn unknown_topic_is_permanent_and_does_not_stop_the_others() {
 #[tokio::test(flavor = "multi_thread")]
 async fn too_large_for_the_producer_is_permanent() {
     let brokers = require_broker();
-    let topic = unique_topic("small");
-    create_topic(&brokers, &topic, 1, &[("max.message.bytes", "8192")]).await;
+    let topic = unique_name("small");
+    try_create_topic(&brokers, &topic, 1, &[("max.message.bytes", "8192")])
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
     let sink = KafkaSink::new(KafkaConfig::new(&brokers).property("message.max.bytes", "8192"))
         .expect("sink");
     let batch: Vec<Message> = vec![
@@ -211,12 +233,8 @@ async fn too_large_for_the_producer_is_permanent() {
 #[tokio::test(flavor = "multi_thread")]
 async fn closed_port_is_unavailable_within_the_time_outs() {
     // A port that was free a moment ago: nothing listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let mut config = KafkaConfig::new(format!("127.0.0.1:{port}"));
+    let addr = free_addr();
+    let mut config = KafkaConfig::new(&addr);
     config.publish_timeout = Duration::from_secs(2);
     config.health_timeout = Duration::from_secs(1);
     let sink = KafkaSink::new(config).expect("made without connecting");
@@ -224,10 +242,7 @@ async fn closed_port_is_unavailable_within_the_time_outs() {
     let started = Instant::now();
     let err = sink.health().await.expect_err("nothing listens");
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    assert!(
-        err.to_string().contains(&format!("127.0.0.1:{port}")),
-        "names the brokers: {err}"
-    );
+    assert!(err.to_string().contains(&addr), "names the brokers: {err}");
     assert!(
         started.elapsed() < Duration::from_secs(3),
         "health took {:?}",

@@ -1,16 +1,15 @@
 //! Error handling against librdkafka's mock cluster, which can inject broker errors and
 //! take brokers down (tansu cannot).
 
-mod common;
-
 use std::time::Duration;
 
-use common::*;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
 use outbox_kafka::rdkafka::mocking::MockCluster;
 use outbox_kafka::rdkafka::producer::DefaultProducerContext;
 use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr as Err};
 use outbox_kafka::{KafkaConfig, KafkaSink};
+use outbox_test_support::kafka::consume;
+use outbox_test_support::unique_name;
 
 fn cluster(topic: &str, partitions: i32) -> MockCluster<'static, DefaultProducerContext> {
     let mock = MockCluster::new(1).expect("mock cluster");
@@ -50,7 +49,7 @@ fn delivered(outcome: &Outcome) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn retryable_broker_errors_are_retried_by_the_producer_and_written_once() {
-    let topic = unique_topic("retry");
+    let topic = unique_name("retry");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
     sink.health().await.expect("healthy");
@@ -107,7 +106,7 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
     ] {
         // A topic per case: librdkafka refuses further messages to a topic it was told it
         // may not write to, until its next metadata refresh.
-        let topic = unique_topic("fatal");
+        let topic = unique_name("fatal");
         mock.create_topic(&topic, 1, 1).expect("mock topic");
         mock.request_errors(RDKafkaApiKey::Produce, &[injected]);
         let outcomes = sink
@@ -121,7 +120,7 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
             "the reason is kept: {error}"
         );
         // The next message goes through: one refused message does not stop the producer.
-        let next = unique_topic("next");
+        let next = unique_name("next");
         mock.create_topic(&next, 1, 1).expect("mock topic");
         let outcomes = sink
             .publish(&[message(&next, &format!("after {reason}"))])
@@ -157,9 +156,9 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_topic_from_metadata_is_permanent() {
-    let topic = unique_topic("known");
+    let topic = unique_name("known");
     let mock = cluster(&topic, 1);
-    let missing = unique_topic("missing");
+    let missing = unique_name("missing");
     mock.topic_error(&missing, Err::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
         .expect("topic error");
     let sink = sink(&mock);
@@ -175,7 +174,7 @@ async fn unknown_topic_from_metadata_is_permanent() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
-    let topic = unique_topic("down");
+    let topic = unique_name("down");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
     let outcomes = sink
@@ -239,7 +238,7 @@ async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
-    let topic = unique_topic("desync");
+    let topic = unique_name("desync");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
     delivered(
@@ -308,7 +307,7 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
-    let topic = unique_topic("silent");
+    let topic = unique_name("silent");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
     delivered(

@@ -124,6 +124,104 @@ fn services() -> Result {
         (service.start)()?;
         wait_for(service)?;
     }
+    prepare_postgres()
+}
+
+/// The tests connect as `postgres` without a password to database `test` on 127.0.0.1
+/// (`OUTBOX_TEST_POSTGRES_URL` overrides it, and then nothing is prepared). A freshly
+/// installed PostgreSQL has neither: this creates the database and lets that role in from
+/// 127.0.0.1 without a password (a `trust` line for this one role and address, put first in
+/// pg_hba.conf), which suits a test machine only.
+fn prepare_postgres() -> Result {
+    if std::env::var_os("OUTBOX_TEST_POSTGRES_URL").is_some() {
+        return Ok(());
+    }
+    let probe = |database: &str| {
+        Command::new("psql")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-U",
+                "postgres",
+                "-d",
+                database,
+                "-tAc",
+                "SELECT 1",
+            ])
+            .env("PGCONNECT_TIMEOUT", "5")
+            .output()
+            .map_err(|e| format!("cannot run psql: {e}"))
+    };
+    let first = probe("test")?;
+    if first.status.success() {
+        return Ok(());
+    }
+    let why = String::from_utf8_lossy(&first.stderr).to_string();
+    if why.contains("password authentication failed")
+        || why.contains("no pg_hba.conf entry")
+        || why.contains("no password supplied")
+    {
+        println!(
+            "xtask: PostgreSQL refuses role postgres from 127.0.0.1 without a password; allowing it (test machine)"
+        );
+        allow_test_role()?;
+    }
+    if !probe("test")?.status.success() {
+        println!("xtask: creating PostgreSQL database `test`");
+        let created = Command::new("psql")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-U",
+                "postgres",
+                "-d",
+                "postgres",
+                "-c",
+                "CREATE DATABASE test",
+            ])
+            .status()
+            .map_err(|e| format!("cannot run psql: {e}"))?;
+        if !created.success() {
+            run(Command::new("runuser").args(["-u", "postgres", "--", "createdb", "test"]))?;
+        }
+    }
+    let last = probe("test")?;
+    if last.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "PostgreSQL on 127.0.0.1:5432 still refuses postgres@test: {}; set \
+             OUTBOX_TEST_POSTGRES_URL to a database the tests may use",
+            String::from_utf8_lossy(&last.stderr).trim()
+        ))
+    }
+}
+
+/// Puts `host all postgres 127.0.0.1/32 trust` first in every cluster's pg_hba.conf and
+/// reloads the clusters.
+fn allow_test_role() -> Result {
+    const LINE: &str = "host all postgres 127.0.0.1/32 trust";
+    let versions = std::fs::read_dir("/etc/postgresql")
+        .map_err(|e| format!("no PostgreSQL cluster under /etc/postgresql: {e}"))?;
+    for version in versions.flatten() {
+        let hba = version.path().join("main/pg_hba.conf");
+        let text = std::fs::read_to_string(&hba)
+            .map_err(|e| format!("cannot read {}: {e}", hba.display()))?;
+        if !text.lines().any(|l| l.trim() == LINE) {
+            std::fs::write(
+                &hba,
+                format!("# added by cargo xtask services (tests)\n{LINE}\n{text}"),
+            )
+            .map_err(|e| format!("cannot write {}: {e}", hba.display()))?;
+        }
+        let version = version.file_name().to_string_lossy().to_string();
+        run(Command::new("pg_ctlcluster").args([
+            "--skip-systemctl-redirect",
+            &version,
+            "main",
+            "reload",
+        ]))?;
+    }
     Ok(())
 }
 
