@@ -8,6 +8,10 @@ pub use outbox_core::*;
 #[cfg(feature = "postgres")]
 pub use outbox_postgres as postgres;
 
+/// SQLite outbox storage (cargo feature `sqlite`).
+#[cfg(feature = "sqlite")]
+pub use outbox_sqlite as sqlite;
+
 /// Redis Streams sink (cargo feature `redis`).
 #[cfg(feature = "redis")]
 pub use outbox_redis as redis;
@@ -23,3 +27,7 @@ pub use outbox_kafka as kafka;
 /// NATS JetStream sink (cargo feature `nats`).
 #[cfg(feature = "nats")]
 pub use outbox_nats as nats;
+
+/// File and standard output sinks, JSON lines (cargo feature `file`).
+#[cfg(feature = "file")]
+pub use outbox_file as file;

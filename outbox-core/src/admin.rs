@@ -89,7 +89,7 @@ pub trait StorageAdmin: Storage {
     /// released. Returns how many were deleted.
     async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64>;
 
-    /// The keys held back behind a dead letter, sorted by key.
+    /// The keys held back behind a dead letter.
     async fn parked_keys(&self) -> Result<Vec<ParkedKey>>;
 
     /// Lets a parked key's messages flow again without replaying its dead letters. Returns

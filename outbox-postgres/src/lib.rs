@@ -11,10 +11,10 @@ mod storage;
 mod table;
 mod wakeup;
 
+pub use config::{DEFAULT_MAX_PER_KEY, PostgresConfig};
 /// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
 /// code written against this crate.
 pub use outbox_core::{DeadLetterFilter, DeadLetterRow, TopicStats};
-pub use config::{DEFAULT_MAX_PER_KEY, PostgresConfig};
 /// The storage type name in the relay's configuration: `[storage] type = "postgres"`.
 pub const TYPE: &str = "postgres";
 

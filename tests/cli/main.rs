@@ -10,6 +10,9 @@ use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
 
+#[cfg(all(feature = "sqlite", feature = "file"))]
+mod sqlite;
+
 fn outbox(config: &Path, args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_outbox"))
         .arg("--config")
@@ -167,6 +170,12 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "relay.lease is 10s, shorter than the worst case of a batch"),
         (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "or lower the storage's max_per_key or the sink's time-out"),
         (format!("{storage}[relay]\nper_key_order = false\n[sink]\ntype = \"redis\"\n"), "relay.per_key_order is a setting of the storage: move it to [storage]"),
+        #[cfg(feature = "sqlite")]
+        ("[storage]\ntype = \"sqlite\"\npath = \"/nonexistent/outbox/app.db\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.path"),
+        #[cfg(feature = "sqlite")]
+        ("[storage]\ntype = \"sqlite\"\npath = \"/etc/hostname\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.path"),
+        #[cfg(feature = "file")]
+        (format!("{storage}[sink]\ntype = \"file\"\npath = \"/nonexistent/outbox/out.jsonl\"\n"), "sink.path"),
     ];
     for (contents, expected) in cases {
         let config = ConfigFile::new(&contents);
@@ -765,8 +774,16 @@ fn every_example_configuration_is_valid() {
         let path = entry.expect("entry").path();
         if path.extension().is_some_and(|e| e == "toml") {
             // `check` exits 78 on any configuration error, 1 if a service is unreachable or
-            // the tables are missing, which is fine here.
-            let out = outbox(&path, &["check"]);
+            // the tables are missing, which is fine here. It runs in a directory of its own:
+            // relative paths (the quick start's SQLite file) resolve there.
+            let cwd = ConfigFile::new("");
+            let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+                .current_dir(&cwd.dir)
+                .arg("--config")
+                .arg(&path)
+                .arg("check")
+                .output()
+                .expect("run the outbox binary");
             assert_ne!(
                 out.status.code(),
                 Some(EXIT_CONFIG),

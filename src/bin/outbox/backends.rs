@@ -10,15 +10,29 @@ use outbox::{SinkRegistry, StorageRegistry};
 pub const DEFAULT_STORAGE: &str = "postgres";
 
 /// Every storage type: its `[storage]` name and what it stores in.
-pub const STORAGES: [(&str, &str); 1] = [("postgres", "PostgreSQL")];
+pub const STORAGES: [(&str, &str); 2] = [("postgres", "PostgreSQL"), ("sqlite", "SQLite")];
 
-/// Every sink type: its `[sink] type` name (also its cargo feature) and what it delivers to.
-pub const SINKS: [(&str, &str); 4] = [
+/// Every sink type: its `[sink] type` name (also its cargo feature, but for those in
+/// [`SINK_FEATURES`]) and what it delivers to.
+pub const SINKS: [(&str, &str); 6] = [
     ("redis", "Redis Streams"),
     ("amqp", "AMQP 0-9-1, RabbitMQ"),
     ("kafka", "Kafka"),
     ("nats", "NATS JetStream"),
+    ("file", "JSON lines appended to a file"),
+    ("stdout", "JSON lines on standard output"),
 ];
+
+/// Sink types added by a cargo feature of another name: (type, feature).
+pub const SINK_FEATURES: [(&str, &str); 1] = [("stdout", "file")];
+
+/// The cargo feature that adds sink type `name`.
+fn sink_feature(name: &str) -> &str {
+    SINK_FEATURES
+        .iter()
+        .find(|(sink, _)| *sink == name)
+        .map_or(name, |(_, feature)| feature)
+}
 
 /// Every storage type this build has; the others are noted with the cargo feature that adds
 /// them, so asking for one says how to get it.
@@ -26,6 +40,8 @@ pub fn storages() -> StorageRegistry {
     let mut registry = StorageRegistry::new();
     #[cfg(feature = "postgres")]
     outbox::postgres::register(&mut registry);
+    #[cfg(feature = "sqlite")]
+    outbox::sqlite::register(&mut registry);
     for (name, _) in STORAGES {
         registry.note_missing(name, name);
     }
@@ -44,8 +60,10 @@ pub fn sinks() -> SinkRegistry {
     outbox::kafka::register(&mut registry);
     #[cfg(feature = "nats")]
     outbox::nats::register(&mut registry);
+    #[cfg(feature = "file")]
+    outbox::file::register(&mut registry);
     for (name, _) in SINKS {
-        registry.note_missing(name, name);
+        registry.note_missing(name, sink_feature(name));
     }
     registry
 }
@@ -61,10 +79,14 @@ pub fn help() -> String {
     };
     format!(
         "Storages: {}.\nSinks: {}.\nThis build has: {}, {}; the others are added by the cargo \
-         feature of the same name.",
+         feature of the same name{}.",
         list(&STORAGES),
         list(&SINKS),
         storages().names().join(", "),
-        sinks().names().join(", ")
+        sinks().names().join(", "),
+        SINK_FEATURES
+            .iter()
+            .map(|(name, feature)| format!(" ({name}: `{feature}`)"))
+            .collect::<String>()
     )
 }

@@ -1,0 +1,169 @@
+//! The operator's side ([`StorageAdmin`]), used by the CLI: migrations, enqueue, dead letters
+//! (list, show, replay, purge), parked keys (list, release) and queue figures per topic. The
+//! relay never calls these.
+
+use async_trait::async_trait;
+use outbox_core::{
+    DeadLetterFilter, DeadLetterRow, NewMessage, ParkedKey, Result, StorageAdmin, TopicStats,
+};
+use uuid::Uuid;
+
+use crate::SqliteStorage;
+use crate::{rows, sql};
+
+/// Ids as the JSON array the statements read with `json_each`.
+fn json_ids(ids: &[Uuid]) -> String {
+    serde_json::Value::Array(
+        ids.iter()
+            .map(|id| serde_json::Value::String(id.hyphenated().to_string()))
+            .collect(),
+    )
+    .to_string()
+}
+
+#[async_trait]
+impl StorageAdmin for SqliteStorage {
+    fn describe(&self) -> String {
+        format!(
+            "sqlite {}, table {}",
+            self.config().path.display(),
+            self.table().table()
+        )
+    }
+
+    async fn migrate(&self) -> Result<()> {
+        SqliteStorage::migrate(self).await
+    }
+
+    async fn enqueue(&self, messages: &[NewMessage]) -> Result<()> {
+        let what = "enqueue failed";
+        let _writer = self.writer_turn().await;
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(|e| self.error(what, e))?;
+        // The relay's connections commit without waiting for the disk; an enqueue must not.
+        sqlx::query(sql::DURABLE_COMMITS)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        let result = async {
+            let mut tx = sqlx::Connection::begin_with(&mut *conn, sql::BEGIN_WRITE)
+                .await
+                .map_err(|e| self.error(what, e))?;
+            match self.table().enqueue_many(&mut tx, messages).await {
+                Ok(()) => tx.commit().await.map_err(|e| self.error(what, e)),
+                Err(error) => {
+                    let _ = tx.rollback().await;
+                    Err(error)
+                }
+            }
+        }
+        .await;
+        let _ = sqlx::query(sql::FAST_COMMITS).execute(&mut *conn).await;
+        result
+    }
+
+    async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
+        let what = "cannot read topic figures";
+        let now = self.now(what).await?;
+        let rows = sqlx::query(&self.sql.topic_stats)
+            .bind(now)
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| self.error(what, e))?;
+        rows.iter().map(rows::topic_stats).collect()
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: usize,
+    ) -> Result<Vec<DeadLetterRow>> {
+        let rows = sqlx::query(&self.sql.find_dead_letters)
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(filter.ids.as_deref().map(json_ids))
+            .bind(filter.topic.as_deref())
+            .bind(filter.key.as_deref())
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| self.error("cannot list dead letters", e))?;
+        rows.iter().map(rows::dead_letter).collect()
+    }
+
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let what = "cannot replay dead letters";
+        let ids = json_ids(ids);
+        let mut write = self.write(what).await?;
+        let now = write.now;
+        let tx = &mut write.tx;
+        let replayed = async {
+            sqlx::query(&self.sql.replay_restore)
+                .bind(ids.as_str())
+                .bind(now)
+                .execute(&mut **tx)
+                .await?;
+            sqlx::query(&self.sql.replay_unpark)
+                .bind(ids.as_str())
+                .execute(&mut **tx)
+                .await?;
+            let done = sqlx::query(&self.sql.replay_delete)
+                .bind(ids.as_str())
+                .execute(&mut **tx)
+                .await?;
+            Ok(done.rows_affected())
+        }
+        .await
+        .map_err(|e| self.error(what, e));
+        self.finish(what, write, replayed).await
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let what = "cannot purge dead letters";
+        let mut write = self.write(what).await?;
+        let done = sqlx::query(&self.sql.purge_dead_letters)
+            .bind(json_ids(ids))
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, done).await
+    }
+
+    async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {
+        let what = "cannot list parked keys";
+        let rows: Vec<(String, String)> = sqlx::query_as(&self.sql.parked_keys)
+            .fetch_all(self.pool())
+            .await
+            .map_err(|e| self.error(what, e))?;
+        rows.into_iter()
+            .map(|(key, id)| {
+                let dead_letter = Uuid::parse_str(&id).map_err(|e| {
+                    outbox_core::Error::permanent(format!(
+                        "sqlite: parked key `{key}` names the dead letter `{id}`, which is not a UUID: {e}"
+                    ))
+                })?;
+                Ok(ParkedKey { key, dead_letter })
+            })
+            .collect()
+    }
+
+    async fn release_parked_key(&self, key: &str) -> Result<bool> {
+        let what = "cannot release parked key";
+        let mut write = self.write(what).await?;
+        let done = sqlx::query(&self.sql.release_parked_key)
+            .bind(key)
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected() > 0)
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, done).await
+    }
+}

@@ -1,0 +1,162 @@
+//! Decoding rows into the engine's types. The statements that select them are in `sql.rs`.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use outbox_core::{DeadLetterRow, Error, Message, QueueStats, Result, TopicStats, TraceContext};
+use sqlx::Row;
+use sqlx::sqlite::SqliteRow;
+use uuid::Uuid;
+
+use crate::error::db_error;
+
+/// Microseconds since the Unix epoch as a time (clamped to what `DateTime` holds).
+pub(crate) fn from_micros(us: i64) -> DateTime<Utc> {
+    DateTime::from_timestamp_micros(us).unwrap_or(if us < 0 {
+        DateTime::<Utc>::MIN_UTC
+    } else {
+        DateTime::<Utc>::MAX_UTC
+    })
+}
+
+/// Milliseconds since the Unix epoch as a time (clamped to what `DateTime` holds).
+pub(crate) fn from_millis(ms: i64) -> DateTime<Utc> {
+    from_micros(ms.saturating_mul(1000))
+}
+
+/// Reads a message from a row holding [`crate::sql::MESSAGE_COLUMNS`].
+pub(crate) fn message(row: &SqliteRow) -> Result<Message> {
+    let get = |e| db_error(None, "cannot read a message row", e);
+    let id: String = row.try_get("id").map_err(get)?;
+    let id = Uuid::parse_str(&id).map_err(|e| {
+        Error::permanent(format!(
+            "sqlite: a message row has the id `{id}`, which is not a UUID: {e}"
+        ))
+    })?;
+    let headers: String = row.try_get("headers").map_err(get)?;
+    let traceparent: Option<String> = row.try_get("traceparent").map_err(get)?;
+    let attempts: i64 = row.try_get("attempts").map_err(get)?;
+    Ok(Message {
+        id,
+        topic: row.try_get("topic").map_err(get)?,
+        key: row.try_get("partition_key").map_err(get)?,
+        payload: row.try_get("payload").map_err(get)?,
+        headers: headers_from_json(id, &headers),
+        created_at: from_micros(row.try_get("created_at").map_err(get)?),
+        attempts: u32::try_from(attempts.max(0)).unwrap_or(u32::MAX),
+        trace_context: match traceparent {
+            Some(traceparent) => Some(TraceContext {
+                traceparent,
+                tracestate: row.try_get("tracestate").map_err(get)?,
+            }),
+            None => None,
+        },
+    })
+}
+
+/// The rows of a claim: `seq` and each message, in `seq` order (RETURNING gives them in no
+/// particular order).
+pub(crate) fn claimed(rows: &[SqliteRow]) -> Result<Vec<Message>> {
+    let fail = |e| db_error(None, "claim failed", e);
+    let mut numbered = rows
+        .iter()
+        .map(|row| Ok((row.try_get::<i64, _>("seq").map_err(fail)?, message(row)?)))
+        .collect::<Result<Vec<_>>>()?;
+    numbered.sort_unstable_by_key(|(seq, _)| *seq);
+    Ok(numbered.into_iter().map(|(_, m)| m).collect())
+}
+
+fn count(row: &SqliteRow, index: usize, fail: impl Fn(sqlx::Error) -> Error) -> Result<u64> {
+    Ok(row.try_get::<i64, _>(index).map_err(fail)?.max(0) as u64)
+}
+
+/// The row of the queue figures statement.
+pub(crate) fn queue_stats(row: &SqliteRow) -> Result<QueueStats> {
+    let fail = |e| db_error(None, "cannot read queue figures", e);
+    Ok(QueueStats {
+        pending: count(row, 0, fail)?,
+        oldest_pending: row
+            .try_get::<Option<i64>, _>(1)
+            .map_err(fail)?
+            .map(from_micros),
+        in_flight: count(row, 2, fail)?,
+        dead_lettered: count(row, 3, fail)?,
+        parked_keys: count(row, 4, fail)?,
+    })
+}
+
+/// A row of the figures per topic.
+pub(crate) fn topic_stats(row: &SqliteRow) -> Result<TopicStats> {
+    let fail = |e| db_error(None, "cannot read topic figures", e);
+    Ok(TopicStats {
+        topic: row.try_get("topic").map_err(fail)?,
+        pending: count(row, 1, fail)?,
+        oldest_pending: row
+            .try_get::<Option<i64>, _>("oldest")
+            .map_err(fail)?
+            .map(from_micros),
+        in_flight: count(row, 3, fail)?,
+        dead_lettered: count(row, 4, fail)?,
+    })
+}
+
+/// A dead letter: its message, then why and when it was dead-lettered.
+pub(crate) fn dead_letter(row: &SqliteRow) -> Result<DeadLetterRow> {
+    let message = message(row)?;
+    let get = |e| db_error(None, "cannot read a dead letter", e);
+    Ok(DeadLetterRow {
+        message,
+        last_error: row.try_get("last_error").map_err(get)?,
+        dead_lettered_at: from_millis(row.try_get("dead_lettered_at").map_err(get)?),
+    })
+}
+
+/// Headers are a JSON object of strings. Rows written by hand in SQL may hold other JSON
+/// values, or text that is not JSON: those are passed on as they are, in a header named
+/// `headers`, rather than dropped.
+fn headers_from_json(id: Uuid, text: &str) -> BTreeMap<String, String> {
+    match serde_json::from_str::<serde_json::Value>(text) {
+        Ok(serde_json::Value::Object(map)) => map
+            .into_iter()
+            .map(|(k, v)| match v {
+                serde_json::Value::String(s) => (k, s),
+                other => (k, other.to_string()),
+            })
+            .collect(),
+        Ok(serde_json::Value::Null) => BTreeMap::new(),
+        _ => {
+            tracing::warn!(%id, "headers column is not a JSON object; passing it on as `headers`");
+            BTreeMap::from([("headers".to_string(), text.to_string())])
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn headers_survive_odd_json() {
+        let id = Uuid::now_v7();
+        assert_eq!(
+            headers_from_json(id, r#"{"a": "b", "n": 1}"#),
+            BTreeMap::from([("a".into(), "b".into()), ("n".into(), "1".into())])
+        );
+        assert!(headers_from_json(id, "null").is_empty());
+        assert_eq!(
+            headers_from_json(id, "not json"),
+            BTreeMap::from([("headers".into(), "not json".into())])
+        );
+    }
+
+    #[test]
+    fn times_round_trip_and_clamp() {
+        let now = Utc::now();
+        assert_eq!(
+            from_micros(now.timestamp_micros()).timestamp_micros(),
+            now.timestamp_micros()
+        );
+        assert_eq!(from_millis(1_500).timestamp_millis(), 1_500);
+        assert_eq!(from_micros(i64::MAX), DateTime::<Utc>::MAX_UTC);
+    }
+}

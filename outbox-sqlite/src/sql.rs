@@ -1,0 +1,306 @@
+//! The SQL text of the relay and of the operator's repairs, built once per outbox table from
+//! its validated name. The migrations and the enqueue statements are the table's contract
+//! and stay with [`OutboxTable`].
+//!
+//! Lists of ids (and of per-message values) are bound as one JSON array and read with
+//! `json_each`: SQLite has no array parameters. Every time is a parameter `now` read once per
+//! call from the database's clock ([`now`]), so one call uses one instant throughout.
+
+use crate::table::NOW_MS;
+use crate::{OutboxTable, SqliteConfig};
+
+/// Columns of a message, in the order `rows::message` reads them. The payload is read as a
+/// BLOB whatever a writer stored (a TEXT payload gives its UTF-8 bytes).
+pub(crate) const MESSAGE_COLUMNS: &str = "id, topic, partition_key, CAST(payload AS BLOB) AS payload, \
+     headers, traceparent, tracestate, created_at, attempts";
+
+/// The database's clock, in milliseconds since the Unix epoch.
+pub(crate) fn now() -> String {
+    format!("SELECT {NOW_MS}")
+}
+
+/// The health check.
+pub(crate) const PING: &str = "SELECT 1";
+
+/// The write transactions of the relay: they take the write lock at once (waiting up to
+/// `busy_timeout` for it), so their reads see the latest commit and their later writes
+/// cannot fail to upgrade a read lock.
+pub(crate) const BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
+
+/// Durable commits for an operator's enqueue, then back to the relay's setting.
+pub(crate) const DURABLE_COMMITS: &str = "PRAGMA synchronous = FULL";
+pub(crate) const FAST_COMMITS: &str = "PRAGMA synchronous = NORMAL";
+
+/// A list of ids bound as JSON (`?n`), as a subquery.
+fn ids(n: u8) -> String {
+    format!("(SELECT value FROM json_each(?{n}))")
+}
+
+/// The SQL of one outbox table, built once from its validated name.
+pub(crate) struct Statements {
+    /// `?1` limit, `?2` now, `?3` token, `?4` worker, `?5` lease (ms), `?6` cursor (per-key
+    /// order only). Returns `seq` and [`MESSAGE_COLUMNS`] of the claimed rows.
+    pub(crate) claim: String,
+    /// Dead letters (`?1` JSON `[{"id", "error"}]`, `?2` token, `?3` now): copy, park, delete.
+    pub(crate) dead_copy: String,
+    pub(crate) dead_park: Option<String>,
+    pub(crate) dead_delete: String,
+    /// One retry: `?1` id, `?2` token, `?3` now, `?4` delay (ms), `?5` error.
+    pub(crate) retry: String,
+    /// Deliveries (`?1` JSON `[{"id", "receipt"}]`, `?2` token, `?3` now): keep (with
+    /// retention), delete.
+    pub(crate) delivered_keep: Option<String>,
+    pub(crate) delivered_delete: String,
+    /// Releases: `?1` JSON ids, `?2` token, `?3` now.
+    pub(crate) release: String,
+    /// `?1` JSON ids, `?2` token, `?3` now, `?4` lease (ms).
+    pub(crate) extend_lease: String,
+    /// `?1` now.
+    pub(crate) stats: String,
+    /// `?1` now, `?2` retention (ms).
+    pub(crate) purge_delivered: String,
+    // The operator's repairs (`admin.rs`).
+    pub(crate) find_dead_letters: String,
+    pub(crate) replay_restore: String,
+    pub(crate) replay_unpark: String,
+    pub(crate) replay_delete: String,
+    pub(crate) topic_stats: String,
+    pub(crate) parked_keys: String,
+    pub(crate) release_parked_key: String,
+    pub(crate) purge_dead_letters: String,
+}
+
+impl Statements {
+    pub(crate) fn new(t: &OutboxTable, config: &SqliteConfig) -> Self {
+        let outbox = t.quoted("");
+        let dead = t.quoted("_dead_letters");
+        let parked = t.quoted("_parked_keys");
+        let delivered = t.quoted("_delivered");
+        let returning = format!("RETURNING seq, {MESSAGE_COLUMNS}");
+        let set_claimed = "claim_token = ?3, claimed_by = ?4, available_at = ?2 + ?5";
+        let claim = if config.per_key_order {
+            Self::ordered_claim(
+                &outbox,
+                &parked,
+                config.max_per_key,
+                set_claimed,
+                &returning,
+            )
+        } else {
+            format!(
+                "UPDATE {outbox} SET {set_claimed}
+                 WHERE seq IN (SELECT seq FROM {outbox} WHERE available_at <= ?2
+                               ORDER BY seq LIMIT ?1)
+                 {returning}"
+            )
+        };
+        // The rows of a JSON list `[{"id": …, …}]` still held under the token.
+        let held = |list: u8, token: u8| {
+            format!(
+                "FROM json_each(?{list}) AS j CROSS JOIN {outbox} AS o
+                 WHERE o.id = json_extract(j.value, '$.id') AND o.claim_token = ?{token}"
+            )
+        };
+        let held_ids = |list: u8, token: u8| {
+            format!(
+                "WHERE claim_token = ?{token} AND id IN (SELECT json_extract(value, '$.id') FROM json_each(?{list}))"
+            )
+        };
+        let message_columns =
+            "seq, id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+        let from_o = message_columns
+            .split(", ")
+            .map(|c| format!("o.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        Statements {
+            claim,
+            dead_copy: format!(
+                "INSERT INTO {dead} ({message_columns}, attempts, last_error, dead_lettered_at)
+                 SELECT {from_o}, o.attempts + 1, json_extract(j.value, '$.error'), ?3 {}",
+                held(1, 2)
+            ),
+            // The first dead letter of a key (by seq) is the one that parks it.
+            dead_park: config.per_key_order.then(|| {
+                format!(
+                    "INSERT OR IGNORE INTO {parked} (partition_key, dead_letter_id, parked_at)
+                     SELECT o.partition_key, o.id, ?3 {} AND o.partition_key IS NOT NULL
+                     ORDER BY o.seq",
+                    held(1, 2)
+                )
+            }),
+            dead_delete: format!("DELETE FROM {outbox} {}", held_ids(1, 2)),
+            retry: format!(
+                "UPDATE {outbox} SET attempts = attempts + 1, claim_token = NULL, claimed_by = NULL,
+                        last_error = ?5, available_at = ?3 + ?4
+                 WHERE id = ?1 AND claim_token = ?2"
+            ),
+            delivered_keep: config.retention.is_some().then(|| {
+                format!(
+                    "INSERT INTO {delivered} ({message_columns}, attempts, receipt, delivered_at)
+                     SELECT {from_o}, o.attempts, json_extract(j.value, '$.receipt'), ?3 {}",
+                    held(1, 2)
+                )
+            }),
+            delivered_delete: format!("DELETE FROM {outbox} {}", held_ids(1, 2)),
+            release: format!(
+                "UPDATE {outbox} SET claim_token = NULL, claimed_by = NULL, available_at = ?3
+                 WHERE claim_token = ?2 AND id IN {}",
+                ids(1)
+            ),
+            extend_lease: format!(
+                "UPDATE {outbox} SET available_at = ?3 + ?4 WHERE claim_token = ?2 AND id IN {}",
+                ids(1)
+            ),
+            stats: format!(
+                "SELECT count(*) FILTER (WHERE claim_token IS NULL OR available_at <= ?1),
+                        min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= ?1),
+                        count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > ?1),
+                        (SELECT count(*) FROM {dead}),
+                        (SELECT count(*) FROM {parked})
+                 FROM {outbox}"
+            ),
+            purge_delivered: format!(
+                "DELETE FROM {delivered} WHERE seq IN (
+                    SELECT seq FROM {delivered} WHERE delivered_at < ?1 - ?2
+                    ORDER BY delivered_at LIMIT 1000)"
+            ),
+            find_dead_letters: format!(
+                "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {dead}
+                 WHERE (?2 IS NULL OR id IN {}) AND (?3 IS NULL OR topic = ?3)
+                   AND (?4 IS NULL OR partition_key = ?4)
+                 ORDER BY seq LIMIT ?1",
+                ids(2)
+            ),
+            // A replayed dead letter goes back with its seq, so it is first in its key again;
+            // AUTOINCREMENT never hands a seq out twice, so it is still free.
+            replay_restore: format!(
+                "INSERT INTO {outbox} ({message_columns}, attempts, available_at, last_error)
+                 SELECT {message_columns}, 0, ?2, last_error FROM {dead} WHERE id IN {}
+                 ORDER BY seq",
+                ids(1)
+            ),
+            replay_unpark: format!(
+                "DELETE FROM {parked}
+                 WHERE partition_key IN (SELECT partition_key FROM {dead} WHERE id IN {ids})
+                   AND NOT EXISTS (SELECT 1 FROM {dead} d
+                                   WHERE d.partition_key = {parked}.partition_key
+                                     AND d.id NOT IN {ids})",
+                ids = ids(1)
+            ),
+            replay_delete: format!("DELETE FROM {dead} WHERE id IN {}", ids(1)),
+            topic_stats: format!(
+                "WITH live AS (
+                    SELECT topic,
+                           count(*) FILTER (WHERE claim_token IS NULL OR available_at <= ?1) AS pending,
+                           min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= ?1) AS oldest,
+                           count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > ?1) AS in_flight
+                    FROM {outbox} GROUP BY topic),
+                 dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic),
+                 topics AS (SELECT topic FROM live UNION SELECT topic FROM dead)
+                 SELECT t.topic AS topic, coalesce(l.pending, 0) AS pending, l.oldest AS oldest,
+                        coalesce(l.in_flight, 0) AS in_flight, coalesce(d.dead, 0) AS dead
+                 FROM topics t LEFT JOIN live l ON l.topic = t.topic
+                      LEFT JOIN dead d ON d.topic = t.topic
+                 ORDER BY t.topic"
+            ),
+            // The dead letter holding a key back: its oldest one still there (the one that
+            // parked it may have been purged).
+            parked_keys: format!(
+                "SELECT p.partition_key,
+                        coalesce((SELECT d.id FROM {dead} d WHERE d.partition_key = p.partition_key
+                                  ORDER BY d.seq LIMIT 1), p.dead_letter_id)
+                 FROM {parked} p ORDER BY p.partition_key"
+            ),
+            release_parked_key: format!("DELETE FROM {parked} WHERE partition_key = ?1"),
+            purge_dead_letters: format!("DELETE FROM {dead} WHERE id IN {}", ids(1)),
+        }
+    }
+
+    /// The claim with per-key order: a sweep over the partition keys rather than the rows,
+    /// as in outbox-postgres, in one statement.
+    ///
+    /// A key is free when its first row is due and it is not parked. The sweep visits the
+    /// keys in key order, starting after the key where this relay's last claim stopped (`?6`)
+    /// and wrapping around, one descent of the `(partition_key, seq)` index per key: a key
+    /// another relay holds costs one descent however many rows wait behind it, and keys
+    /// take turns. It stops once it has found `limit` free keys (each gives at least one
+    /// row). Of a free key it takes its first rows, at most `max_per_key`, and stops at the
+    /// first row that is not due: rows behind one that is in flight or waiting to retry
+    /// never go ahead of it, whatever their own state (a released or a replayed row can be
+    /// due behind one that is not).
+    ///
+    /// Rows without a key need no order: the oldest due ones take turns with the keyed rows,
+    /// so neither kind starves the other. The statement runs in a `BEGIN IMMEDIATE`
+    /// transaction: no other write can change a row between the sweep and the UPDATE.
+    fn ordered_claim(
+        outbox: &str,
+        parked: &str,
+        max_per_key: usize,
+        set_claimed: &str,
+        returning: &str,
+    ) -> String {
+        let free = |k: &str| {
+            format!(
+                "(coalesce((SELECT h.available_at FROM {outbox} h WHERE h.partition_key = {k}
+                            ORDER BY h.seq LIMIT 1) <= ?2, 0)
+                  AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = {k}))"
+            )
+        };
+        let next_key = |after: &str, bound: &str| {
+            format!(
+                "(SELECT o.partition_key FROM {outbox} o WHERE o.partition_key > {after} {bound}
+                  ORDER BY o.partition_key LIMIT 1)"
+            )
+        };
+        // `n` counts the free keys before `k`: a step stops the sweep once `k` makes `limit`.
+        let (free_a, free_u, free_k) = (free("a.k"), free("u.k"), free("k"));
+        let after_first = next_key("?6", "");
+        let after_next = next_key("a.k", "");
+        let up_to_next = next_key("u.k", "AND o.partition_key <= ?6");
+        let offset = max_per_key.saturating_sub(1);
+        format!(
+            "WITH RECURSIVE
+             after_cursor(k, n) AS (
+                SELECT {after_first}, 0
+                UNION ALL
+                SELECT {after_next}, a.n + {free_a} FROM after_cursor a
+                WHERE a.k IS NOT NULL AND a.n + {free_a} < ?1),
+             up_to_cursor(k, n) AS (
+                SELECT (SELECT o.partition_key FROM {outbox} o WHERE o.partition_key <= ?6
+                        ORDER BY o.partition_key LIMIT 1), a.n
+                FROM after_cursor a WHERE a.k IS NULL AND a.n < ?1
+                UNION ALL
+                SELECT {up_to_next}, u.n + {free_u} FROM up_to_cursor u
+                WHERE u.k IS NOT NULL AND u.n + {free_u} < ?1),
+             free_keys(k, phase) AS (
+                SELECT k, 0 FROM after_cursor WHERE k IS NOT NULL AND {free_k}
+                UNION ALL
+                SELECT k, 1 FROM up_to_cursor WHERE k IS NOT NULL AND {free_k}),
+             keyed(seq, k, phase) AS (
+                SELECT seq, k, phase FROM (
+                    SELECT o.seq, o.partition_key AS k, f.phase,
+                           min(o.available_at <= ?2) OVER (
+                               PARTITION BY o.partition_key ORDER BY o.seq
+                               ROWS UNBOUNDED PRECEDING) AS all_due_so_far
+                    FROM free_keys f CROSS JOIN {outbox} o
+                    ON o.partition_key = f.k AND o.seq <= coalesce(
+                        (SELECT x.seq FROM {outbox} x WHERE x.partition_key = f.k
+                         ORDER BY x.seq LIMIT 1 OFFSET {offset}), 9223372036854775807))
+                WHERE all_due_so_far),
+             unkeyed(seq) AS (
+                SELECT seq FROM {outbox} WHERE partition_key IS NULL AND available_at <= ?2
+                ORDER BY seq LIMIT ?1),
+             picked(seq) AS (
+                SELECT seq FROM (
+                    SELECT seq, row_number() OVER (ORDER BY seq) AS turn FROM unkeyed
+                    UNION ALL
+                    -- Sweep order, each key's rows in order: a cut at the limit drops only
+                    -- the last rows of a key, never a row ahead of one it keeps.
+                    SELECT seq, row_number() OVER (ORDER BY phase, k, seq) AS turn FROM keyed)
+                ORDER BY turn LIMIT ?1)
+             UPDATE {outbox} SET {set_claimed} WHERE seq IN (SELECT seq FROM picked)
+             {returning}"
+        )
+    }
+}

@@ -1,0 +1,460 @@
+//! [`SqliteStorage`]: its lifecycle (file, connection pool, migrations) and the relay side,
+//! the [`Storage`] implementation: claims under fenced leases, settlements, queue figures
+//! and housekeeping. The operator's repairs are in `admin.rs`.
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::{
+    Claim, ClaimToken, Error, QueueStats, Result, Settlement, Storage, StorageCapabilities,
+};
+use sqlx::sqlite::{SqlitePool, SqliteRow};
+use sqlx::{Row, Sqlite, Transaction};
+use uuid::Uuid;
+
+use crate::error::db_error;
+use crate::sql::{self, Statements};
+use crate::{OutboxTable, SqliteConfig, connection, rows};
+
+/// The longest delay or lease written, in milliseconds (about 31,000 years): times stay
+/// integers however long a `Duration` is.
+const MAX_MILLIS: i64 = 1_000_000_000_000_000;
+
+/// The SQLite [`Storage`]: claims in `BEGIN IMMEDIATE` transactions under leases on the
+/// database's clock (the host's), fences every later write with the claim's token, and keeps
+/// per-key order. SQLite has one writer at a time, so claims and settlements take turns on
+/// the database's write lock, with each other and with the application's transactions. No
+/// wake-up: the relay polls.
+pub struct SqliteStorage {
+    config: SqliteConfig,
+    table: OutboxTable,
+    pool: SqlitePool,
+    /// Also used by the operator's repairs (`admin.rs`).
+    pub(crate) sql: Statements,
+    /// Serialises this process's writes before they queue for the file's write lock:
+    /// SQLite's busy handler waits by sleeping, so two of our own connections competing for
+    /// the lock would lose milliseconds to each other; a queue hands it over at once.
+    writer: tokio::sync::Mutex<()>,
+    /// The partition key after which the next ordered claim starts its sweep.
+    cursor: std::sync::Mutex<String>,
+}
+
+impl std::fmt::Debug for SqliteStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqliteStorage")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A write in progress: this process's turn, the write transaction and the database's
+/// clock when it began. End it with [`SqliteStorage::finish`].
+pub(crate) struct Write<'a> {
+    _turn: tokio::sync::MutexGuard<'a, ()>,
+    pub(crate) tx: Transaction<'static, Sqlite>,
+    /// Milliseconds since the Unix epoch, on the database's clock.
+    pub(crate) now: i64,
+}
+
+/// A duration as the milliseconds the statements take, saturating.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
+}
+
+/// Ids as the JSON array the statements read with `json_each`.
+fn json_ids<'a>(ids: impl IntoIterator<Item = &'a Uuid>) -> String {
+    serde_json::Value::Array(
+        ids.into_iter()
+            .map(|id| serde_json::Value::String(id.hyphenated().to_string()))
+            .collect(),
+    )
+    .to_string()
+}
+
+/// A statement over a JSON list of messages (`?1`) held under a token (`?2`) at `now` (`?3`).
+fn listed<'q>(
+    sql: &'q str,
+    list: &str,
+    token: &str,
+    now: i64,
+) -> sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments<'q>> {
+    sqlx::query(sql)
+        .bind(list.to_string())
+        .bind(token.to_string())
+        .bind(now)
+}
+
+/// Keeps the first entry of each id: a list that names a message twice changes it once.
+fn first_of_each<T>(items: &[T], id: impl Fn(&T) -> Uuid) -> Vec<&T> {
+    let mut seen = HashSet::new();
+    items.iter().filter(|item| seen.insert(id(item))).collect()
+}
+
+impl SqliteStorage {
+    /// A storage for `config`. Validates the configuration and checks that the file's
+    /// directory exists; opens the file lazily, so a file that is not a database shows up
+    /// at the first call (use [`open`](SqliteStorage::open) to check it at once).
+    pub fn new(config: SqliteConfig) -> Result<Self> {
+        config.validate()?;
+        config.check_path()?;
+        let table = OutboxTable::new(&config.table)?;
+        let sql = Statements::new(&table, &config);
+        let pool = connection::pool(&config);
+        Ok(SqliteStorage {
+            config,
+            table,
+            pool,
+            sql,
+            writer: tokio::sync::Mutex::new(()),
+            cursor: std::sync::Mutex::new(String::new()),
+        })
+    }
+
+    /// A storage for `config` whose file is opened at once (and created if missing, as an
+    /// empty database in WAL mode): a file that cannot be opened or is not a SQLite
+    /// database is a `Config` error keyed `path` here.
+    pub async fn open(config: SqliteConfig) -> Result<Self> {
+        let storage = Self::new(config)?;
+        sqlx::query(sql::PING)
+            .execute(&storage.pool)
+            .await
+            .map_err(|e| storage.error("cannot open the database", e))?;
+        Ok(storage)
+    }
+
+    /// The outbox table this storage relays from.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// The relay's connection pool (its connections commit with `synchronous = NORMAL`: do
+    /// not enqueue through it).
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &SqliteConfig {
+        &self.config
+    }
+
+    /// Creates or upgrades the outbox tables, durably (`synchronous = FULL`).
+    pub async fn migrate(&self) -> Result<()> {
+        let _writer = self.writer_turn().await;
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| self.error("cannot open the database", e))?;
+        sqlx::query(sql::DURABLE_COMMITS)
+            .execute(&mut *conn)
+            .await
+            .map_err(|e| self.error("migration failed", e))?;
+        let result = self.table.migrate(&mut conn).await;
+        let _ = sqlx::query(sql::FAST_COMMITS).execute(&mut *conn).await;
+        result
+    }
+
+    /// Classifies an error; a problem with the file names `path`.
+    pub(crate) fn error(&self, context: &str, error: sqlx::Error) -> Error {
+        db_error(Some(&self.config.path), context, error)
+    }
+
+    /// Takes this process's turn to write, then the database's write lock, and reads the
+    /// database's clock: one instant for the whole call, taken once the lock is held, so a
+    /// lease counts from when the claim is made, not from a wait for the lock.
+    pub(crate) async fn write(&self, what: &str) -> Result<Write<'_>> {
+        let turn = self.writer_turn().await;
+        let mut tx = self
+            .pool
+            .begin_with(sql::BEGIN_WRITE)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        match sqlx::query_scalar(&sql::now()).fetch_one(&mut *tx).await {
+            Ok(now) => Ok(Write {
+                _turn: turn,
+                tx,
+                now,
+            }),
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(self.error(what, e))
+            }
+        }
+    }
+
+    /// Ends a write: commits it when `result` is `Ok`, rolls it back (and waits for that, so
+    /// the next writer finds the lock free) when it is an error.
+    pub(crate) async fn finish<T>(
+        &self,
+        what: &str,
+        write: Write<'_>,
+        result: Result<T>,
+    ) -> Result<T> {
+        match result {
+            Ok(value) => {
+                write.tx.commit().await.map_err(|e| self.error(what, e))?;
+                Ok(value)
+            }
+            Err(error) => {
+                if let Err(e) = write.tx.rollback().await {
+                    tracing::warn!(error = %e, "sqlite: rolling back a failed write failed");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// This process's turn to write (see `writer`), for writes that open their own
+    /// transaction.
+    pub(crate) async fn writer_turn(&self) -> tokio::sync::MutexGuard<'_, ()> {
+        self.writer.lock().await
+    }
+
+    /// Reads the database's clock outside a transaction.
+    pub(crate) async fn now(&self, what: &str) -> Result<i64> {
+        sqlx::query_scalar(&sql::now())
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.error(what, e))
+    }
+
+    /// The partition key the next ordered claim starts after: the last key this claim took
+    /// in sweep order (keys after the cursor, then those up to it), if it took one.
+    fn next_cursor(cursor: &str, rows: &[SqliteRow]) -> Result<Option<String>> {
+        let mut after: Option<String> = None;
+        let mut wrapped: Option<String> = None;
+        for row in rows {
+            let key: Option<String> = row
+                .try_get("partition_key")
+                .map_err(|e| db_error(None, "claim failed", e))?;
+            let Some(key) = key else { continue };
+            let slot = if key.as_str() > cursor {
+                &mut after
+            } else {
+                &mut wrapped
+            };
+            if slot.as_ref().is_none_or(|k| key > *k) {
+                *slot = Some(key);
+            }
+        }
+        Ok(wrapped.or(after))
+    }
+}
+
+#[async_trait]
+impl Storage for SqliteStorage {
+    async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        let what = "claim failed";
+        let token = ClaimToken(Uuid::now_v7());
+        let cursor = self
+            .cursor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let mut write = self.write(what).await?;
+        let query = sqlx::query(&self.sql.claim)
+            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+            .bind(write.now)
+            .bind(token.0.hyphenated().to_string())
+            .bind(worker_id)
+            .bind(millis(lease));
+        let query = if self.config.per_key_order {
+            query.bind(cursor.as_str())
+        } else {
+            query
+        };
+        let rows = query
+            .fetch_all(&mut *write.tx)
+            .await
+            .map_err(|e| self.error(what, e));
+        let rows = self.finish(what, write, rows).await?;
+        if self.config.per_key_order
+            && let Some(next) = Self::next_cursor(&cursor, &rows)?
+        {
+            *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = next;
+        }
+        Ok(Claim {
+            token,
+            messages: rows::claimed(&rows)?,
+        })
+    }
+
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        if settlement.is_empty() {
+            return Ok(0);
+        }
+        let what = "settling a batch failed";
+        let mut write = self.write(what).await?;
+        let result = self.settle_in(&mut write, token, settlement).await;
+        self.finish(what, write, result).await
+    }
+
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let what = "renewing a lease failed";
+        let mut write = self.write(what).await?;
+        let done = sqlx::query(&self.sql.extend_lease)
+            .bind(json_ids(ids))
+            .bind(token.0.hyphenated().to_string())
+            .bind(write.now)
+            .bind(millis(lease))
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, done).await
+    }
+
+    async fn health(&self) -> Result<()> {
+        sqlx::query(sql::PING)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.error("health check failed", e))?;
+        Ok(())
+    }
+
+    async fn stats(&self) -> Result<QueueStats> {
+        let what = "cannot read queue figures";
+        let now = self.now(what).await?;
+        let row = sqlx::query(&self.sql.stats)
+            .bind(now)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        rows::queue_stats(&row)
+    }
+
+    fn capabilities(&self) -> StorageCapabilities {
+        let per_key_order = self.config.per_key_order;
+        StorageCapabilities::new(per_key_order)
+            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
+    }
+
+    // `wait_for_work` keeps the default: SQLite has no notifications across processes, so
+    // the worker polls every `poll_interval`.
+
+    async fn maintain(&self) -> Result<()> {
+        let Some(retention) = self.config.retention else {
+            return Ok(());
+        };
+        let what = "cannot purge delivered rows";
+        let mut write = self.write(what).await?;
+        let done = sqlx::query(&self.sql.purge_delivered)
+            .bind(write.now)
+            .bind(millis(retention))
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(what, e));
+        let purged = self.finish(what, write, done).await?;
+        if purged > 0 {
+            tracing::debug!(rows = purged, "purged delivered rows past retention");
+        }
+        Ok(())
+    }
+}
+
+impl SqliteStorage {
+    /// The statements of a settlement, in its write transaction: dead letters (copied,
+    /// their keys parked, deleted), retries, deliveries (kept with retention, deleted) and
+    /// releases, each only for rows still held under the token.
+    async fn settle_in(
+        &self,
+        write: &mut Write<'_>,
+        token: &ClaimToken,
+        s: &Settlement,
+    ) -> Result<u64> {
+        let fail = |e| self.error("settling a batch failed", e);
+        let token = token.0.hyphenated().to_string();
+        let (tx, now) = (&mut write.tx, write.now);
+        let mut changed = 0;
+        let dead = first_of_each(&s.dead, |d| d.id);
+        if !dead.is_empty() {
+            let list = serde_json::Value::Array(
+                dead.iter()
+                    .map(|d| serde_json::json!({ "id": d.id, "error": d.error }))
+                    .collect(),
+            )
+            .to_string();
+            let run = |sql| listed(sql, &list, &token, now);
+            run(&self.sql.dead_copy)
+                .execute(&mut **tx)
+                .await
+                .map_err(fail)?;
+            if let Some(park) = &self.sql.dead_park {
+                run(park).execute(&mut **tx).await.map_err(fail)?;
+            }
+            changed += run(&self.sql.dead_delete)
+                .execute(&mut **tx)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+        }
+        for retry in first_of_each(&s.retries, |r| r.id) {
+            changed += sqlx::query(&self.sql.retry)
+                .bind(retry.id.hyphenated().to_string())
+                .bind(token.as_str())
+                .bind(now)
+                .bind(millis(retry.delay))
+                .bind(retry.error.as_str())
+                .execute(&mut **tx)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+        }
+        let delivered = first_of_each(&s.delivered, |d| d.id);
+        if !delivered.is_empty() {
+            let list = serde_json::Value::Array(
+                delivered
+                    .iter()
+                    .map(|d| serde_json::json!({ "id": d.id, "receipt": d.receipt.0 }))
+                    .collect(),
+            )
+            .to_string();
+            let run = |sql| listed(sql, &list, &token, now);
+            if let Some(keep) = &self.sql.delivered_keep {
+                run(keep).execute(&mut **tx).await.map_err(fail)?;
+            }
+            changed += run(&self.sql.delivered_delete)
+                .execute(&mut **tx)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+        }
+        if !s.released.is_empty() {
+            changed += sqlx::query(&self.sql.release)
+                .bind(json_ids(&s.released))
+                .bind(token.as_str())
+                .bind(now)
+                .execute(&mut **tx)
+                .await
+                .map_err(fail)?
+                .rows_affected();
+        }
+        Ok(changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_saturate() {
+        assert_eq!(millis(Duration::from_millis(1500)), 1500);
+        assert_eq!(millis(Duration::MAX), MAX_MILLIS);
+    }
+
+    #[test]
+    fn lists_name_each_message_once() {
+        let a = Uuid::now_v7();
+        let b = Uuid::now_v7();
+        let ids = [a, b, a];
+        assert_eq!(first_of_each(&ids, |id| *id), vec![&a, &b]);
+        assert_eq!(json_ids(&[a]), format!("[\"{a}\"]"));
+    }
+}

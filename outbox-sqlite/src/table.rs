@@ -1,0 +1,407 @@
+//! The outbox table as a contract: its names, its migrations, and enqueueing into it from
+//! the caller's own transaction.
+
+use std::time::{Duration, Instant};
+
+use outbox_core::{Error, NewMessage, Result};
+use sqlx::{Connection, Executor, Row, SqliteConnection};
+
+use crate::error::{Cause, cause, db_error};
+
+/// Longest table name accepted (SQLite has no limit of its own; this keeps names readable).
+const MAX_NAME: usize = 40;
+
+/// Messages per INSERT of [`OutboxTable::enqueue_many`]: 8 values each stays below the 999
+/// variables older SQLite builds allow per statement.
+const ROWS_PER_INSERT: usize = 100;
+const _: () = assert!(8 * ROWS_PER_INSERT < 999);
+
+/// How long a migrator waits for another one (holding the write lock) before giving up.
+const MIGRATION_WAIT: Duration = Duration::from_secs(60);
+
+/// The columns an application writes, in the order of the INSERTs.
+pub(crate) const INSERT_COLUMNS: &str =
+    "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+
+/// The current time in milliseconds since the Unix epoch, on the clock of whoever runs the
+/// statement. `julianday('now')` rather than `unixepoch('subsec')`, so the column defaults
+/// work for writers on any SQLite since 3.8 (`unixepoch` came in 3.42).
+pub(crate) const NOW_MS: &str =
+    "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER)";
+
+/// The current time in microseconds since the Unix epoch (to the millisecond: SQLite's
+/// clock has no finer grain), the default of `created_at`.
+const NOW_US: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000.0) AS INTEGER) * 1000";
+
+/// A random UUID (version 4, lower-case, hyphenated): the default of `id` for writers that
+/// do not give one.
+const NEW_UUID: &str = "lower(hex(randomblob(4)) || '-' || hex(randomblob(2)) || '-4' || \
+     substr(hex(randomblob(2)), 2) || '-' || substr('89ab', 1 + (abs(random()) % 4), 1) || \
+     substr(hex(randomblob(2)), 2) || '-' || hex(randomblob(6)))";
+
+/// The outbox table and its companions (`<table>_dead_letters`, `<table>_parked_keys`,
+/// `<table>_delivered`, `<table>_migrations`) in one SQLite database, with the SQL that
+/// writes into it. The name is validated, then quoted; it is never spliced in unchecked.
+#[derive(Debug, Clone)]
+pub struct OutboxTable {
+    table: String,
+    insert_one: String,
+    insert_chunk: String,
+}
+
+/// Checks that `name` is a plain lower-case identifier.
+fn validate_name(name: &str) -> Result<()> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !first_ok || !rest_ok || name.len() > MAX_NAME || name.starts_with("sqlite_") {
+        return Err(Error::setting(
+            "table",
+            format!(
+                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
+                 underscores, starting with a letter or underscore and not with `sqlite_`"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl OutboxTable {
+    /// The outbox table `table`. Fails if the name is not a plain identifier.
+    pub fn new(table: &str) -> Result<Self> {
+        validate_name(table)?;
+        let mut outbox = OutboxTable {
+            table: table.to_string(),
+            insert_one: String::new(),
+            insert_chunk: String::new(),
+        };
+        outbox.insert_one = outbox.insert(1);
+        outbox.insert_chunk = outbox.insert(ROWS_PER_INSERT);
+        Ok(outbox)
+    }
+
+    /// An INSERT of `rows` messages.
+    fn insert(&self, rows: usize) -> String {
+        let values = (0..rows)
+            .map(|_| "(?, ?, ?, ?, ?, ?, ?, ?)")
+            .collect::<Vec<_>>()
+            .join(", ");
+        format!(
+            "INSERT INTO {} ({INSERT_COLUMNS}) VALUES {values}",
+            self.quoted("")
+        )
+    }
+
+    /// The outbox table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The quoted name of the outbox table, or of a companion table when `suffix` is not
+    /// empty (`"_dead_letters"`, ...).
+    pub fn quoted(&self, suffix: &str) -> String {
+        format!(r#""{}{suffix}""#, self.table)
+    }
+
+    /// Enqueues `message` on `conn`, normally the caller's open transaction (`&mut *tx`), so
+    /// the message commits or rolls back with the domain change. Its position in its key's
+    /// order is the commit order: SQLite lets one transaction write at a time, and this one
+    /// holds the write lock from its first write to its end.
+    pub async fn enqueue(&self, conn: &mut SqliteConnection, message: &NewMessage) -> Result<()> {
+        self.enqueue_many(conn, std::slice::from_ref(message)).await
+    }
+
+    /// Enqueues many messages, in the order given, in as few statements as SQLite allows
+    /// (100 messages each).
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut SqliteConnection,
+        messages: &[NewMessage],
+    ) -> Result<()> {
+        for message in messages {
+            check_topic(message)?;
+        }
+        let mut rows = Vec::with_capacity(messages.len());
+        for message in messages {
+            rows.push(Columns::of(message)?);
+        }
+        for chunk in rows.chunks(ROWS_PER_INSERT) {
+            let sql = match chunk.len() {
+                1 => self.insert_one.clone(),
+                ROWS_PER_INSERT => self.insert_chunk.clone(),
+                n => self.insert(n),
+            };
+            let mut query = sqlx::query(&sql);
+            for row in chunk {
+                query = query
+                    .bind(row.id.as_str())
+                    .bind(row.topic)
+                    .bind(row.key)
+                    .bind(row.payload)
+                    .bind(row.headers.as_str())
+                    .bind(row.traceparent)
+                    .bind(row.tracestate)
+                    .bind(row.created_at);
+            }
+            conn.execute(query)
+                .await
+                .map_err(|e| db_error(None, "enqueue failed", e))?;
+        }
+        Ok(())
+    }
+
+    /// Creates or upgrades the tables. Safe to run repeatedly and from several processes at
+    /// once: a migration runs in one `BEGIN IMMEDIATE` transaction, so migrators take turns
+    /// (one waits up to a minute for another) and none applies a version twice.
+    pub async fn migrate(&self, conn: &mut SqliteConnection) -> Result<()> {
+        self.migrate_to(conn, MIGRATIONS.len()).await
+    }
+
+    /// Applies the migrations up to version `target` only, as an older release would have:
+    /// for tests of upgrades. Not part of the stable API.
+    #[doc(hidden)]
+    pub async fn migrate_to(&self, conn: &mut SqliteConnection, target: usize) -> Result<()> {
+        let started = Instant::now();
+        let mut logged = false;
+        let mut tx = loop {
+            match conn.begin_with("BEGIN IMMEDIATE").await {
+                Ok(tx) => break tx,
+                Err(e) if cause(&e) == Cause::Busy && started.elapsed() < MIGRATION_WAIT => {
+                    if !logged {
+                        tracing::info!(table = %self.table, "another process holds the database's write lock; waiting to migrate");
+                        logged = true;
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+                Err(e) => return Err(fail(e)),
+            }
+        };
+        let versions = self.quoted("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)"
+        );
+        tx.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i64 = tx
+            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let record = format!("INSERT INTO {versions} (version, applied_at) VALUES (?, {NOW_MS})");
+        for (version, step) in (1i64..).zip(MIGRATIONS).take(target.min(MIGRATIONS.len())) {
+            if version <= applied {
+                continue;
+            }
+            tracing::info!(table = %self.table, version, "applying outbox migration");
+            tx.execute(self.render(step).as_str()).await.map_err(fail)?;
+            tx.execute(sqlx::query(&record).bind(version))
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)
+    }
+
+    /// Fills a migration template's placeholders with validated, quoted names.
+    fn render(&self, template: &str) -> String {
+        template
+            .replace("{outbox}", &self.quoted(""))
+            .replace("{dead_letters}", &self.quoted("_dead_letters"))
+            .replace("{parked_keys}", &self.quoted("_parked_keys"))
+            .replace("{delivered}", &self.quoted("_delivered"))
+            .replace("{table}", &self.table)
+            .replace("{uuid_glob}", &uuid_glob())
+            .replace("{new_uuid}", NEW_UUID)
+            .replace("{now_ms}", NOW_MS)
+            .replace("{now_us}", NOW_US)
+    }
+}
+
+/// Classifies an error of a migration statement.
+fn fail(error: sqlx::Error) -> Error {
+    db_error(None, "migration failed", error)
+}
+
+/// A GLOB pattern that matches a lower-case hyphenated UUID and nothing else.
+fn uuid_glob() -> String {
+    [8, 4, 4, 4, 12]
+        .iter()
+        .map(|n| "[0-9a-f]".repeat(*n))
+        .collect::<Vec<_>>()
+        .join("-")
+}
+
+fn check_topic(message: &NewMessage) -> Result<()> {
+    if message.topic.is_empty() {
+        return Err(Error::permanent(format!(
+            "message {} has an empty topic; every message needs a topic",
+            message.id
+        )));
+    }
+    Ok(())
+}
+
+/// One message as the columns of the outbox table hold it.
+struct Columns<'a> {
+    id: String,
+    topic: &'a str,
+    key: Option<&'a str>,
+    payload: &'a [u8],
+    headers: String,
+    traceparent: Option<&'a str>,
+    tracestate: Option<&'a str>,
+    created_at: i64,
+}
+
+impl<'a> Columns<'a> {
+    fn of(m: &'a NewMessage) -> Result<Self> {
+        let headers = serde_json::to_string(&m.headers)
+            .map_err(|e| Error::permanent(format!("message {}: headers: {e}", m.id)))?;
+        let (traceparent, tracestate) = match &m.trace_context {
+            Some(t) => (Some(t.traceparent.as_str()), t.tracestate.as_deref()),
+            None => (None, None),
+        };
+        Ok(Columns {
+            id: m.id.hyphenated().to_string(),
+            topic: &m.topic,
+            key: m.key.as_deref(),
+            payload: &m.payload,
+            headers,
+            traceparent,
+            tracestate,
+            created_at: m.created_at.timestamp_micros(),
+        })
+    }
+}
+
+/// Schema migrations, applied in order (version = position + 1); never change the effect of
+/// one that has shipped, add another.
+///
+/// Times the relay keeps (`available_at`, `dead_lettered_at`, `parked_at`, `delivered_at`)
+/// are integer milliseconds since the Unix epoch; `created_at` is microseconds, so a
+/// message's creation time survives to the microsecond. Types are checked with `CHECK`
+/// rather than `STRICT`, which SQLite before 3.37 cannot read: a writer in any language on
+/// any SQLite can use the table, and a row the relay could not read is refused at INSERT.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE {outbox} (
+    seq           INTEGER PRIMARY KEY AUTOINCREMENT,
+    id            TEXT NOT NULL DEFAULT ({new_uuid})
+                  CHECK (typeof(id) = 'text' AND id GLOB '{uuid_glob}'),
+    topic         TEXT NOT NULL CHECK (typeof(topic) = 'text' AND topic <> ''),
+    partition_key TEXT CHECK (partition_key IS NULL OR typeof(partition_key) = 'text'),
+    payload       BLOB NOT NULL,
+    headers       TEXT NOT NULL DEFAULT '{}' CHECK (typeof(headers) = 'text'),
+    traceparent   TEXT CHECK (traceparent IS NULL OR typeof(traceparent) = 'text'),
+    tracestate    TEXT CHECK (tracestate IS NULL OR typeof(tracestate) = 'text'),
+    created_at    INTEGER NOT NULL DEFAULT ({now_us}) CHECK (typeof(created_at) = 'integer'),
+    attempts      INTEGER NOT NULL DEFAULT 0,
+    available_at  INTEGER NOT NULL DEFAULT ({now_ms}),
+    claim_token   TEXT,
+    claimed_by    TEXT,
+    last_error    TEXT
+);
+CREATE UNIQUE INDEX "{table}_id" ON {outbox} (id);
+-- The claim sweeps the keys through this index (one descent per key) and finds the rows
+-- without a key at its start (NULL sorts first).
+CREATE INDEX "{table}_key_seq" ON {outbox} (partition_key, seq);
+
+CREATE TABLE {dead_letters} (
+    seq              INTEGER PRIMARY KEY,
+    id               TEXT NOT NULL UNIQUE,
+    topic            TEXT NOT NULL,
+    partition_key    TEXT,
+    payload          BLOB NOT NULL,
+    headers          TEXT NOT NULL,
+    traceparent      TEXT,
+    tracestate       TEXT,
+    created_at       INTEGER NOT NULL,
+    attempts         INTEGER NOT NULL,
+    last_error       TEXT NOT NULL,
+    dead_lettered_at INTEGER NOT NULL
+);
+CREATE INDEX "{table}_dead_letters_key" ON {dead_letters} (partition_key, seq);
+
+CREATE TABLE {parked_keys} (
+    partition_key  TEXT PRIMARY KEY,
+    dead_letter_id TEXT NOT NULL,
+    parked_at      INTEGER NOT NULL
+);
+
+CREATE TABLE {delivered} (
+    seq           INTEGER PRIMARY KEY,
+    id            TEXT NOT NULL,
+    topic         TEXT NOT NULL,
+    partition_key TEXT,
+    payload       BLOB NOT NULL,
+    headers       TEXT NOT NULL,
+    traceparent   TEXT,
+    tracestate    TEXT,
+    created_at    INTEGER NOT NULL,
+    attempts      INTEGER NOT NULL,
+    receipt       TEXT NOT NULL,
+    delivered_at  INTEGER NOT NULL
+);
+CREATE INDEX "{table}_delivered_at" ON {delivered} (delivered_at);
+"#];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_not_spliced() {
+        assert!(OutboxTable::new("outbox_2").is_ok());
+        for bad in [
+            "",
+            "Outbox",
+            "a-b",
+            "x\"; DROP TABLE y; --",
+            "sqlite_master",
+            "1abc",
+            &"a".repeat(41),
+        ] {
+            let err = OutboxTable::new(bad).unwrap_err();
+            assert!(err.to_string().contains("table `"), "{err}");
+        }
+    }
+
+    #[test]
+    fn migrations_leave_no_placeholder() {
+        let table = OutboxTable::new("events").unwrap();
+        for step in MIGRATIONS {
+            let sql = table.render(step);
+            for placeholder in [
+                "{outbox}",
+                "{dead_letters}",
+                "{parked_keys}",
+                "{delivered}",
+                "{table}",
+                "{uuid_glob}",
+                "{new_uuid}",
+                "{now_ms}",
+                "{now_us}",
+            ] {
+                assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");
+            }
+            assert!(sql.contains(r#"CREATE UNIQUE INDEX "events_id" ON "events" (id)"#));
+        }
+        assert_eq!(uuid_glob().len(), 8 * 36 - 4 * 7);
+    }
+
+    #[test]
+    fn inserts_have_eight_values_a_row() {
+        let table = OutboxTable::new("outbox").unwrap();
+        assert_eq!(table.insert_one.matches('?').count(), 8);
+        assert_eq!(table.insert_chunk.matches('?').count(), 8 * ROWS_PER_INSERT);
+    }
+
+    /// Compiles only if an enqueue and a migration can run in a spawned task.
+    #[allow(dead_code)]
+    fn futures_are_spawnable(table: OutboxTable, mut conn: SqliteConnection, m: NewMessage) {
+        let t = table.clone();
+        drop(tokio::spawn(async move {
+            t.enqueue(&mut conn, &m).await?;
+            t.migrate(&mut conn).await
+        }));
+    }
+}

@@ -1,0 +1,289 @@
+//! The binary on SQLite, with nothing else installed: the README's quick start exactly as
+//! written, and a relay process and a writer process sharing one SQLite file through a
+//! kill -9 of the relay.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use super::{ConfigFile, RelayProcess, outbox, text};
+
+/// The commands of the README's quick start: the `sh` block under its first heading that
+/// names `quickstart.toml`, one command per line, with `cargo run --release --` standing
+/// for the binary.
+fn readme_quick_start() -> Vec<Vec<String>> {
+    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
+        .expect("README.md");
+    let block = readme
+        .split("```sh\n")
+        .skip(1)
+        .filter_map(|rest| rest.split_once("```").map(|(block, _)| block))
+        .find(|block| block.contains("examples/quickstart.toml"))
+        .expect("README.md has a ```sh block with the quick start on examples/quickstart.toml");
+    block
+        .lines()
+        .filter(|line| !line.trim().is_empty() && !line.trim_start().starts_with('#'))
+        .map(|line| {
+            let command = line
+                .split(" #")
+                .next()
+                .unwrap_or(line)
+                .trim()
+                .strip_prefix("cargo run --release -- ")
+                .unwrap_or_else(|| {
+                    panic!("README command is not `cargo run --release -- …`: {line}")
+                });
+            shell_words(command)
+        })
+        .collect()
+}
+
+/// Splits a command line on spaces, keeping single-quoted words whole.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let mut quoted = false;
+    for c in line.chars() {
+        match c {
+            '\'' => quoted = !quoted,
+            ' ' if !quoted => {
+                if !word.is_empty() {
+                    words.push(std::mem::take(&mut word));
+                }
+            }
+            c => word.push(c),
+        }
+    }
+    if !word.is_empty() {
+        words.push(word);
+    }
+    words
+}
+
+/// Runs the binary in `dir` (relative paths in the configuration resolve there).
+fn outbox_in(dir: &Path, args: &[String]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox"));
+    command.current_dir(dir).args(args).env_remove("RUST_LOG");
+    command
+}
+
+/// A fresh directory holding a copy of the repository's `examples/`.
+fn work_dir() -> PathBuf {
+    let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_quickstart"));
+    let examples = dir.join("examples");
+    std::fs::create_dir_all(&examples).expect("temp dir");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
+    for entry in std::fs::read_dir(source).expect("examples/") {
+        let path = entry.expect("entry").path();
+        if let Some(name) = path.file_name() {
+            std::fs::copy(&path, examples.join(name)).expect("copy example");
+        }
+    }
+    dir
+}
+
+#[test]
+fn the_readme_quick_start_runs_as_written() {
+    let commands = readme_quick_start();
+    assert!(
+        commands.iter().any(|c| c.contains(&"relay".to_string())),
+        "the quick start starts a relay: {commands:?}"
+    );
+    let dir = work_dir();
+    let mut relayed = false;
+    for args in &commands {
+        if args.last().map(String::as_str) != Some("relay") {
+            let out = outbox_in(&dir, args).output().expect("run outbox");
+            assert!(
+                out.status.success(),
+                "`outbox {}` failed: {}",
+                args.join(" "),
+                text(&out.stderr)
+            );
+            continue;
+        }
+        // The relay runs until stopped: read its standard output until the message the
+        // quick start enqueued shows up, then stop it as a user would.
+        let mut relay = outbox_in(&dir, args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the relay");
+        let stdout = relay.stdout.take().expect("stdout");
+        let (lines, seen) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                if lines.send(line).is_err() {
+                    break;
+                }
+            }
+        });
+        let line = seen
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the relay printed the enqueued message within 30 s");
+        let message: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
+        assert_eq!(message["topic"], "orders", "{line}");
+        assert_eq!(message["key"], "o-1", "{line}");
+        assert_eq!(message["payload"], r#"{"paid":true}"#, "{line}");
+        stop(relay);
+        relayed = true;
+    }
+    assert!(relayed);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// SIGTERM, then the exit code must be 0.
+fn stop(mut child: Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success());
+    let exit = child.wait().expect("wait");
+    assert_eq!(exit.code(), Some(0), "relay exit after SIGTERM");
+}
+
+const KEYS: usize = 100;
+const PER_KEY: usize = 100;
+
+/// The messages the writer enqueues: `KEYS` keys, `PER_KEY` each, numbered per key.
+fn writer_lines() -> String {
+    let mut lines = String::new();
+    for n in 0..PER_KEY {
+        for k in 0..KEYS {
+            lines.push_str(&format!(
+                "{{\"topic\":\"orders\",\"key\":\"k{k}\",\"payload\":\"{n}\"}}\n"
+            ));
+        }
+    }
+    lines
+}
+
+/// The delivered lines of the file sink: (key, number, id) in file order.
+fn delivered(path: &Path) -> Vec<(String, usize, String)> {
+    let Ok(contents) = std::fs::read_to_string(path) else {
+        return Vec::new();
+    };
+    contents
+        .lines()
+        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
+        .map(|m| {
+            (
+                m["key"].as_str().unwrap_or_default().to_string(),
+                m["payload"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .parse()
+                    .unwrap_or(usize::MAX),
+                m["id"].as_str().unwrap_or_default().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
+    let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_sqlite"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let sink = dir.join("delivered.jsonl");
+    let config = ConfigFile::new(&format!(
+        "[storage]\ntype = \"sqlite\"\npath = \"{}\"\n[relay]\npoll_interval = \"50ms\"\n\
+         lease = \"10s\"\nbatch_size = 200\nshutdown_timeout = \"5s\"\n\
+         backoff = {{ initial = \"100ms\", max = \"1s\" }}\n\
+         [sink]\ntype = \"file\"\npath = \"{}\"\npublish_timeout = \"1s\"\n",
+        dir.join("app.db").display(),
+        sink.display()
+    ));
+    let migrated = outbox(&config.path, &["migrate"]);
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+
+    let first = RelayProcess::start(&config.path);
+    let mut writer = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(&config.path)
+        .args(["enqueue", "--stdin"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the writer");
+    let input = writer_lines();
+    let mut stdin = writer.stdin.take().expect("stdin");
+    let feeding = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
+
+    // Kill the relay without warning once it is well into the drain.
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while delivered(&sink).len() < KEYS * PER_KEY / 5 {
+        assert!(
+            Instant::now() < deadline,
+            "the first relay delivered too little"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut first = first;
+    first.0.kill().expect("kill -9 the relay");
+    let _ = first.0.wait();
+    let second = RelayProcess::start(&config.path);
+
+    feeding
+        .join()
+        .expect("feeding thread")
+        .expect("write the writer's input");
+    let written = writer.wait_with_output().expect("writer");
+    assert!(
+        written.status.success(),
+        "writer: {}",
+        text(&written.stderr)
+    );
+
+    let all = loop {
+        let all = delivered(&sink);
+        let ids: HashSet<&str> = all.iter().map(|(_, _, id)| id.as_str()).collect();
+        if ids.len() == KEYS * PER_KEY {
+            break all;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {} messages delivered within 120 s",
+            ids.len(),
+            KEYS * PER_KEY
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(second.terminate().0, Some(0));
+
+    // Per key: the first deliveries come in enqueue order, and every delivery of a message
+    // (a redelivery after the kill included) comes after a delivery of the one before it.
+    let mut seen: HashMap<&str, Vec<usize>> = HashMap::new();
+    for (key, n, _) in &all {
+        let numbers = seen.entry(key.as_str()).or_default();
+        assert!(
+            *n == 0 || numbers.contains(&(n - 1)),
+            "key {key}: message {n} delivered before message {}: {numbers:?}",
+            n - 1
+        );
+        numbers.push(*n);
+    }
+    assert_eq!(seen.len(), KEYS);
+    for (key, numbers) in &seen {
+        let mut first_seen = Vec::new();
+        for n in numbers {
+            if !first_seen.contains(n) {
+                first_seen.push(*n);
+            }
+        }
+        assert_eq!(first_seen, (0..PER_KEY).collect::<Vec<_>>(), "key {key}");
+    }
+    let status = outbox(&config.path, &["status"]);
+    assert!(
+        text(&status.stdout).contains("pending 0 "),
+        "{}",
+        text(&status.stdout)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

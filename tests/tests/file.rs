@@ -1,0 +1,520 @@
+//! The `file` and `stdout` sinks (outbox-file) on real files and a captured writer: the
+//! conformance suite for each, what stands in for a broker outage, and the end-to-end
+//! scripts through PostgreSQL.
+//!
+//! Neither sink has a network address, so the suite's two checks that point a sink at one
+//! (`sink_health_is_down_on_a_closed_port`, `sink_health_times_out_on_a_silent_server`) are
+//! not run for them; what they prove is proved here for a file whose directory goes away
+//! (through the relay) and in outbox-file's crate tests for a read-only file and for an
+//! output nobody reads or that nobody reads any more.
+
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
+use outbox_file::base64::Engine;
+use outbox_file::base64::engine::general_purpose::STANDARD;
+use outbox_file::{FileConfig, FileSink, StdoutConfig, StdoutSink, wire};
+use outbox_test_support::{Service, unique_name};
+use outbox_tests::TestOutbox;
+use outbox_tests::conformance::{Destination, Received, SinkHarness};
+use outbox_tests::end_to_end::{self, Arrived, Fixture};
+
+/// The sinks' time-out in these tests.
+const TIMEOUT: Duration = Duration::from_secs(2);
+
+/// One line as a consumer reads it, checked against the layout of `outbox_file::wire`.
+#[derive(Debug, Clone)]
+struct Line {
+    id: uuid::Uuid,
+    topic: String,
+    key: Option<String>,
+    headers: BTreeMap<String, String>,
+    trace_context: Option<TraceContext>,
+    payload: Vec<u8>,
+    /// Where the line starts in what was written.
+    offset: usize,
+}
+
+/// Every line of `bytes`; panics on anything the layout does not allow.
+fn parse(bytes: &[u8]) -> Vec<Line> {
+    assert!(
+        bytes.is_empty() || bytes.ends_with(b"\n"),
+        "the output ends in a cut-off line"
+    );
+    let mut offset = 0;
+    let mut lines = Vec::new();
+    for raw in bytes.split_inclusive(|b| *b == b'\n') {
+        let at = offset;
+        offset += raw.len();
+        let text = std::str::from_utf8(raw).expect("every line is UTF-8");
+        let value: serde_json::Value = serde_json::from_str(text.trim_end_matches('\n'))
+            .unwrap_or_else(|e| panic!("line at {at} is not JSON ({e}): {text:?}"));
+        let object = value.as_object().expect("each line is a JSON object");
+        let text_of = |name: &str| -> Option<String> {
+            match object.get(name) {
+                None | Some(serde_json::Value::Null) => None,
+                Some(serde_json::Value::String(s)) => Some(s.clone()),
+                Some(other) => panic!("`{name}` is not a string: {other}"),
+            }
+        };
+        let payload = text_of(wire::PAYLOAD).expect("payload");
+        let payload = match text_of(wire::PAYLOAD_ENCODING).as_deref() {
+            Some(wire::UTF8) => payload.into_bytes(),
+            Some(wire::BASE64) => STANDARD.decode(payload).expect("base64 payload"),
+            other => panic!("payload_encoding {other:?}"),
+        };
+        let headers = object
+            .get(wire::HEADERS)
+            .and_then(|h| h.as_object())
+            .expect("headers is an object")
+            .iter()
+            .map(|(name, value)| {
+                let value = value.as_str().expect("header values are strings");
+                (name.clone(), value.to_string())
+            })
+            .collect();
+        let created_at = text_of(wire::CREATED_AT).expect("created_at");
+        chrono::DateTime::parse_from_rfc3339(&created_at).expect("created_at is RFC 3339");
+        lines.push(Line {
+            id: text_of(wire::ID)
+                .expect("id")
+                .parse()
+                .expect("id is a UUID"),
+            topic: text_of(wire::TOPIC).expect("topic"),
+            key: text_of(wire::KEY),
+            headers,
+            trace_context: end_to_end::trace_context(
+                text_of(wire::TRACEPARENT),
+                text_of(wire::TRACESTATE),
+            ),
+            payload,
+            offset: at,
+        });
+    }
+    lines
+}
+
+/// What the suite compares, from the lines of one destination (all of its topic).
+fn received(lines: Vec<Line>, topic: &str) -> Vec<Received> {
+    lines
+        .into_iter()
+        .map(|line| {
+            assert_eq!(line.topic, topic, "a line of another topic");
+            Received {
+                payload: line.payload,
+                headers: line.headers,
+                key: line.key,
+            }
+        })
+        .collect()
+}
+
+/// A directory of the test's own, removed when dropped.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new() -> Scratch {
+        let path = std::env::temp_dir().join(unique_name("outbox-file"));
+        std::fs::create_dir_all(&path).expect("make a temporary directory");
+        Scratch(path)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn file_sink(path: &Path) -> FileSink {
+    FileSink::new(FileConfig::new(path).publish_timeout(TIMEOUT)).expect("valid configuration")
+}
+
+/// The `file` sink: each destination is a file of its own in the harness's directory.
+struct Files {
+    dir: Scratch,
+}
+
+impl Files {
+    fn new() -> Files {
+        Files {
+            dir: Scratch::new(),
+        }
+    }
+
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.0.join(format!("{name}.jsonl"))
+    }
+
+    fn lines(&self, name: &str) -> Vec<Line> {
+        match std::fs::read(self.path(name)) {
+            Ok(bytes) => parse(&bytes),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => panic!("read {}: {e}", self.path(name).display()),
+        }
+    }
+}
+
+#[async_trait]
+impl SinkHarness for Files {
+    fn timeout(&self) -> Duration {
+        TIMEOUT
+    }
+
+    async fn destination(&self) -> Destination {
+        let topic = unique_name("conformance");
+        Destination {
+            sink: Arc::new(file_sink(&self.path(&topic))),
+            topic,
+        }
+    }
+
+    /// The file is complete once `publish` returned: no waiting.
+    async fn read(&self, destination: &Destination, _at_least: usize) -> Vec<Received> {
+        received(self.lines(&destination.topic), &destination.topic)
+    }
+
+    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
+        panic!(
+            "the file sink has no network address ({addr}): the closed-port and silent-server \
+             checks do not apply to it; see the_directory_going_away_is_an_outage"
+        )
+    }
+}
+
+/// A `Write` the test keeps a handle to while a `stdout` sink writes into it.
+#[derive(Clone, Default)]
+struct Captured(Arc<Mutex<Vec<u8>>>);
+
+impl Write for Captured {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().expect("buffer").extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Captured {
+    fn lines(&self) -> Vec<Line> {
+        parse(&self.0.lock().expect("buffer"))
+    }
+}
+
+/// The `stdout` sink over a captured writer: each destination is a buffer of its own.
+#[derive(Default)]
+struct Stdout {
+    outputs: Mutex<HashMap<String, Captured>>,
+}
+
+impl Stdout {
+    fn sink(&self, name: &str) -> StdoutSink {
+        let captured = Captured::default();
+        self.outputs
+            .lock()
+            .expect("outputs")
+            .insert(name.to_string(), captured.clone());
+        let config = StdoutConfig::default().publish_timeout(TIMEOUT);
+        StdoutSink::with_writer(config, captured).expect("valid configuration")
+    }
+
+    fn lines(&self, name: &str) -> Vec<Line> {
+        let outputs = self.outputs.lock().expect("outputs");
+        outputs.get(name).map(Captured::lines).unwrap_or_default()
+    }
+}
+
+#[async_trait]
+impl SinkHarness for Stdout {
+    fn timeout(&self) -> Duration {
+        TIMEOUT
+    }
+
+    async fn destination(&self) -> Destination {
+        let topic = unique_name("conformance");
+        Destination {
+            sink: Arc::new(self.sink(&topic)),
+            topic,
+        }
+    }
+
+    /// The output is complete once `publish` returned (it flushes): no waiting.
+    async fn read(&self, destination: &Destination, _at_least: usize) -> Vec<Received> {
+        received(self.lines(&destination.topic), &destination.topic)
+    }
+
+    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
+        panic!(
+            "the stdout sink has no network address ({addr}): the closed-port and \
+             silent-server checks do not apply to it; see outbox-file's crate tests of an \
+             output nobody reads"
+        )
+    }
+}
+
+/// The suite on files. Not run: the two checks that need a network address.
+mod file {
+    use super::*;
+
+    outbox_tests::sink_conformance_tests!(Files::new();
+        sink_health_is_ok_when_the_broker_is_up,
+        sink_fields_survive_exactly,
+        sink_binary_and_non_utf8_payloads_survive,
+        sink_unicode_header_values_survive,
+        sink_one_outcome_per_message,
+        sink_empty_batch_publishes_nothing,
+        sink_keeps_key_order_within_and_across_batches,
+        sink_large_batch,
+        sink_refused_message_is_a_message_failure,
+        sink_too_large_payload_is_permanent,
+        sink_deduplicates_a_redelivered_message,
+    );
+}
+
+/// The suite on a captured standard output. Not run: the two checks that need a network
+/// address.
+mod stdout {
+    use super::*;
+
+    outbox_tests::sink_conformance_tests!(Stdout::default();
+        sink_health_is_ok_when_the_broker_is_up,
+        sink_fields_survive_exactly,
+        sink_binary_and_non_utf8_payloads_survive,
+        sink_unicode_header_values_survive,
+        sink_one_outcome_per_message,
+        sink_empty_batch_publishes_nothing,
+        sink_keeps_key_order_within_and_across_batches,
+        sink_large_batch,
+        sink_refused_message_is_a_message_failure,
+        sink_too_large_payload_is_permanent,
+        sink_deduplicates_a_redelivered_message,
+    );
+}
+
+/// Under the end-to-end scripts a destination is a file of its own; its lines are read back
+/// with the offset of each as the receipt.
+#[async_trait]
+impl Fixture for Files {
+    type Native = ();
+    type Destination = String;
+
+    /// The file sink reaches no server; the only one the scripts use is PostgreSQL.
+    const SERVICE: Service = Service::Postgres;
+
+    async fn destination(&self, _topics: &[&str], _via: Option<&str>) -> String {
+        unique_name("relay")
+    }
+
+    async fn sink(&self, name: &String, _via: Option<&str>) -> Arc<dyn Sink> {
+        Arc::new(file_sink(&self.path(name)))
+    }
+
+    async fn read(&self, name: &String, count: usize) -> Vec<Arrived<()>> {
+        let lines = self.lines(name);
+        assert!(lines.len() >= count, "{} of {count} lines", lines.len());
+        lines.into_iter().map(arrived).collect()
+    }
+}
+
+fn arrived(line: Line) -> Arrived<()> {
+    Arrived {
+        id: line.id,
+        topic: line.topic,
+        key: line.key,
+        payload: line.payload,
+        headers: line.headers,
+        trace_context: line.trace_context,
+        receipt: Some(line.offset.to_string()),
+        native: (),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_appends_from_postgres_to_a_file_in_key_order() {
+    end_to_end::round_trip(&Files::new()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_published_before_a_crash_are_appended_again() {
+    end_to_end::redelivery_after_a_crash(&Files::new()).await;
+}
+
+/// The relay's outage, for a file: its directory goes away while the relay runs. Health says
+/// unavailable with what to do, nothing is written, no attempt is charged and nothing is
+/// dead-lettered; once the directory is back everything is appended once, in key order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_directory_going_away_is_an_outage() {
+    let scratch = Scratch::new();
+    let dir = scratch.0.join("out");
+    std::fs::create_dir(&dir).unwrap();
+    let path = dir.join("messages.jsonl");
+    let sink: Arc<dyn Sink> = Arc::new(file_sink(&path));
+    let outbox = TestOutbox::new().await;
+    let relay = outbox.relay("file-outage", sink.clone());
+    let message = |i: usize| NewMessage::new("t", format!("{i}")).key(format!("k{}", i % 5));
+    let first: Vec<NewMessage> = (0..50).map(message).collect();
+    outbox.enqueue(&first).await;
+    outbox.wait_until_drained(Duration::from_secs(30)).await;
+
+    std::fs::remove_dir_all(&dir).unwrap();
+    let started = Instant::now();
+    let health = sink
+        .health()
+        .await
+        .expect_err("health without the directory");
+    assert!(started.elapsed() < TIMEOUT * 2, "{:?}", started.elapsed());
+    assert_eq!(health.kind(), ErrorKind::Unavailable, "{health}");
+    assert!(
+        health
+            .message()
+            .contains("does not exist any more; create it again"),
+        "{health}"
+    );
+    let batch = [Message::from(message(1000)), Message::from(message(1001))];
+    for outcome in sink.publish(&batch).await.expect("one outcome per message") {
+        match outcome {
+            Outcome::Failed(e) => assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}"),
+            Outcome::Delivered(r) => panic!("delivered without a directory: {r}"),
+        }
+    }
+    let second: Vec<NewMessage> = (50..250).map(message).collect();
+    outbox.enqueue(&second).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    outbox
+        .wait_for("the batch in flight released", |s| s.in_flight == 0)
+        .await;
+    let stats = outbox.stats().await;
+    assert_eq!(stats.pending, 200, "nothing delivered meanwhile: {stats:?}");
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    let attempts = outbox.attempts().await;
+    assert!(
+        attempts.iter().all(|&a| a == 0),
+        "an outage charges no attempt: {attempts:?}"
+    );
+
+    std::fs::create_dir(&dir).unwrap();
+    outbox
+        .drained_with_no_dead_letters(Duration::from_secs(60))
+        .await;
+    relay.stop().await;
+    // The file was made anew: it holds the messages sent after the outage, once each, in
+    // enqueue order per key.
+    let lines = parse(&std::fs::read(&path).unwrap());
+    let ids: Vec<uuid::Uuid> = lines.iter().map(|l| l.id).collect();
+    let mut sorted = ids.clone();
+    sorted.sort();
+    sorted.dedup();
+    assert_eq!(sorted.len(), ids.len(), "each message once");
+    assert_eq!(ids.len(), second.len(), "every message after the outage");
+    for key in 0..5 {
+        let key = format!("k{key}");
+        let sent: Vec<&[u8]> = second
+            .iter()
+            .filter(|m| m.key.as_deref() == Some(&key))
+            .map(|m| m.payload.as_slice())
+            .collect();
+        let got: Vec<&[u8]> = lines
+            .iter()
+            .filter(|l| l.key.as_deref() == Some(&key))
+            .map(|l| l.payload.as_slice())
+            .collect();
+        assert_eq!(got, sent, "key {key} in enqueue order");
+    }
+}
+
+/// The stdout sink through the relay, over a captured writer: every message once, each key
+/// in enqueue order, receipts numbering the lines.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_writes_from_postgres_to_stdout_in_key_order() {
+    let stdout = Stdout::default();
+    let outbox = TestOutbox::with_config(|c| c.retention = Some(Duration::from_secs(3600))).await;
+    let messages = end_to_end::round_trip_messages();
+    outbox.enqueue(&messages).await;
+    let relay = outbox.relay("stdout-w1", Arc::new(stdout.sink("relay")));
+    outbox
+        .drained_with_no_dead_letters(Duration::from_secs(60))
+        .await;
+    relay.stop().await;
+    let lines = stdout.lines("relay");
+    assert_eq!(lines.len(), messages.len(), "every message once");
+    let receipts = outbox.receipts().await;
+    for (number, line) in lines.iter().enumerate() {
+        assert_eq!(
+            receipts[&line.id],
+            (number + 1).to_string(),
+            "receipt of {}",
+            line.id
+        );
+    }
+    let by_id: HashMap<uuid::Uuid, &Line> = lines.iter().map(|l| (l.id, l)).collect();
+    for message in &messages {
+        let line = by_id[&message.id];
+        assert_eq!(line.payload, message.payload, "payload of {}", message.id);
+        assert_eq!(line.topic, message.topic);
+        assert_eq!(line.key, message.key);
+        assert_eq!(line.headers, message.headers);
+        assert_eq!(line.trace_context, message.trace_context);
+    }
+    let position: HashMap<uuid::Uuid, usize> =
+        lines.iter().enumerate().map(|(i, l)| (l.id, i)).collect();
+    let mut last: HashMap<&str, usize> = HashMap::new();
+    for message in messages.iter().filter(|m| m.key.is_some()) {
+        let key = message.key.as_deref().unwrap_or_default();
+        let at = position[&message.id];
+        if let Some(before) = last.insert(key, at) {
+            assert!(before < at, "key {key} out of enqueue order");
+        }
+    }
+}
+
+/// The registry builds both types from configuration, as the relay binary does.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_registry_builds_both_types_from_configuration() {
+    let scratch = Scratch::new();
+    let path = scratch.0.join("out.jsonl");
+    let mut registry = outbox_core::SinkRegistry::new();
+    outbox_file::register(&mut registry);
+    let file = registry
+        .build(
+            outbox_file::TYPE,
+            serde_json::json!({ "path": path, "sync": false }),
+        )
+        .await
+        .expect("file sink");
+    let message = Message::from(NewMessage::new("orders", vec![0xff, 0xfe]).key("k"));
+    let outcomes = file.publish(std::slice::from_ref(&message)).await.unwrap();
+    assert!(matches!(&outcomes[..], [Outcome::Delivered(r)] if r.0 == "0"));
+    let lines = parse(&std::fs::read(&path).unwrap());
+    assert_eq!(lines[0].payload, message.payload);
+    let stdout = registry
+        .build(
+            outbox_file::STDOUT_TYPE,
+            serde_json::json!({ "publish_timeout": "1s" }),
+        )
+        .await
+        .expect("stdout sink");
+    assert_eq!(stdout.publish_timeout(), Some(Duration::from_secs(1)));
+    stdout.health().await.expect("standard output is writable");
+    let error = registry
+        .build(
+            outbox_file::TYPE,
+            serde_json::json!({ "path": scratch.0.join("no/x") }),
+        )
+        .await
+        .err()
+        .expect("a missing directory is refused");
+    assert_eq!(error.kind(), ErrorKind::Config);
+    assert!(
+        error
+            .in_section("sink")
+            .message()
+            .starts_with("sink.path `")
+    );
+}

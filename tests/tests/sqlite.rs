@@ -1,0 +1,257 @@
+//! The storage conformance suite against the SQLite storage: real database files in
+//! temporary directories, a relay's `SqliteStorage` and an application's own pool on each.
+//!
+//! **Two open transactions.** The suite opens several transactions at once and commits them
+//! in either order. SQLite has one writer at a time: a transaction that has written holds the
+//! write lock until it ends, so a second one cannot write (nor can a claim run) while the
+//! first is open; in the single-task suite that would wait until `busy_timeout` and fail.
+//! So `begin` opens a real transaction (a deferred `BEGIN` on a connection of its own, which
+//! takes no lock) and the messages are written in it when the suite commits, just before the
+//! `COMMIT`: what a writer of SQLite produces, with the rows invisible until the commit and a
+//! rollback leaving nothing.
+//!
+//! **Positions.** Written that way, a message takes its place in its key's order at its
+//! commit, as every SQLite writer's does (`seq` is taken at INSERT, and no other transaction
+//! can write between that INSERT and the COMMIT). Two checks of the suite model PostgreSQL's
+//! order instead, where a message takes its place when it is written, before a later
+//! transaction that commits first: the late-commit check and the randomised model (which
+//! numbers messages when they are written). They test the claim rule on a due row that
+//! appears ahead of a waiting one, which on SQLite happens through replays rather than late
+//! commits. To run them as they are, the harness `Sqlite { positions_at_write: true }`
+//! reserves the `seq` values at `begin` (from `sqlite_sequence`, as PostgreSQL's sequence
+//! does) and writes the rows with them at commit; the storage under test is the same. The
+//! harness with `positions_at_write: false` writes through `OutboxTable::enqueue_many`, the
+//! application's API, and runs every check that does not depend on those positions.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use outbox_core::{NewMessage, Storage, StorageAdmin};
+use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
+use outbox_sqlite::sqlx::{self, Sqlite as Db, Transaction};
+use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
+use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+use outbox_tests::unique_name;
+use uuid::Uuid;
+
+/// A directory of its own under the system's temporary directory, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> Self {
+        let dir = std::env::temp_dir().join(unique_name("outbox-sqlite"));
+        std::fs::create_dir_all(&dir).expect("making a temporary directory");
+        TempDir(dir)
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// SQLite: each fixture is a fresh database file, migrated.
+struct Sqlite {
+    /// Messages take their `seq` when `begin` writes them (PostgreSQL's order) rather than
+    /// at their commit (SQLite's).
+    positions_at_write: bool,
+}
+
+struct SqliteFixture {
+    storage: Arc<SqliteStorage>,
+    /// The application's side: its own connections to the same file.
+    app: SqlitePool,
+    table: OutboxTable,
+    positions_at_write: bool,
+    /// Last, so the file goes after the pools.
+    _dir: TempDir,
+}
+
+struct SqliteWrite {
+    tx: Transaction<'static, Db>,
+    table: OutboxTable,
+    messages: Vec<NewMessage>,
+    /// The `seq` of the first message, when positions were taken at `begin`.
+    first_seq: Option<i64>,
+}
+
+impl SqliteWrite {
+    /// Writes the messages with the `seq` values reserved for them: the table's columns as
+    /// the plain-INSERT contract has them, plus `seq`, which only this test sets.
+    async fn insert_at(&mut self, first_seq: i64) {
+        let sql = format!(
+            "INSERT INTO {} (seq, id, topic, partition_key, payload, headers, traceparent, \
+             tracestate, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            self.table.quoted("")
+        );
+        for (seq, m) in (first_seq..).zip(&self.messages) {
+            let (traceparent, tracestate) = match &m.trace_context {
+                Some(t) => (Some(t.traceparent.clone()), t.tracestate.clone()),
+                None => (None, None),
+            };
+            sqlx::query(&sql)
+                .bind(seq)
+                .bind(m.id.hyphenated().to_string())
+                .bind(&m.topic)
+                .bind(&m.key)
+                .bind(&m.payload)
+                .bind(serde_json::to_string(&m.headers).expect("headers as JSON"))
+                .bind(traceparent)
+                .bind(tracestate)
+                .bind(m.created_at.timestamp_micros())
+                .execute(&mut *self.tx)
+                .await
+                .expect("writing at the reserved positions");
+        }
+    }
+}
+
+#[async_trait]
+impl PendingWrite for SqliteWrite {
+    async fn commit(mut self: Box<Self>) {
+        match self.first_seq {
+            Some(first) => self.insert_at(first).await,
+            None => self
+                .table
+                .enqueue_many(&mut self.tx, &self.messages)
+                .await
+                .expect("enqueue"),
+        }
+        self.tx.commit().await.expect("commit");
+    }
+
+    async fn rollback(self: Box<Self>) {
+        self.tx.rollback().await.expect("rollback");
+    }
+}
+
+#[async_trait]
+impl StorageFixture for SqliteFixture {
+    fn storage(&self) -> Arc<dyn Storage> {
+        self.storage.clone()
+    }
+
+    async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
+        let tx = self.app.begin().await.expect("begin");
+        let first_seq = if self.positions_at_write && !messages.is_empty() {
+            let n = messages.len() as i64;
+            let last: i64 = sqlx::query_scalar(
+                "UPDATE sqlite_sequence SET seq = seq + ?1 WHERE name = ?2 RETURNING seq",
+            )
+            .bind(n)
+            .bind(self.table.table())
+            .fetch_one(&self.app)
+            .await
+            .expect("reserving positions");
+            Some(last - n + 1)
+        } else {
+            None
+        };
+        Box::new(SqliteWrite {
+            tx,
+            table: self.table.clone(),
+            messages: messages.to_vec(),
+            first_seq,
+        })
+    }
+
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.storage.replay_dead_letters(ids).await.expect("replay")
+    }
+
+    async fn release_parked_key(&self, key: &str) -> bool {
+        self.storage
+            .release_parked_key(key)
+            .await
+            .expect("release parked key")
+    }
+
+    async fn advance(&self, by: Duration) {
+        // The database's clock cannot move: move every stored time back instead.
+        let sql = format!(
+            "UPDATE {} SET available_at = available_at - ?",
+            self.table.quoted("")
+        );
+        sqlx::query(&sql)
+            .bind(by.as_millis() as i64)
+            .execute(&self.app)
+            .await
+            .expect("moving stored times back");
+    }
+}
+
+#[async_trait]
+impl StorageHarness for Sqlite {
+    async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+        let dir = TempDir::new();
+        let path = dir.0.join("app.db");
+        let config = SqliteConfig {
+            per_key_order,
+            ..SqliteConfig::new(&path)
+        };
+        let storage = SqliteStorage::open(config).await.expect("opening the file");
+        storage.migrate().await.expect("migrating");
+        let table = storage.table().clone();
+        // Twelve transactions may be open at once, each on a connection of its own.
+        let app = SqlitePoolOptions::new()
+            .max_connections(20)
+            .connect_with(
+                SqliteConnectOptions::new()
+                    .filename(&path)
+                    .busy_timeout(Duration::from_secs(10)),
+            )
+            .await
+            .expect("the application's pool");
+        sqlx::query(
+            "INSERT INTO sqlite_sequence (name, seq) SELECT ?1, 0
+             WHERE NOT EXISTS (SELECT 1 FROM sqlite_sequence WHERE name = ?1)",
+        )
+        .bind(table.table())
+        .execute(&app)
+        .await
+        .expect("starting the sequence");
+        Box::new(SqliteFixture {
+            storage: Arc::new(storage),
+            app,
+            table,
+            positions_at_write: self.positions_at_write,
+            _dir: dir,
+        })
+    }
+}
+
+/// Every check, with positions taken when a message is written (PostgreSQL's order).
+mod positions_at_write {
+    outbox_tests::storage_conformance_tests!(super::Sqlite {
+        positions_at_write: true
+    });
+}
+
+/// Through the application's API, positions taken at commit (SQLite's order): every check
+/// but the two that number messages when they are written (see the top of this file).
+mod commit_order {
+    outbox_tests::storage_conformance_tests!(super::Sqlite { positions_at_write: false };
+        storage_declares_what_was_asked,
+        storage_commit_delivers_rollback_does_not,
+        storage_fields_survive_exactly,
+        storage_claims_in_enqueue_order_up_to_the_limit,
+        storage_ack_removes_messages,
+        storage_retry_charges_an_attempt_and_waits,
+        storage_release_charges_nothing,
+        storage_dead_letter_parks_the_key_with_key_order,
+        storage_dead_letter_without_key_order_parks_nothing,
+        storage_fences_stale_claims,
+        storage_leases_expire,
+        storage_holds_a_key_back_while_its_head_is_out,
+        storage_without_key_order_keys_do_not_block,
+        storage_out_of_order_commits_lose_nothing,
+        storage_stats_count_the_queue,
+        storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
+        storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
+        storage_settle_writes_the_whole_outcome,
+        storage_extend_lease_holds_the_claim,
+    );
+}
