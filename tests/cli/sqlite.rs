@@ -287,3 +287,110 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The operator's commands on SQLite, read through `status` alone: a message too large for
+/// the sink is dead-lettered and parks its key; list, show, replay put it back first in its
+/// key's order; release and purge work on a second dead letter.
+#[tokio::test]
+async fn dead_letter_commands_work_on_sqlite() {
+    let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_sqlite_dead"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let name = outbox_tests::unique_name("sqlite_dead");
+    let config = |max: usize| {
+        ConfigFile::new(&format!(
+            "[storage]\ntype = \"sqlite\"\npath = \"{}\"\n{}\
+             [sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n\
+             stream_prefix = \"{name}:\"\nmax_payload = {max}\n",
+            dir.join("app.db").display(),
+            super::FAST_RELAY
+        ))
+    };
+    let status = |config: &ConfigFile| text(&outbox(&config.path, &["status"]).stdout);
+    let strict = config(100);
+    assert!(outbox(&strict.path, &["migrate"]).status.success());
+    let big = "x".repeat(200);
+    let lines = format!(
+        "{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"{big}\"}}\n\
+         {{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a2\"}}\n\
+         {{\"topic\":\"t\",\"key\":\"b\",\"payload\":\"{big}\"}}\n\
+         {{\"topic\":\"t\",\"key\":\"b\",\"payload\":\"b2\"}}\n\
+         {{\"topic\":\"t\",\"key\":\"c\",\"payload\":\"c1\"}}\n"
+    );
+    let enqueued = super::outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines);
+    assert!(enqueued.status.success(), "{}", text(&enqueued.stderr));
+    let relay = RelayProcess::start(&strict.path);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !status(&strict).contains("dead-lettered 2 ") {
+        assert!(
+            Instant::now() < deadline,
+            "never dead-lettered: {}",
+            status(&strict)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    let now = status(&strict);
+    assert!(
+        now.contains("pending 2 ")
+            && now.contains("parked keys 2")
+            && now.contains("parked key \"a\""),
+        "{now}"
+    );
+    let listed = text(&outbox(&strict.path, &["dead-letters", "list", "--key", "a"]).stdout);
+    assert!(listed.contains("1 dead letter(s)"), "{listed}");
+    let id = listed
+        .lines()
+        .nth(1)
+        .and_then(|line| line.split_whitespace().next())
+        .expect("a dead letter's id")
+        .to_string();
+    let shown = text(&outbox(&strict.path, &["dead-letters", "show", &id]).stdout);
+    assert!(
+        shown.contains("key:             a") && shown.contains("max_payload"),
+        "{shown}"
+    );
+
+    // Key b: purge its dead letter, release the key; its next message flows.
+    let purged = outbox(&strict.path, &["dead-letters", "purge", "--key", "b"]);
+    assert!(
+        text(&purged.stdout).contains("purged 1"),
+        "{}",
+        text(&purged.stderr)
+    );
+    let released = outbox(&strict.path, &["dead-letters", "release", "b"]);
+    assert!(
+        text(&released.stdout).contains("released key \"b\""),
+        "{}",
+        text(&released.stderr)
+    );
+
+    // Key a: raise the limit and replay: the head goes first, then the parked rest.
+    let relaxed = config(1_000_000);
+    let replayed = outbox(&relaxed.path, &["dead-letters", "replay", "--key", "a"]);
+    assert!(
+        text(&replayed.stdout).contains("replayed 1"),
+        "{}",
+        text(&replayed.stderr)
+    );
+    let relay = RelayProcess::start(&relaxed.path);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !status(&relaxed).contains("pending 0 ") {
+        assert!(
+            Instant::now() < deadline,
+            "not drained: {}",
+            status(&relaxed)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    let keys = super::by_key(&super::redis_stream(&format!("{name}:t")).await);
+    assert_eq!(keys["a"], vec![big.into_bytes(), b"a2".to_vec()]);
+    assert_eq!(keys["b"], vec![b"b2".to_vec()]);
+    assert_eq!(keys["c"], vec![b"c1".to_vec()]);
+    let now = status(&relaxed);
+    assert!(
+        now.contains("dead-lettered 0 ") && now.contains("parked keys 0"),
+        "{now}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
