@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use outbox_core::{Message, NewMessage};
+use outbox_core::{Message, NewMessage, Sink};
 use sqlx::Row;
 
 use crate::Scale;
@@ -96,6 +96,14 @@ pub async fn sink_ceiling(scale: Scale, kind: SinkKind) -> Result<f64, String> {
     let run = format!("bench_sink_{:08x}", fastrand::u32(..));
     kind.prepare(&run).await?;
     let sink = kind.build(&run)?;
+    let rate = publish_all(scale, sink.as_ref()).await?;
+    kind.cleanup(&run).await?;
+    Ok(rate)
+}
+
+/// Publishes the drain's messages straight to `sink` in batches of [`BATCH`], no database.
+/// Returns events per second.
+pub async fn publish_all(scale: Scale, sink: &dyn Sink) -> Result<f64, String> {
     // Batches are made as they go, so the benchmark process never holds them all: its peak
     // memory is reported as the relay's.
     let batch = |start: u64| -> Vec<Message> {
@@ -111,7 +119,5 @@ pub async fn sink_ceiling(scale: Scale, kind: SinkKind) -> Result<f64, String> {
     for start in (0..scale.drain_messages).step_by(BATCH) {
         sink.publish(&batch(start)).await.map_err(text)?;
     }
-    let rate = scale.drain_messages as f64 / started.elapsed().as_secs_f64();
-    kind.cleanup(&run).await?;
-    Ok(rate)
+    Ok(scale.drain_messages as f64 / started.elapsed().as_secs_f64())
 }

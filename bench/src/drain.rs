@@ -33,7 +33,6 @@ pub async fn drain(
     expected: u64,
 ) -> Result<Drain, String> {
     let delivered = Arc::new(AtomicU64::new(0));
-    let shutdown = CancellationToken::new();
     let mut workers = Vec::new();
     for i in 0..relays {
         let sink = Arc::new(CountingSink {
@@ -48,6 +47,24 @@ pub async fn drain(
         let storage = outbox.storage_with(per_key_order, kind.max_per_key())?;
         workers.push(Worker::new(config, storage, sink).map_err(text)?);
     }
+    run_workers(
+        workers,
+        &delivered,
+        expected,
+        &format!("drain to {}", kind.name()),
+    )
+    .await
+}
+
+/// Runs `workers` until `delivered` (counted by their sinks) reaches `expected`, then shuts
+/// them down. Returns events per second from their start until the last delivery.
+pub async fn run_workers(
+    workers: Vec<Worker>,
+    delivered: &AtomicU64,
+    expected: u64,
+    what: &str,
+) -> Result<Drain, String> {
+    let shutdown = CancellationToken::new();
     let resources = Resources::start();
     let started = Instant::now();
     let handles: Vec<_> = workers
@@ -61,10 +78,7 @@ pub async fn drain(
     while delivered.load(Ordering::Relaxed) < expected {
         if Instant::now() > deadline {
             shutdown.cancel();
-            return Err(format!(
-                "drain to {} did not finish in 10 minutes",
-                kind.name()
-            ));
+            return Err(format!("{what} did not finish in 10 minutes"));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }

@@ -2,7 +2,8 @@
 //! is reported next to a baseline measured in the same run, as a ratio: the machines are
 //! shared and noisy, so absolute numbers mean little on their own.
 //!
-//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog]` (all when none named).
+//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite]` (all when none
+//! named).
 //! Writes a table to the terminal, `target/bench/results.json`, and the generated part of
 //! BENCHMARKS.md with `bench/drain.svg`.
 
@@ -12,6 +13,7 @@ mod enqueue;
 mod latency;
 mod report;
 mod setup;
+mod sqlite;
 
 use std::time::Duration;
 
@@ -79,6 +81,9 @@ async fn main() {
         }
         if wanted("enqueue") {
             enqueue::run(scale, &mut report).await?;
+        }
+        if wanted("sqlite") {
+            sqlite::run(scale, &mut report).await?;
         }
         Ok(())
     }
