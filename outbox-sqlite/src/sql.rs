@@ -224,8 +224,8 @@ impl Statements {
     /// keys in key order, starting after the key where this relay's last claim stopped (`?6`)
     /// and wrapping around, one descent of the `(partition_key, seq)` index per key: a key
     /// another relay holds costs one descent however many rows wait behind it, and keys
-    /// take turns. It stops once it has found `limit` free keys (each gives at least one
-    /// row). Of a free key it takes its first rows, at most `max_per_key`, and stops at the
+    /// take turns. It stops once the free keys it has found give `limit` rows (counted as
+    /// below). Of a free key it takes its first rows, at most `max_per_key`, and stops at the
     /// first row that is not due: rows behind one that is in flight or waiting to retry
     /// never go ahead of it, whatever their own state (a released or a replayed row can be
     /// due behind one that is not).
@@ -253,8 +253,22 @@ impl Statements {
                   ORDER BY o.partition_key LIMIT 1)"
             )
         };
-        // `n` counts the free keys before `k`: a step stops the sweep once `k` makes `limit`.
-        let (free_a, free_u, free_k) = (free("a.k"), free("u.k"), free("k"));
+        // The rows a key gives: none when parked, else its first rows up to `max_per_key`,
+        // up to its first row that is not due (none when that is its first row).
+        let gives = |k: &str| {
+            format!(
+                "(CASE WHEN EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = {k}) THEN 0
+                  ELSE (SELECT count(*) FROM (
+                           SELECT min(g.available_at <= ?2) OVER (
+                                      ORDER BY g.seq ROWS UNBOUNDED PRECEDING) AS due
+                           FROM (SELECT h.seq, h.available_at FROM {outbox} h
+                                 WHERE h.partition_key = {k} ORDER BY h.seq LIMIT {max_per_key}) g)
+                        WHERE due) END)"
+            )
+        };
+        // `n` counts the rows the keys before `k` give: a step stops the sweep once `k`
+        // makes `limit`.
+        let (gives_a, gives_u, free_k) = (gives("a.k"), gives("u.k"), free("k"));
         let after_first = next_key("?6", "");
         let after_next = next_key("a.k", "");
         let up_to_next = next_key("u.k", "AND o.partition_key <= ?6");
@@ -264,15 +278,15 @@ impl Statements {
              after_cursor(k, n) AS (
                 SELECT {after_first}, 0
                 UNION ALL
-                SELECT {after_next}, a.n + {free_a} FROM after_cursor a
-                WHERE a.k IS NOT NULL AND a.n + {free_a} < ?1),
+                SELECT {after_next}, a.n + {gives_a} FROM after_cursor a
+                WHERE a.k IS NOT NULL AND a.n + {gives_a} < ?1),
              up_to_cursor(k, n) AS (
                 SELECT (SELECT o.partition_key FROM {outbox} o WHERE o.partition_key <= ?6
                         ORDER BY o.partition_key LIMIT 1), a.n
                 FROM after_cursor a WHERE a.k IS NULL AND a.n < ?1
                 UNION ALL
-                SELECT {up_to_next}, u.n + {free_u} FROM up_to_cursor u
-                WHERE u.k IS NOT NULL AND u.n + {free_u} < ?1),
+                SELECT {up_to_next}, u.n + {gives_u} FROM up_to_cursor u
+                WHERE u.k IS NOT NULL AND u.n + {gives_u} < ?1),
              free_keys(k, phase) AS (
                 SELECT k, 0 FROM after_cursor WHERE k IS NOT NULL AND {free_k}
                 UNION ALL
