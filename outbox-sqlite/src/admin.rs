@@ -8,18 +8,8 @@ use outbox_core::{
 };
 use uuid::Uuid;
 
-use crate::SqliteStorage;
-use crate::{rows, sql};
-
-/// Ids as the JSON array the statements read with `json_each`.
-fn json_ids(ids: &[Uuid]) -> String {
-    serde_json::Value::Array(
-        ids.iter()
-            .map(|id| serde_json::Value::String(id.hyphenated().to_string()))
-            .collect(),
-    )
-    .to_string()
-}
+use crate::storage::json_ids;
+use crate::{SqliteStorage, rows, sql};
 
 #[async_trait]
 impl StorageAdmin for SqliteStorage {
@@ -83,7 +73,7 @@ impl StorageAdmin for SqliteStorage {
     ) -> Result<Vec<DeadLetterRow>> {
         let rows = sqlx::query(&self.sql.find_dead_letters)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(filter.ids.as_deref().map(json_ids))
+            .bind(filter.ids.as_deref().map(|ids| json_ids(ids.iter())))
             .bind(filter.topic.as_deref())
             .bind(filter.key.as_deref())
             .fetch_all(self.pool())
@@ -97,7 +87,7 @@ impl StorageAdmin for SqliteStorage {
             return Ok(0);
         }
         let what = "cannot replay dead letters";
-        let ids = json_ids(ids);
+        let ids = json_ids(ids.iter());
         let mut write = self.write(what).await?;
         let now = write.now;
         let tx = &mut write.tx;
@@ -129,7 +119,7 @@ impl StorageAdmin for SqliteStorage {
         let what = "cannot purge dead letters";
         let mut write = self.write(what).await?;
         let done = sqlx::query(&self.sql.purge_dead_letters)
-            .bind(json_ids(ids))
+            .bind(json_ids(ids.iter()))
             .execute(&mut *write.tx)
             .await
             .map(|done| done.rows_affected())

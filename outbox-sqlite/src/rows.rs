@@ -24,15 +24,30 @@ pub(crate) fn from_millis(ms: i64) -> DateTime<Utc> {
     from_micros(ms.saturating_mul(1000))
 }
 
-/// Reads a message from a row holding [`crate::sql::MESSAGE_COLUMNS`].
-pub(crate) fn message(row: &SqliteRow) -> Result<Message> {
-    let get = |e| db_error(None, "cannot read a message row", e);
-    let id: String = row.try_get("id").map_err(get)?;
-    let id = Uuid::parse_str(&id).map_err(|e| {
+/// The `id` column of a row, as a UUID.
+fn id(row: &SqliteRow) -> Result<Uuid> {
+    let id: String = row
+        .try_get("id")
+        .map_err(|e| db_error(None, "cannot read a message row", e))?;
+    Uuid::parse_str(&id).map_err(|e| {
         Error::permanent(format!(
             "sqlite: a message row has the id `{id}`, which is not a UUID: {e}"
         ))
-    })?;
+    })
+}
+
+/// A row of `id` and `seq`.
+pub(crate) fn id_and_seq(row: &SqliteRow) -> Result<(Uuid, i64)> {
+    let seq = row
+        .try_get("seq")
+        .map_err(|e| db_error(None, "cannot read a message row", e))?;
+    Ok((id(row)?, seq))
+}
+
+/// Reads a message from a row holding [`crate::sql::MESSAGE_COLUMNS`].
+pub(crate) fn message(row: &SqliteRow) -> Result<Message> {
+    let get = |e| db_error(None, "cannot read a message row", e);
+    let id = id(row)?;
     let headers: String = row.try_get("headers").map_err(get)?;
     let traceparent: Option<String> = row.try_get("traceparent").map_err(get)?;
     let attempts: i64 = row.try_get("attempts").map_err(get)?;
@@ -54,16 +69,16 @@ pub(crate) fn message(row: &SqliteRow) -> Result<Message> {
     })
 }
 
-/// The rows of a claim: `seq` and each message, in `seq` order (RETURNING gives them in no
-/// particular order).
-pub(crate) fn claimed(rows: &[SqliteRow]) -> Result<Vec<Message>> {
+/// The rows of a claim: each message with its `seq`, in `seq` order (RETURNING gives them in
+/// no particular order).
+pub(crate) fn claimed(rows: &[SqliteRow]) -> Result<Vec<(i64, Message)>> {
     let fail = |e| db_error(None, "claim failed", e);
     let mut numbered = rows
         .iter()
         .map(|row| Ok((row.try_get::<i64, _>("seq").map_err(fail)?, message(row)?)))
         .collect::<Result<Vec<_>>>()?;
     numbered.sort_unstable_by_key(|(seq, _)| *seq);
-    Ok(numbered.into_iter().map(|(_, m)| m).collect())
+    Ok(numbered)
 }
 
 fn count(row: &SqliteRow, index: usize, fail: impl Fn(sqlx::Error) -> Error) -> Result<u64> {

@@ -2,8 +2,9 @@
 //! its validated name. The migrations and the enqueue statements are the table's contract
 //! and stay with [`OutboxTable`].
 //!
-//! Lists of ids (and of per-message values) are bound as one JSON array and read with
-//! `json_each`: SQLite has no array parameters. Every time is a parameter `now` read once per
+//! The relay's writes find a claimed row by its `seq` (the rowid: no index to search), so
+//! lists name rows by seq. Lists of seqs (and of per-message values) are bound as one JSON
+//! array and read with `json_each`: SQLite has no array parameters. Every time is a parameter `now` read once per
 //! call from the database's clock ([`now`]), so one call uses one instant throughout.
 
 use crate::table::NOW_MS;
@@ -31,8 +32,8 @@ pub(crate) const BEGIN_WRITE: &str = "BEGIN IMMEDIATE";
 pub(crate) const DURABLE_COMMITS: &str = "PRAGMA synchronous = FULL";
 pub(crate) const FAST_COMMITS: &str = "PRAGMA synchronous = NORMAL";
 
-/// A list of ids bound as JSON (`?n`), as a subquery.
-fn ids(n: u8) -> String {
+/// A list of ids or seqs bound as JSON (`?n`), as a subquery.
+fn json_list(n: u8) -> String {
     format!("(SELECT value FROM json_each(?{n}))")
 }
 
@@ -41,19 +42,21 @@ pub(crate) struct Statements {
     /// `?1` limit, `?2` now, `?3` token, `?4` worker, `?5` lease (ms), `?6` cursor (per-key
     /// order only). Returns `seq` and [`MESSAGE_COLUMNS`] of the claimed rows.
     pub(crate) claim: String,
-    /// Dead letters (`?1` JSON `[{"id", "error"}]`, `?2` token, `?3` now): copy, park, delete.
+    /// The seqs of messages named by id: `?1` JSON ids. Returns `id`, `seq`.
+    pub(crate) seqs_of: String,
+    /// Dead letters (`?1` JSON `[{"seq", "error"}]`, `?2` token, `?3` now): copy, park, delete.
     pub(crate) dead_copy: String,
     pub(crate) dead_park: Option<String>,
     pub(crate) dead_delete: String,
-    /// One retry: `?1` id, `?2` token, `?3` now, `?4` delay (ms), `?5` error.
+    /// One retry: `?1` seq, `?2` token, `?3` now, `?4` delay (ms), `?5` error.
     pub(crate) retry: String,
-    /// Deliveries (`?1` JSON `[{"id", "receipt"}]`, `?2` token, `?3` now): keep (with
+    /// Deliveries (`?1` JSON `[{"seq", "receipt"}]`, `?2` token, `?3` now): keep (with
     /// retention), delete.
     pub(crate) delivered_keep: Option<String>,
     pub(crate) delivered_delete: String,
-    /// Releases: `?1` JSON ids, `?2` token, `?3` now.
+    /// Releases: `?1` JSON seqs, `?2` token, `?3` now.
     pub(crate) release: String,
-    /// `?1` JSON ids, `?2` token, `?3` now, `?4` lease (ms).
+    /// `?1` JSON seqs, `?2` token, `?3` now, `?4` lease (ms).
     pub(crate) extend_lease: String,
     /// `?1` now.
     pub(crate) stats: String,
@@ -94,16 +97,16 @@ impl Statements {
                  {returning}"
             )
         };
-        // The rows of a JSON list `[{"id": …, …}]` still held under the token.
+        // The rows of a JSON list `[{"seq": …, …}]` still held under the token.
         let held = |list: u8, token: u8| {
             format!(
                 "FROM json_each(?{list}) AS j CROSS JOIN {outbox} AS o
-                 WHERE o.id = json_extract(j.value, '$.id') AND o.claim_token = ?{token}"
+                 WHERE o.seq = json_extract(j.value, '$.seq') AND o.claim_token = ?{token}"
             )
         };
-        let held_ids = |list: u8, token: u8| {
+        let held_seqs = |list: u8, token: u8| {
             format!(
-                "WHERE claim_token = ?{token} AND id IN (SELECT json_extract(value, '$.id') FROM json_each(?{list}))"
+                "WHERE claim_token = ?{token} AND seq IN (SELECT json_extract(value, '$.seq') FROM json_each(?{list}))"
             )
         };
         let message_columns =
@@ -115,6 +118,7 @@ impl Statements {
             .join(", ");
         Statements {
             claim,
+            seqs_of: format!("SELECT id, seq FROM {outbox} WHERE id IN {}", json_list(1)),
             dead_copy: format!(
                 "INSERT INTO {dead} ({message_columns}, attempts, last_error, dead_lettered_at)
                  SELECT {from_o}, o.attempts + 1, json_extract(j.value, '$.error'), ?3 {}",
@@ -129,11 +133,11 @@ impl Statements {
                     held(1, 2)
                 )
             }),
-            dead_delete: format!("DELETE FROM {outbox} {}", held_ids(1, 2)),
+            dead_delete: format!("DELETE FROM {outbox} {}", held_seqs(1, 2)),
             retry: format!(
                 "UPDATE {outbox} SET attempts = attempts + 1, claim_token = NULL, claimed_by = NULL,
                         last_error = ?5, available_at = ?3 + ?4
-                 WHERE id = ?1 AND claim_token = ?2"
+                 WHERE seq = ?1 AND claim_token = ?2"
             ),
             delivered_keep: config.retention.is_some().then(|| {
                 format!(
@@ -142,15 +146,15 @@ impl Statements {
                     held(1, 2)
                 )
             }),
-            delivered_delete: format!("DELETE FROM {outbox} {}", held_ids(1, 2)),
+            delivered_delete: format!("DELETE FROM {outbox} {}", held_seqs(1, 2)),
             release: format!(
                 "UPDATE {outbox} SET claim_token = NULL, claimed_by = NULL, available_at = ?3
-                 WHERE claim_token = ?2 AND id IN {}",
-                ids(1)
+                 WHERE claim_token = ?2 AND seq IN {}",
+                json_list(1)
             ),
             extend_lease: format!(
-                "UPDATE {outbox} SET available_at = ?3 + ?4 WHERE claim_token = ?2 AND id IN {}",
-                ids(1)
+                "UPDATE {outbox} SET available_at = ?3 + ?4 WHERE claim_token = ?2 AND seq IN {}",
+                json_list(1)
             ),
             stats: format!(
                 "SELECT count(*) FILTER (WHERE claim_token IS NULL OR available_at <= ?1),
@@ -170,7 +174,7 @@ impl Statements {
                  WHERE (?2 IS NULL OR id IN {}) AND (?3 IS NULL OR topic = ?3)
                    AND (?4 IS NULL OR partition_key = ?4)
                  ORDER BY seq LIMIT ?1",
-                ids(2)
+                json_list(2)
             ),
             // A replayed dead letter goes back with its seq, so it is first in its key again;
             // AUTOINCREMENT never hands a seq out twice, so it is still free.
@@ -178,7 +182,7 @@ impl Statements {
                 "INSERT INTO {outbox} ({message_columns}, attempts, available_at, last_error)
                  SELECT {message_columns}, 0, ?2, last_error FROM {dead} WHERE id IN {}
                  ORDER BY seq",
-                ids(1)
+                json_list(1)
             ),
             replay_unpark: format!(
                 "DELETE FROM {parked}
@@ -186,9 +190,9 @@ impl Statements {
                    AND NOT EXISTS (SELECT 1 FROM {dead} d
                                    WHERE d.partition_key = {parked}.partition_key
                                      AND d.id NOT IN {ids})",
-                ids = ids(1)
+                ids = json_list(1)
             ),
-            replay_delete: format!("DELETE FROM {dead} WHERE id IN {}", ids(1)),
+            replay_delete: format!("DELETE FROM {dead} WHERE id IN {}", json_list(1)),
             topic_stats: format!(
                 "WITH live AS (
                     SELECT topic,
@@ -213,7 +217,7 @@ impl Statements {
                  FROM {parked} p ORDER BY p.partition_key"
             ),
             release_parked_key: format!("DELETE FROM {parked} WHERE partition_key = ?1"),
-            purge_dead_letters: format!("DELETE FROM {dead} WHERE id IN {}", ids(1)),
+            purge_dead_letters: format!("DELETE FROM {dead} WHERE id IN {}", json_list(1)),
         }
     }
 

@@ -2,7 +2,7 @@
 //! the [`Storage`] implementation: claims under fenced leases, settlements, queue figures
 //! and housekeeping. The operator's repairs are in `admin.rs`.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -38,6 +38,10 @@ pub struct SqliteStorage {
     writer: tokio::sync::Mutex<()>,
     /// The partition key after which the next ordered claim starts its sweep.
     cursor: std::sync::Mutex<String>,
+    /// The seq of each message this storage claimed and has not settled yet: the relay's
+    /// writes find rows by seq, the rowid, with no index to search. A message keeps its seq
+    /// for life (a replay restores it), so this only caches; a seq it lacks is read back.
+    seqs: std::sync::Mutex<HashMap<Uuid, i64>>,
 }
 
 impl std::fmt::Debug for SqliteStorage {
@@ -62,14 +66,23 @@ fn millis(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
 }
 
+/// How many message seqs [`SqliteStorage`] remembers before it starts over: the seqs of
+/// claims that are never settled here (their lease ran out) would otherwise pile up.
+const SEQS_REMEMBERED: usize = 100_000;
+
 /// Ids as the JSON array the statements read with `json_each`.
-fn json_ids<'a>(ids: impl IntoIterator<Item = &'a Uuid>) -> String {
+pub(crate) fn json_ids<'a>(ids: impl IntoIterator<Item = &'a Uuid>) -> String {
     serde_json::Value::Array(
         ids.into_iter()
             .map(|id| serde_json::Value::String(id.hyphenated().to_string()))
             .collect(),
     )
     .to_string()
+}
+
+/// Seqs as the JSON array the statements read with `json_each`.
+fn json_seqs<'a>(seqs: impl IntoIterator<Item = &'a i64>) -> String {
+    serde_json::Value::Array(seqs.into_iter().map(|&seq| seq.into()).collect()).to_string()
 }
 
 /// A statement over a JSON list of messages (`?1`) held under a token (`?2`) at `now` (`?3`).
@@ -108,6 +121,7 @@ impl SqliteStorage {
             sql,
             writer: tokio::sync::Mutex::new(()),
             cursor: std::sync::Mutex::new(String::new()),
+            seqs: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -220,6 +234,58 @@ impl SqliteStorage {
             .map_err(|e| self.error(what, e))
     }
 
+    /// Remembers the seqs of claimed messages, starting over when the cache is full.
+    fn remember_seqs(&self, claimed: &[(i64, outbox_core::Message)]) {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        if seqs.len() + claimed.len() > SEQS_REMEMBERED {
+            seqs.clear();
+        }
+        seqs.extend(claimed.iter().map(|(seq, message)| (message.id, *seq)));
+    }
+
+    /// The seqs of messages `ids`, from the cache (forgetting them when `settled`) or else
+    /// read in the write's transaction. An id with no row has no seq.
+    async fn seqs_of<'a>(
+        &self,
+        write: &mut Write<'_>,
+        ids: impl Iterator<Item = &'a Uuid>,
+        settled: bool,
+    ) -> Result<HashMap<Uuid, i64>> {
+        let mut found = HashMap::new();
+        let mut missing = Vec::new();
+        {
+            let mut cache = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+            for id in ids {
+                if found.contains_key(id) {
+                    continue;
+                }
+                let seq = if settled {
+                    cache.remove(id)
+                } else {
+                    cache.get(id).copied()
+                };
+                match seq {
+                    Some(seq) => {
+                        found.insert(*id, seq);
+                    }
+                    None => missing.push(*id),
+                }
+            }
+        }
+        if !missing.is_empty() {
+            let rows = sqlx::query(&self.sql.seqs_of)
+                .bind(json_ids(&missing))
+                .fetch_all(&mut *write.tx)
+                .await
+                .map_err(|e| self.error("cannot find claimed rows", e))?;
+            for row in &rows {
+                let (id, seq) = rows::id_and_seq(row)?;
+                found.insert(id, seq);
+            }
+        }
+        Ok(found)
+    }
+
     /// The partition key the next ordered claim starts after: the last key this claim took
     /// in sweep order (keys after the cursor, then those up to it), if it took one.
     fn next_cursor(cursor: &str, rows: &[SqliteRow]) -> Result<Option<String>> {
@@ -275,9 +341,11 @@ impl Storage for SqliteStorage {
         {
             *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = next;
         }
+        let claimed = rows::claimed(&rows)?;
+        self.remember_seqs(&claimed);
         Ok(Claim {
             token,
-            messages: rows::claimed(&rows)?,
+            messages: claimed.into_iter().map(|(_, message)| message).collect(),
         })
     }
 
@@ -297,8 +365,12 @@ impl Storage for SqliteStorage {
         }
         let what = "renewing a lease failed";
         let mut write = self.write(what).await?;
+        let seqs = match self.seqs_of(&mut write, ids.iter(), false).await {
+            Ok(seqs) => seqs,
+            Err(e) => return self.finish(what, write, Err(e)).await,
+        };
         let done = sqlx::query(&self.sql.extend_lease)
-            .bind(json_ids(ids))
+            .bind(json_seqs(ids.iter().filter_map(|id| seqs.get(id))))
             .bind(token.0.hyphenated().to_string())
             .bind(write.now)
             .bind(millis(lease))
@@ -369,17 +441,22 @@ impl SqliteStorage {
         s: &Settlement,
     ) -> Result<u64> {
         let fail = |e| self.error("settling a batch failed", e);
+        let settled = (s.dead.iter().map(|d| &d.id))
+            .chain(s.retries.iter().map(|r| &r.id))
+            .chain(s.delivered.iter().map(|d| &d.id))
+            .chain(&s.released);
+        let seqs = self.seqs_of(write, settled, true).await?;
         let token = token.0.hyphenated().to_string();
         let (tx, now) = (&mut write.tx, write.now);
         let mut changed = 0;
+        // A message with no seq has no row: nothing to change.
         let dead = first_of_each(&s.dead, |d| d.id);
+        let dead = dead
+            .iter()
+            .filter_map(|d| Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "error": d.error })))
+            .collect::<Vec<_>>();
         if !dead.is_empty() {
-            let list = serde_json::Value::Array(
-                dead.iter()
-                    .map(|d| serde_json::json!({ "id": d.id, "error": d.error }))
-                    .collect(),
-            )
-            .to_string();
+            let list = serde_json::Value::Array(dead).to_string();
             let run = |sql| listed(sql, &list, &token, now);
             run(&self.sql.dead_copy)
                 .execute(&mut **tx)
@@ -395,8 +472,11 @@ impl SqliteStorage {
                 .rows_affected();
         }
         for retry in first_of_each(&s.retries, |r| r.id) {
+            let Some(seq) = seqs.get(&retry.id) else {
+                continue;
+            };
             changed += sqlx::query(&self.sql.retry)
-                .bind(retry.id.hyphenated().to_string())
+                .bind(seq)
                 .bind(token.as_str())
                 .bind(now)
                 .bind(millis(retry.delay))
@@ -407,14 +487,14 @@ impl SqliteStorage {
                 .rows_affected();
         }
         let delivered = first_of_each(&s.delivered, |d| d.id);
+        let delivered = delivered
+            .iter()
+            .filter_map(|d| {
+                Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "receipt": d.receipt.0 }))
+            })
+            .collect::<Vec<_>>();
         if !delivered.is_empty() {
-            let list = serde_json::Value::Array(
-                delivered
-                    .iter()
-                    .map(|d| serde_json::json!({ "id": d.id, "receipt": d.receipt.0 }))
-                    .collect(),
-            )
-            .to_string();
+            let list = serde_json::Value::Array(delivered).to_string();
             let run = |sql| listed(sql, &list, &token, now);
             if let Some(keep) = &self.sql.delivered_keep {
                 run(keep).execute(&mut **tx).await.map_err(fail)?;
@@ -425,9 +505,11 @@ impl SqliteStorage {
                 .map_err(fail)?
                 .rows_affected();
         }
-        if !s.released.is_empty() {
+        let released = s.released.iter().filter_map(|id| seqs.get(id));
+        let released = json_seqs(released);
+        if released != "[]" {
             changed += sqlx::query(&self.sql.release)
-                .bind(json_ids(&s.released))
+                .bind(released)
                 .bind(token.as_str())
                 .bind(now)
                 .execute(&mut **tx)
