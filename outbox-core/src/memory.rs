@@ -354,6 +354,7 @@ pub struct MemorySink {
     publish_calls: AtomicUsize,
     health_calls: AtomicUsize,
     rule: Mutex<Option<FailureRule>>,
+    ordered_key_runs: AtomicBool,
 }
 
 impl Default for MemorySink {
@@ -364,6 +365,7 @@ impl Default for MemorySink {
             publish_calls: AtomicUsize::new(0),
             health_calls: AtomicUsize::new(0),
             rule: Mutex::new(None),
+            ordered_key_runs: AtomicBool::new(false),
         }
     }
 }
@@ -383,6 +385,13 @@ impl MemorySink {
     /// Fails each message for which `rule` returns an error.
     pub fn fail_when(&self, rule: impl Fn(&Message) -> Option<Error> + Send + Sync + 'static) {
         *self.rule.lock().unwrap_or_else(|p| p.into_inner()) = Some(Box::new(rule));
+    }
+
+    /// Declares (or not) [`ordered_key_runs`](crate::SinkCapabilities::ordered_key_runs)
+    /// and keeps it: once a message of a key fails, the key's later messages in the call
+    /// fail untried.
+    pub fn set_ordered_key_runs(&self, on: bool) {
+        self.ordered_key_runs.store(on, Ordering::SeqCst);
     }
 
     /// Every delivered message, in publish order.
@@ -413,16 +422,37 @@ impl Sink for MemorySink {
         }
         let rule = self.rule.lock().unwrap_or_else(|p| p.into_inner());
         let mut published = self.published.lock().unwrap_or_else(|p| p.into_inner());
+        let key_runs = self.ordered_key_runs.load(Ordering::SeqCst);
+        let mut failed_keys = std::collections::HashSet::new();
         Ok(batch
             .iter()
-            .map(|m| match rule.as_ref().and_then(|r| r(m)) {
-                Some(error) => Outcome::Failed(error),
-                None => {
+            .map(|m| {
+                if key_runs && m.key.as_ref().is_some_and(|k| failed_keys.contains(k)) {
+                    return Err(Error::unavailable(
+                        "not tried: an earlier message of its key failed",
+                    ));
+                }
+                match rule.as_ref().and_then(|r| r(m)) {
+                    Some(error) => {
+                        failed_keys.extend(m.key.clone());
+                        Err(error)
+                    }
+                    None => Ok(m),
+                }
+            })
+            .map(|tried| match tried {
+                Err(error) => Outcome::Failed(error),
+                Ok(m) => {
                     published.push(m.clone());
                     Outcome::Delivered(Receipt::new(format!("mem-{}", published.len())))
                 }
             })
             .collect())
+    }
+
+    fn capabilities(&self) -> crate::SinkCapabilities {
+        crate::SinkCapabilities::default()
+            .with_ordered_key_runs(self.ordered_key_runs.load(Ordering::SeqCst))
     }
 
     async fn health(&self) -> Result<()> {

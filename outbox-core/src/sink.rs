@@ -44,6 +44,13 @@ pub struct SinkCapabilities {
     pub deduplicates: bool,
     /// Largest payload in bytes the sink accepts, if it knows.
     pub max_payload: Option<usize>,
+    /// Several messages of one key may share a `publish` call: they land in the order given,
+    /// and once one of them fails none of the key's later messages in the call lands (they
+    /// are reported failed, and the worker puts them back uncharged). With per-key order,
+    /// the worker then publishes a whole batch in one call instead of one round per message
+    /// of a key. Off by default: a sink that pipelines (a later command lands after an
+    /// earlier one failed) must leave it off.
+    pub ordered_key_runs: bool,
 }
 
 impl Default for SinkCapabilities {
@@ -52,6 +59,7 @@ impl Default for SinkCapabilities {
             keeps_order: true,
             deduplicates: false,
             max_payload: None,
+            ordered_key_runs: false,
         }
     }
 }
@@ -60,6 +68,13 @@ impl SinkCapabilities {
     /// Sets whether the sink de-duplicates by message id.
     pub fn with_deduplication(mut self, deduplicates: bool) -> Self {
         self.deduplicates = deduplicates;
+        self
+    }
+
+    /// Sets whether several messages of one key may share a call (see
+    /// [`ordered_key_runs`](SinkCapabilities::ordered_key_runs)).
+    pub fn with_ordered_key_runs(mut self, ordered_key_runs: bool) -> Self {
+        self.ordered_key_runs = ordered_key_runs;
         self
     }
 
@@ -79,7 +94,9 @@ impl SinkCapabilities {
 ///   [`Unavailable`](crate::ErrorKind::Unavailable) error;
 /// - retries are not its job: it reports and the worker decides;
 /// - a batch never holds two messages of one partition key when the storage keeps per-key
-///   order, so the sink needs no ordering logic of its own.
+///   order, so the sink needs no ordering logic of its own; unless the sink declares
+///   [`ordered_key_runs`](SinkCapabilities::ordered_key_runs), which is its promise to keep
+///   a key's messages in order within a call and to stop a key at its first failure.
 #[async_trait]
 pub trait Sink: Send + Sync {
     /// Publishes `batch` and returns one outcome per message, in the same order. An `Err`

@@ -181,8 +181,10 @@ impl Worker {
         config.validate()?;
         if let Some(timeout) = sink.publish_timeout() {
             let capabilities = storage.capabilities();
+            let key_runs = sink.capabilities().ordered_key_runs;
             let (rounds, setting) = match (capabilities.per_key_order, capabilities.max_per_key) {
                 (false, _) => (1, "one round without per-key order"),
+                (true, _) if key_runs => (1, "one round: the sink takes a key's messages together"),
                 (true, Some(n)) => (n.min(config.batch_size), "the storage's max_per_key"),
                 (true, None) => (config.batch_size, "batch_size"),
             };
@@ -357,11 +359,12 @@ impl Worker {
     }
 
     /// Publishes a batch in rounds: with per-key order, each round holds at most one message
-    /// per key, and a key whose message failed publishes nothing more in this batch. The
-    /// lease is renewed while a round is out; once it is lost nothing more is published.
+    /// per key (all of them when the sink keeps a key's run in order and stops it at its
+    /// first failure), and a key whose message failed publishes nothing more in this batch.
+    /// The lease is renewed while a round is out; once it is lost nothing more is published.
     async fn publish(&self, messages: Vec<Message>, lease: &mut Lease) -> Published {
         let per_key_order = self.storage.capabilities().per_key_order;
-        let rounds = if per_key_order {
+        let rounds = if per_key_order && !self.sink.capabilities().ordered_key_runs {
             split_into_rounds(messages)
         } else {
             vec![messages]
@@ -422,11 +425,21 @@ impl Worker {
                 .record(elapsed.as_secs_f64());
             tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), ?elapsed, "published");
             for (message, outcome) in ready.into_iter().zip(outcomes) {
+                let stopped = (message.key.as_ref()).is_some_and(|k| stopped_keys.contains(k));
                 match outcome {
-                    Outcome::Delivered(receipt) => published.settlement.delivered.push(Delivery {
-                        id: message.id,
-                        receipt,
-                    }),
+                    Outcome::Delivered(receipt) => {
+                        if stopped {
+                            tracing::error!(worker = %self.config.worker_id, id = %message.id, "sink broke its contract: a message landed after an earlier one of its key failed in the same call");
+                        }
+                        published.settlement.delivered.push(Delivery {
+                            id: message.id,
+                            receipt,
+                        });
+                    }
+                    // Behind a failure of its key: not tried, so put back uncharged.
+                    Outcome::Failed(_) if stopped => {
+                        published.settlement.released.push(message.id);
+                    }
                     Outcome::Failed(error) => {
                         if let Some(key) = &message.key {
                             stopped_keys.insert(key.clone());

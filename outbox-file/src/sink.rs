@@ -122,14 +122,22 @@ fn describe(error: &Error) -> String {
 }
 
 /// Encodes `batch` as JSON lines after `lead`. A message that cannot be encoded (none can:
-/// every field is a string or a map of strings) would fail alone as `Permanent`.
+/// every field is a string or a map of strings) would fail alone as `Permanent`, and its
+/// key's later messages in the batch would not be written (`ordered_key_runs`).
 fn encode(batch: &[Message], lead: &[u8]) -> Encoded {
     let size: usize = batch.iter().map(|m| m.payload.len() * 4 / 3 + 256).sum();
     let mut bytes = Vec::with_capacity(lead.len() + size);
     bytes.extend_from_slice(lead);
+    let mut failed_keys = std::collections::HashSet::new();
     let lines = batch
         .iter()
         .map(|message| {
+            if let Some(key) = message.key.as_ref().filter(|k| failed_keys.contains(*k)) {
+                return Err(Error::unavailable(format!(
+                    "message {} not written: an earlier message of key `{key}` failed",
+                    message.id
+                )));
+            }
             let start = bytes.len();
             match serde_json::to_writer(&mut bytes, &Line(message)) {
                 Ok(()) => {
@@ -138,6 +146,7 @@ fn encode(batch: &[Message], lead: &[u8]) -> Encoded {
                 }
                 Err(error) => {
                     bytes.truncate(start);
+                    failed_keys.extend(message.key.clone());
                     Err(
                         Error::permanent(format!("cannot encode message {} as JSON", message.id))
                             .with_source(error),
@@ -214,9 +223,12 @@ impl<T: Send + 'static> Writer<T> {
 }
 
 fn capabilities() -> SinkCapabilities {
-    // Lines land in the order given; nothing is de-duplicated (a redelivered message is a
-    // second line with the same id); no size limit of its own.
+    // Lines land in the order given, a batch in one write: all of it lands or none (but a
+    // message that cannot be encoded, which stops its key), so a key's messages can share
+    // a batch. Nothing is de-duplicated (a redelivered message is a second line with the
+    // same id); no size limit of its own.
     SinkCapabilities::default()
+        .with_ordered_key_runs(true)
         .with_deduplication(false)
         .with_max_payload(None)
 }
@@ -774,6 +786,46 @@ mod tests {
         fn flush(&mut self) -> io::Result<()> {
             Ok(())
         }
+    }
+
+    /// A writer that takes `room` bytes, then fails (a disk that fills up mid-batch).
+    struct Filling(Shared, usize);
+
+    impl Write for Filling {
+        fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+            let room = self.1.min(bytes.len());
+            if room == 0 {
+                return Err(io::Error::other("no space left"));
+            }
+            self.1 -= room;
+            self.0.write(&bytes[..room])
+        }
+        fn flush(&mut self) -> io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_failing_mid_batch_fails_every_message_and_lands_only_a_prefix() {
+        // What `ordered_key_runs` promises: no message is reported delivered from a failed
+        // write, and what did land is the batch's first lines, so no message of a key
+        // landed after an earlier one of that key that did not.
+        let buffer = Shared::default();
+        let sink = stdout_sink(Filling(buffer.clone(), 300), TIMEOUT);
+        assert!(sink.capabilities().ordered_key_runs);
+        let batch: Vec<Message> = (0..6).map(|i| message(format!("m{i}"))).collect();
+        let outcomes = sink.publish(&batch).await.unwrap();
+        assert_eq!(outcomes.len(), batch.len());
+        for outcome in &outcomes {
+            assert!(
+                matches!(outcome, Outcome::Failed(_)),
+                "a message of a failed write was reported {outcome:?}"
+            );
+        }
+        let landed = String::from_utf8(buffer.0.lock().unwrap().clone()).unwrap();
+        let expected = String::from_utf8(encode(&batch, b"").bytes).unwrap();
+        assert!(!landed.is_empty() && landed.len() < expected.len());
+        assert!(expected.starts_with(&landed), "not a prefix: {landed}");
     }
 
     fn stdout_sink(out: impl Write + Send + 'static, timeout: Duration) -> StdoutSink {

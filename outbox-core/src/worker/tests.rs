@@ -7,7 +7,7 @@ use tokio::time::{Instant, sleep};
 
 use super::*;
 use crate::memory::{MemorySink, MemoryStorage};
-use crate::{NewMessage, QueueStats, StorageCapabilities};
+use crate::{NewMessage, QueueStats, SinkCapabilities, StorageCapabilities};
 
 fn config() -> WorkerConfig {
     WorkerConfig {
@@ -549,4 +549,68 @@ fn a_lease_shorter_than_the_worst_batch_is_refused_naming_both_settings() {
         ..cfg
     };
     assert!(Worker::new(long, Arc::new(MemoryStorage::new(true)), sink).is_ok());
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sink_with_ordered_key_runs_takes_a_batch_in_one_call_and_stops_a_key_at_its_failure() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    sink.set_ordered_key_runs(true);
+    // The middle of key a's run fails: a0 lands, a2 must not.
+    sink.fail_when(|m| (m.payload == b"a1").then(|| Error::temporary("nack")));
+    for i in 0..3 {
+        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
+        storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
+    }
+    let payloads = |sink: &MemorySink| -> Vec<String> {
+        (sink.published().iter())
+            .map(|m| String::from_utf8(m.payload.clone()).unwrap())
+            .collect()
+    };
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.publish_calls(), 1, "one call for the whole batch");
+    assert_eq!(payloads(&sink), ["a0", "b0", "b1", "b2"]);
+    // a1 was charged; a2, behind it and never tried, was put back uncharged.
+    let attempts: Vec<(String, u32)> = (storage.pending().iter())
+        .map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts))
+        .collect();
+    assert_eq!(attempts, [("a1".into(), 1), ("a2".into(), 0)]);
+
+    sink.fail_when(|_| None);
+    sleep(Duration::from_secs(3)).await;
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(payloads(&sink), ["a0", "b0", "b1", "b2", "a1", "a2"]);
+}
+
+#[test]
+fn a_sink_with_ordered_key_runs_needs_a_lease_for_one_round_only() {
+    let storage: Arc<dyn Storage> = Arc::new(MemoryStorage::new(true));
+    let timeout = Duration::from_secs(10);
+    struct Timed(MemorySink, Duration);
+    #[async_trait]
+    impl Sink for Timed {
+        async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+            self.0.publish(batch).await
+        }
+        async fn health(&self) -> Result<()> {
+            self.0.health().await
+        }
+        fn capabilities(&self) -> SinkCapabilities {
+            self.0.capabilities()
+        }
+        fn publish_timeout(&self) -> Option<Duration> {
+            Some(self.1)
+        }
+    }
+    let config = WorkerConfig {
+        lease: Duration::from_secs(15),
+        ..config()
+    };
+    let rounds = Arc::new(Timed(MemorySink::new(), timeout));
+    assert!(Worker::new(config.clone(), storage.clone(), rounds).is_err());
+    let runs = Timed(MemorySink::new(), timeout);
+    runs.0.set_ordered_key_runs(true);
+    assert!(Worker::new(config, storage, Arc::new(runs)).is_ok());
 }

@@ -572,6 +572,52 @@ pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
     assert_key_order(check, &delivered, &got);
 }
 
+/// A sink that declares `ordered_key_runs` stops a key at its first failure within a call:
+/// the key's later messages do not land, and other keys are not held back.
+pub async fn sink_ordered_key_runs_stop_a_key_at_its_failure(h: &dyn SinkHarness) {
+    let check = "ordered key runs";
+    let d = h.destination().await;
+    if !d.sink.capabilities().ordered_key_runs {
+        note(check, "skipped: the sink does not declare ordered_key_runs");
+        return;
+    }
+    let Some(refused) = h.refused(&d).await else {
+        note(
+            check,
+            "skipped: the harness has no message the broker refuses",
+        );
+        return;
+    };
+    let refused = Message {
+        key: Some("k".into()),
+        ..refused
+    };
+    let batch = vec![
+        keyed(&d.topic, "k", "before"),
+        keyed(&d.topic, "other", "other"),
+        refused,
+        keyed(&d.topic, "k", "after"),
+    ];
+    let outcomes = (d.sink.publish(&batch).await)
+        .unwrap_or_else(|e| panic!("{check}: one refused message failed the whole batch ({e})"));
+    assert_eq!(outcomes.len(), 4, "{check}: one outcome per message");
+    for (i, delivered) in [(0, true), (1, true), (2, false), (3, false)] {
+        assert_eq!(
+            matches!(outcomes[i], Outcome::Delivered(_)),
+            delivered,
+            "{check}: message {i}: {:?}",
+            outcomes[i]
+        );
+    }
+    let got = h.read(&d, 2).await;
+    assert_eq!(
+        got.len(),
+        2,
+        "{check}: the broker must hold `before` and `other` only"
+    );
+    assert_key_order(check, &batch[..2], &got);
+}
+
 /// Largest payloads the size check sends; a sink with a larger limit is checked with the
 /// limit lowered in its configuration, if the harness does so.
 const MAX_SIZE_CHECKED: usize = 16 * 1024 * 1024;
@@ -679,6 +725,7 @@ pub async fn run_sink_suite(h: &dyn SinkHarness) {
     sink_health_is_down_on_a_closed_port(h).await;
     sink_health_times_out_on_a_silent_server(h).await;
     sink_refused_message_is_a_message_failure(h).await;
+    sink_ordered_key_runs_stop_a_key_at_its_failure(h).await;
     sink_too_large_payload_is_permanent(h).await;
     sink_deduplicates_a_redelivered_message(h).await;
 }
