@@ -244,13 +244,6 @@ impl Statements {
         set_claimed: &str,
         returning: &str,
     ) -> String {
-        let free = |k: &str| {
-            format!(
-                "(coalesce((SELECT h.available_at FROM {outbox} h WHERE h.partition_key = {k}
-                            ORDER BY h.seq LIMIT 1) <= ?2, 0)
-                  AND NOT EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = {k}))"
-            )
-        };
         let next_key = |after: &str, bound: &str| {
             format!(
                 "(SELECT o.partition_key FROM {outbox} o WHERE o.partition_key > {after} {bound}
@@ -258,7 +251,8 @@ impl Statements {
             )
         };
         // The rows a key gives: none when parked, else its first rows up to `max_per_key`,
-        // up to its first row that is not due (none when that is its first row).
+        // up to its first row that is not due (none when that is its first row: the key is
+        // free exactly when it gives rows).
         let gives = |k: &str| {
             format!(
                 "(CASE WHEN EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = {k}) THEN 0
@@ -270,42 +264,46 @@ impl Statements {
                         WHERE due) END)"
             )
         };
-        // `n` counts the rows the keys before `k` give: a step stops the sweep once `k`
-        // makes `limit`.
-        let (gives_a, gives_u, free_k) = (gives("a.k"), gives("u.k"), free("k"));
+        // Each step of a sweep is a key `k`, the rows `n` the keys before it give, and the
+        // rows `g` it gives (worked out once per key); the sweep stops once `k` makes `limit`.
         let after_first = next_key("?6", "");
         let after_next = next_key("a.k", "");
+        let up_to_first = format!(
+            "(SELECT o.partition_key FROM {outbox} o WHERE o.partition_key <= ?6
+              ORDER BY o.partition_key LIMIT 1)"
+        );
         let up_to_next = next_key("u.k", "AND o.partition_key <= ?6");
+        let (gives_after_first, gives_after_next) = (gives(&after_first), gives(&after_next));
+        let (gives_up_to_first, gives_up_to_next) = (gives(&up_to_first), gives(&up_to_next));
         let offset = max_per_key.saturating_sub(1);
         format!(
             "WITH RECURSIVE
-             after_cursor(k, n) AS (
-                SELECT {after_first}, 0
+             after_cursor(k, n, g) AS (
+                SELECT {after_first}, 0, {gives_after_first}
                 UNION ALL
-                SELECT {after_next}, a.n + {gives_a} FROM after_cursor a
-                WHERE a.k IS NOT NULL AND a.n + {gives_a} < ?1),
-             up_to_cursor(k, n) AS (
-                SELECT (SELECT o.partition_key FROM {outbox} o WHERE o.partition_key <= ?6
-                        ORDER BY o.partition_key LIMIT 1), a.n
+                SELECT {after_next}, a.n + a.g, {gives_after_next} FROM after_cursor a
+                WHERE a.k IS NOT NULL AND a.n + a.g < ?1),
+             up_to_cursor(k, n, g) AS (
+                SELECT {up_to_first}, a.n, {gives_up_to_first}
                 FROM after_cursor a WHERE a.k IS NULL AND a.n < ?1
                 UNION ALL
-                SELECT {up_to_next}, u.n + {gives_u} FROM up_to_cursor u
-                WHERE u.k IS NOT NULL AND u.n + {gives_u} < ?1),
-             free_keys(k, phase) AS (
-                SELECT k, 0 FROM after_cursor WHERE k IS NOT NULL AND {free_k}
+                SELECT {up_to_next}, u.n + u.g, {gives_up_to_next} FROM up_to_cursor u
+                WHERE u.k IS NOT NULL AND u.n + u.g < ?1),
+             free_keys(k, phase, g) AS (
+                SELECT k, 0, g FROM after_cursor WHERE k IS NOT NULL AND g > 0
                 UNION ALL
-                SELECT k, 1 FROM up_to_cursor WHERE k IS NOT NULL AND {free_k}),
+                SELECT k, 1, g FROM up_to_cursor WHERE k IS NOT NULL AND g > 0),
+             -- A free key's first `g` rows (all due, by the definition of `g`), read
+             -- among its first `max_per_key`.
              keyed(seq, k, phase) AS (
                 SELECT seq, k, phase FROM (
-                    SELECT o.seq, o.partition_key AS k, f.phase,
-                           min(o.available_at <= ?2) OVER (
-                               PARTITION BY o.partition_key ORDER BY o.seq
-                               ROWS UNBOUNDED PRECEDING) AS all_due_so_far
+                    SELECT o.seq, o.partition_key AS k, f.phase, f.g,
+                           row_number() OVER (PARTITION BY o.partition_key ORDER BY o.seq) AS nth
                     FROM free_keys f CROSS JOIN {outbox} o
                     ON o.partition_key = f.k AND o.seq <= coalesce(
                         (SELECT x.seq FROM {outbox} x WHERE x.partition_key = f.k
                          ORDER BY x.seq LIMIT 1 OFFSET {offset}), 9223372036854775807))
-                WHERE all_due_so_far),
+                WHERE nth <= g),
              unkeyed(seq) AS (
                 SELECT seq FROM {outbox} WHERE partition_key IS NULL AND available_at <= ?2
                 ORDER BY seq LIMIT ?1),
