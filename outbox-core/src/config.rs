@@ -4,7 +4,7 @@
 
 use std::fmt;
 
-use serde::de::DeserializeOwned;
+use serde::de::{DeserializeOwned, DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 
 use crate::{Error, Result};
 
@@ -12,8 +12,13 @@ use crate::{Error, Result};
 /// `T`. An error is a `Config` error keyed by the path of the bad setting inside the
 /// section (for example `backoff.max`), so the caller only adds the section with
 /// [`Error::in_section`].
+///
+/// A string is taken for a number or a boolean where the setting is one (`"500"` for a batch
+/// size), so values that arrive as text (environment variables) are typed by the setting
+/// they set, and a setting that is text keeps a value that looks like a number (a numeric
+/// password) as text.
 pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T> {
-    serde_path_to_error::deserialize(value).map_err(|error| {
+    serde_path_to_error::deserialize(Lenient(value)).map_err(|error| {
         let path = error.path().to_string();
         let problem = error.into_inner().to_string();
         if path == "." {
@@ -22,6 +27,146 @@ pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T> {
             Error::setting(format!("{path}:"), problem)
         }
     })
+}
+
+/// A JSON value read as [`from_value`] reads it: a string is parsed where a number or a
+/// boolean is asked for; everything else as `serde_json` reads it.
+struct Lenient(serde_json::Value);
+
+impl Lenient {
+    /// The value as text, when it is text.
+    fn text(&self) -> Option<&str> {
+        self.0.as_str().map(str::trim)
+    }
+}
+
+/// Asks `visitor` for a number parsed from text, else reads the value as it is.
+macro_rules! number_from_text {
+    ($($method:ident => $parse:ty, $visit:ident;)*) => {$(
+        fn $method<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+            match self.text().map(str::parse::<$parse>) {
+                Some(Ok(number)) => visitor.$visit(number),
+                _ => self.0.$method(visitor),
+            }
+        }
+    )*};
+}
+
+impl<'de> Deserializer<'de> for Lenient {
+    type Error = serde_json::Error;
+
+    fn deserialize_any<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self.0 {
+            serde_json::Value::Object(map) => visitor.visit_map(LenientMap {
+                entries: map.into_iter(),
+                value: None,
+            }),
+            serde_json::Value::Array(items) => visitor.visit_seq(LenientSeq(items.into_iter())),
+            other => other.deserialize_any(visitor),
+        }
+    }
+
+    fn deserialize_bool<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self.text().map(str::parse::<bool>) {
+            Some(Ok(flag)) => visitor.visit_bool(flag),
+            _ => self.0.deserialize_bool(visitor),
+        }
+    }
+
+    number_from_text! {
+        deserialize_i8 => i64, visit_i64;
+        deserialize_i16 => i64, visit_i64;
+        deserialize_i32 => i64, visit_i64;
+        deserialize_i64 => i64, visit_i64;
+        deserialize_u8 => u64, visit_u64;
+        deserialize_u16 => u64, visit_u64;
+        deserialize_u32 => u64, visit_u64;
+        deserialize_u64 => u64, visit_u64;
+        deserialize_f32 => f64, visit_f64;
+        deserialize_f64 => f64, visit_f64;
+    }
+
+    fn deserialize_option<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        match self.0 {
+            serde_json::Value::Null => visitor.visit_none(),
+            _ => visitor.visit_some(self),
+        }
+    }
+
+    fn deserialize_newtype_struct<V: Visitor<'de>>(
+        self,
+        _name: &'static str,
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        visitor.visit_newtype_struct(self)
+    }
+
+    fn deserialize_enum<V: Visitor<'de>>(
+        self,
+        name: &'static str,
+        variants: &'static [&'static str],
+        visitor: V,
+    ) -> Result<V::Value, Self::Error> {
+        self.0.deserialize_enum(name, variants, visitor)
+    }
+
+    fn deserialize_str<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        self.0.deserialize_str(visitor)
+    }
+
+    fn deserialize_string<V: Visitor<'de>>(self, visitor: V) -> Result<V::Value, Self::Error> {
+        self.0.deserialize_string(visitor)
+    }
+
+    serde::forward_to_deserialize_any! {
+        i128 u128 char bytes byte_buf unit unit_struct seq tuple tuple_struct map struct
+        identifier ignored_any
+    }
+}
+
+/// The entries of an object, each value read leniently.
+struct LenientMap {
+    entries: serde_json::map::IntoIter,
+    value: Option<serde_json::Value>,
+}
+
+impl<'de> MapAccess<'de> for LenientMap {
+    type Error = serde_json::Error;
+
+    fn next_key_seed<K: DeserializeSeed<'de>>(
+        &mut self,
+        seed: K,
+    ) -> Result<Option<K::Value>, Self::Error> {
+        match self.entries.next() {
+            Some((key, value)) => {
+                self.value = Some(value);
+                seed.deserialize(serde_json::Value::String(key)).map(Some)
+            }
+            None => Ok(None),
+        }
+    }
+
+    fn next_value_seed<S: DeserializeSeed<'de>>(
+        &mut self,
+        seed: S,
+    ) -> Result<S::Value, Self::Error> {
+        let value = self.value.take().unwrap_or(serde_json::Value::Null);
+        seed.deserialize(Lenient(value))
+    }
+}
+
+/// The items of an array, each read leniently.
+struct LenientSeq(std::vec::IntoIter<serde_json::Value>);
+
+impl<'de> SeqAccess<'de> for LenientSeq {
+    type Error = serde_json::Error;
+
+    fn next_element_seed<S: DeserializeSeed<'de>>(
+        &mut self,
+        seed: S,
+    ) -> Result<Option<S::Value>, Self::Error> {
+        self.0.next().map(|item| seed.deserialize(Lenient(item))).transpose()
+    }
 }
 
 /// A broker name built from a message: `{topic}` is replaced by the message's topic and
@@ -145,7 +290,67 @@ impl fmt::Debug for Template {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+    use std::time::Duration;
+
     use super::*;
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    #[serde(deny_unknown_fields)]
+    struct Settings {
+        batch: u64,
+        ratio: f64,
+        on: bool,
+        limit: Option<u32>,
+        password: String,
+        ports: Vec<u16>,
+        properties: BTreeMap<String, String>,
+        inner: Inner,
+        #[serde(with = "humantime_serde")]
+        wait: Duration,
+    }
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    struct Inner {
+        depth: i32,
+    }
+
+    #[test]
+    fn text_is_typed_by_the_setting_it_sets() {
+        // As environment variables give them: every value text.
+        let settings: Settings = from_value(serde_json::json!({
+            "batch": "500", "ratio": "0.5", "on": "true", "limit": "7",
+            "password": "12345", "ports": ["1", "2"],
+            "properties": {"linger.ms": "5", "acks": "all"},
+            "inner": {"depth": "-3"}, "wait": "2s",
+        }))
+        .unwrap();
+        assert_eq!(settings.batch, 500);
+        assert_eq!(settings.ratio, 0.5);
+        assert!(settings.on);
+        assert_eq!(settings.limit, Some(7));
+        assert_eq!(settings.password, "12345");
+        assert_eq!(settings.ports, [1, 2]);
+        assert_eq!(settings.properties["linger.ms"], "5");
+        assert_eq!(settings.inner, Inner { depth: -3 });
+        assert_eq!(settings.wait, Duration::from_secs(2));
+        // Typed values read as before.
+        let typed: Settings = from_value(serde_json::json!({
+            "batch": 500, "ratio": 0.5, "on": true, "limit": null, "password": "p",
+            "ports": [], "properties": {}, "inner": {"depth": 1}, "wait": "1s",
+        }))
+        .unwrap();
+        assert_eq!((typed.batch, typed.limit), (500, None));
+    }
+
+    #[test]
+    fn text_that_is_not_a_number_is_refused_under_its_key() {
+        let error = from_value::<Inner>(serde_json::json!({"depth": "deep"})).unwrap_err();
+        assert!(error.to_string().contains("depth"), "{error}");
+        let error = from_value::<Settings>(serde_json::json!({"batch": "1", "extra": 1}))
+            .unwrap_err();
+        assert!(error.to_string().contains("extra"), "{error}");
+    }
 
     #[test]
     fn renders_topic_and_key() {

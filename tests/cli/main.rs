@@ -607,6 +607,18 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
     (status, body)
 }
 
+/// `/health/ready` once the relays are built and checked (it says `starting` before).
+async fn checked_readiness(addr: &str) -> (u16, String) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (status, body) = http_get(addr, "/health/ready");
+        if !body.starts_with("starting") || Instant::now() > deadline {
+            return (status, body);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .expect("bind")
@@ -645,7 +657,7 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     wait_for_http(&addr).await;
     assert_eq!(http_get(&addr, "/health/live").0, 200);
-    let (status, body) = http_get(&addr, "/health/ready");
+    let (status, body) = checked_readiness(&addr).await;
     assert_eq!(status, 200, "{body}");
     let (status, metrics) = http_get(&addr, "/metrics");
     assert_eq!(status, 200);
@@ -673,9 +685,9 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     let relay = RelayProcess::start(&down.path);
     wait_for_http(&addr).await;
     assert_eq!(http_get(&addr, "/health/live").0, 200);
-    let (status, body) = http_get(&addr, "/health/ready");
+    let (status, body) = checked_readiness(&addr).await;
     assert_eq!(status, 503, "{body}");
-    assert!(body.contains("sink"), "{body}");
+    assert!(body.contains("relay default: sink"), "{body}");
     assert_eq!(relay.terminate().0, Some(0));
     drop_schema(&pool, &schema).await;
 }

@@ -394,3 +394,76 @@ async fn dead_letter_commands_work_on_sqlite() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// Environment overrides as a platform sets them: variables that name no section (a
+/// Kubernetes Service's, a test's) are ignored with one warning; an override is typed by the
+/// setting it sets; a bad one stops start-up naming the key, saying "configuration error"
+/// once.
+#[test]
+fn environment_overrides_cannot_break_start_up() {
+    let dir = work_dir();
+    let run = |vars: &[(&str, &str)]| {
+        let mut command = outbox_in(
+            &dir,
+            &["--config", "examples/quickstart.toml", "migrate"].map(String::from),
+        );
+        command.envs(vars.iter().copied());
+        command.output().expect("run the outbox binary")
+    };
+    let ok = run(&[
+        ("OUTBOX_SERVICE_HOST", "10.0.0.1"),
+        ("OUTBOX_PORT_9090_TCP_ADDR", "10.0.0.1"),
+        ("OUTBOX_TEST_POSTGRES_URL", "postgres://nowhere/db"),
+        ("OUTBOX_STORAGE__PATH", "other.db"),
+        ("OUTBOX_RELAY__BATCH_SIZE", "250"),
+    ]);
+    let stderr = text(&ok.stderr);
+    assert!(ok.status.success(), "{stderr}{}", text(&ok.stdout));
+    assert!(
+        stderr.contains("OUTBOX_PORT_9090_TCP_ADDR, OUTBOX_SERVICE_HOST, OUTBOX_TEST_POSTGRES_URL"),
+        "one warning lists the ignored variables: {stderr}"
+    );
+    assert!(
+        !stderr.contains('\u{1b}'),
+        "colour codes in a log that is not a terminal: {stderr:?}"
+    );
+    assert!(
+        dir.join("other.db").exists(),
+        "OUTBOX_STORAGE__PATH was not applied"
+    );
+    assert!(!dir.join("quickstart.db").exists());
+
+    let bad = run(&[("OUTBOX_RELAY__BATCH_SIZE", "many")]);
+    let stderr = text(&bad.stderr);
+    assert_eq!(bad.status.code(), Some(78), "{stderr}");
+    assert!(stderr.contains("relay.batch_size"), "{stderr}");
+    assert_eq!(stderr.matches("configuration error").count(), 1, "{stderr}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The HTTP listener comes up before the sinks are built: a relay whose broker is down at
+/// start-up (the AMQP sink connects when it is built, and the relay retries) is live and
+/// says it is starting, and a SIGTERM then stops it cleanly.
+#[cfg(feature = "amqp")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_broker_is_down_at_start_up_is_live_but_not_ready() {
+    let dir = work_dir();
+    let addr = format!("127.0.0.1:{}", super::free_port());
+    let config = ConfigFile::new(&format!(
+        "[storage]\ntype = \"sqlite\"\npath = \"{}\"\nmigrate = true\n\
+         [observability]\nlisten = \"{addr}\"\n\
+         [sink]\ntype = \"amqp\"\nuri = \"amqp://guest:guest@127.0.0.1:1/%2f\"\nexchange = \"\"\n",
+        dir.join("down.db").display()
+    ));
+    let relay = RelayProcess::start(&config.path);
+    super::wait_for_http(&addr).await;
+    assert_eq!(super::http_get(&addr, "/health/live").0, 200);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (status, body) = super::http_get(&addr, "/health/ready");
+    assert_eq!(status, 503, "{body}");
+    assert!(body.starts_with("starting"), "{body}");
+    let (code, took) = relay.terminate();
+    assert_eq!(code, Some(0), "a stop during start-up is not a failure");
+    assert!(took < Duration::from_secs(10), "took {took:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -41,6 +41,9 @@ fn err(message: impl Into<String>) -> ConfigError {
 pub struct Config {
     pub relays: Vec<RelayDef>,
     pub observability: Observability,
+    /// `OUTBOX_*` environment variables that are not overrides (no section named), left
+    /// alone: the caller warns about them once logging is up.
+    pub ignored_env: Vec<String>,
 }
 
 /// One relay: its storage, its worker settings and its sink.
@@ -119,41 +122,55 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
     let mut table: Table = text
         .parse()
         .map_err(|e: toml::de::Error| err(format!("{} is not valid TOML: {e}", path.display())))?;
-    apply_env(&mut table, std::env::vars())?;
-    parse(table)
+    let ignored_env = apply_env(&mut table, std::env::vars())?;
+    let mut config = parse(table)?;
+    config.ignored_env = ignored_env;
+    Ok(config)
 }
+
+/// The sections of the file, which are also the first level of an environment override.
+const SECTIONS: [&str; 4] = ["storage", "relay", "sink", "observability"];
 
 /// Applies `OUTBOX_<SECTION>__<KEY>[__<KEY>…]=value` overrides, e.g.
 /// `OUTBOX_STORAGE__URL`, `OUTBOX_RELAY__BATCH_SIZE=500`, `OUTBOX_RELAY__BACKOFF__MAX=30s`,
-/// `OUTBOX_RELAY__0__SINK__URL` (a `[[relay]]` block by index). A value that parses as a TOML
-/// value (number, boolean) is taken as such; anything else as a string.
+/// `OUTBOX_RELAY__0__SINK__URL` (a `[[relay]]` block by index). Every value is text, typed
+/// by the setting it sets (`outbox::config::from_value`), so a numeric password stays text.
+/// Under a `properties` table (Kafka's) an `_` in the last name is a `.`, which shells
+/// cannot put in a variable name: `OUTBOX_SINK__PROPERTIES__LINGER_MS` sets `linger.ms`.
+///
+/// Other `OUTBOX_*` variables (`OUTBOX_SERVICE_HOST` from a Kubernetes Service named
+/// `outbox`, a test's `OUTBOX_TEST_POSTGRES_URL`) are not overrides: they are returned, for
+/// one warning, and change nothing.
 pub fn apply_env(
     table: &mut Table,
     vars: impl Iterator<Item = (String, String)>,
-) -> Result<(), ConfigError> {
+) -> Result<Vec<String>, ConfigError> {
+    let mut ignored = Vec::new();
     for (name, raw) in vars {
         let Some(path) = name.strip_prefix("OUTBOX_") else {
             continue;
         };
-        if path.is_empty() || name == "OUTBOX_CONFIG" {
+        if name == "OUTBOX_CONFIG" {
             continue;
         }
-        let keys: Vec<String> = path.split("__").map(|k| k.to_ascii_lowercase()).collect();
-        let value = parse_env_value(&raw);
-        set_path(table, &keys, value)
+        let mut keys: Vec<String> = path.split("__").map(|k| k.to_ascii_lowercase()).collect();
+        if keys.len() < 2
+            || !SECTIONS.contains(&keys[0].as_str())
+            || keys.iter().any(|k| k.is_empty())
+        {
+            ignored.push(name);
+            continue;
+        }
+        if let [.., parent, last] = keys.as_mut_slice()
+            && parent == "properties"
+        {
+            *last = last.replace('_', ".");
+        }
+        set_path(table, &keys, Value::String(raw))
             .map_err(|why| err(format!("environment variable {name}: {why}")))?;
     }
-    Ok(())
-}
-
-fn parse_env_value(raw: &str) -> Value {
-    match format!("v = {raw}").parse::<Table>() {
-        Ok(mut t) => match t.remove("v") {
-            Some(v @ (Value::Integer(_) | Value::Float(_) | Value::Boolean(_))) => v,
-            _ => Value::String(raw.to_string()),
-        },
-        Err(_) => Value::String(raw.to_string()),
-    }
+    ignored.sort();
+    Ok(ignored)
 }
 
 fn set_path(table: &mut Table, keys: &[String], value: Value) -> Result<(), String> {
@@ -180,30 +197,23 @@ fn set_path(table: &mut Table, keys: &[String], value: Value) -> Result<(), Stri
     }
 }
 
-/// Deserialises `value` as `T`, naming the key path of any error.
-fn typed<T: serde::de::DeserializeOwned>(what: &str, value: Value) -> Result<T, ConfigError> {
-    serde_path_to_error::deserialize(value).map_err(|e| {
-        let path = e.path().to_string();
-        let key = if path == "." {
-            what.to_string()
-        } else {
-            format!("{what}.{path}")
-        };
-        err(format!("{key}: {}", e.into_inner()))
-    })
-}
-
 /// Builds the validated configuration from a parsed TOML table.
 pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
-    const KNOWN: [&str; 4] = ["storage", "relay", "sink", "observability"];
-    if let Some(unknown) = table.keys().find(|k| !KNOWN.contains(&k.as_str())) {
+    if let Some(unknown) = table.keys().find(|k| !SECTIONS.contains(&k.as_str())) {
         return Err(err(format!(
             "unknown section `{unknown}`; the sections are: {}",
-            KNOWN.join(", ")
+            SECTIONS.join(", ")
         )));
     }
     let observability: Observability = match table.remove("observability") {
-        Some(v) => typed("observability", v)?,
+        Some(Value::Table(v)) => outbox::config::from_value(json(v)?)
+            .map_err(|e| err(e.in_section("observability").message()))?,
+        Some(other) => {
+            return Err(err(format!(
+                "observability must be a table, not a {}",
+                other.type_str()
+            )));
+        }
         None => Observability::default(),
     };
     let storage_defaults = table
@@ -263,7 +273,7 @@ pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
             (format!("{key}.storage"), format!("{key}.sink"))
         };
         let storage = merge(storage_defaults.clone(), block.remove("storage"));
-        let sink = block.remove("sink").or_else(|| sink_default.clone());
+        let sink = inherit_sink(sink_default.clone(), block.remove("sink"));
         relays.push(relay_def(
             &name,
             Section {
@@ -279,6 +289,7 @@ pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
     Ok(Config {
         relays,
         observability,
+        ignored_env: Vec::new(),
     })
 }
 
@@ -291,6 +302,24 @@ fn merge(base: Value, over: Option<Value>) -> Value {
         }
         (base, None) => base,
         (_, Some(over)) => over,
+    }
+}
+
+/// A `[[relay]]` block's sink: its own `sink` table overlays the top-level `[sink]` key by
+/// key when it names no type or the same type (so `OUTBOX_RELAY__0__SINK__URL` changes only
+/// the URL), and replaces it when it names another type.
+fn inherit_sink(default: Option<Value>, own: Option<Value>) -> Option<Value> {
+    let type_of = |sink: &Value| sink.get("type").and_then(Value::as_str).map(str::to_owned);
+    match (default, own) {
+        (Some(default), Some(own)) => {
+            let overlays = type_of(&own).is_none_or(|t| type_of(&default) == Some(t));
+            Some(if overlays {
+                merge(default, Some(own))
+            } else {
+                own
+            })
+        }
+        (default, own) => own.or(default),
     }
 }
 
@@ -330,6 +359,7 @@ fn relay_def(
     let migrate = match storage.remove("migrate") {
         None => false,
         Some(Value::Boolean(migrate)) => migrate,
+        Some(Value::String(text)) if text.parse::<bool>().is_ok() => text == "true",
         Some(other) => {
             return Err(err(format!(
                 "{}.migrate must be true or false, not a {}",
@@ -549,5 +579,86 @@ mod tests {
         assert_eq!(config.relays[0].worker.batch_size, 250);
         assert_eq!(config.relays[0].storage["url"], "postgres://other/db");
         assert_eq!(config.relays[0].worker.backoff.max, Duration::from_secs(30));
+    }
+
+    fn with_env(text: &str, vars: &[(&str, &str)]) -> (Result<Config, ConfigError>, Vec<String>) {
+        let mut table: Table = text.parse().unwrap();
+        let ignored = apply_env(
+            &mut table,
+            vars.iter().map(|(k, v)| (k.to_string(), v.to_string())),
+        )
+        .unwrap();
+        (parse(table), ignored)
+    }
+
+    #[test]
+    fn variables_that_are_not_overrides_change_nothing_and_are_listed() {
+        // A Kubernetes Service named `outbox`, a test's own variable, a bare section.
+        let (config, ignored) = with_env(
+            MINIMAL,
+            &[
+                ("OUTBOX_SERVICE_HOST", "10.0.0.1"),
+                ("OUTBOX_PORT_9090_TCP", "tcp://10.0.0.1:9090"),
+                ("OUTBOX_TEST_POSTGRES_URL", "postgres://x/y"),
+                ("OUTBOX_STORAGE", "x"),
+                ("OUTBOX_CONFIG", "outbox.toml"),
+            ],
+        );
+        let config = config.unwrap();
+        assert_eq!(config.relays[0].storage["url"], "postgres://u:secret@h/db");
+        assert_eq!(
+            ignored,
+            [
+                "OUTBOX_PORT_9090_TCP",
+                "OUTBOX_SERVICE_HOST",
+                "OUTBOX_STORAGE",
+                "OUTBOX_TEST_POSTGRES_URL"
+            ]
+        );
+    }
+
+    #[test]
+    fn overrides_are_typed_by_the_setting_they_set() {
+        let (config, _) = with_env(
+            MINIMAL,
+            &[
+                ("OUTBOX_SINK__PASSWORD", "12345"),
+                ("OUTBOX_SINK__PROPERTIES__LINGER_MS", "5"),
+                ("OUTBOX_STORAGE__PER_KEY_ORDER", "false"),
+                ("OUTBOX_STORAGE__MIGRATE", "true"),
+                ("OUTBOX_RELAY__MAX_ATTEMPTS", "7"),
+                ("OUTBOX_OBSERVABILITY__LISTEN", "127.0.0.1:9090"),
+            ],
+        );
+        let config = config.unwrap();
+        let relay = &config.relays[0];
+        // Text stays text until a setting asks for a number (the sink's own config does).
+        assert_eq!(relay.sink["password"], "12345");
+        assert_eq!(relay.sink["properties"]["linger.ms"], "5");
+        assert!(relay.migrate);
+        assert_eq!(relay.worker.max_attempts, 7);
+        assert_eq!(
+            config.observability.listen,
+            Some("127.0.0.1:9090".parse().unwrap())
+        );
+        let (config, _) = with_env(MINIMAL, &[("OUTBOX_RELAY__MAX_ATTEMPTS", "seven")]);
+        let error = config.unwrap_err().0;
+        assert!(error.contains("relay.max_attempts"), "{error}");
+    }
+
+    #[test]
+    fn a_relay_block_sink_override_keeps_the_inherited_type() {
+        let text = "[storage]\nurl = \"postgres://h/db\"\n[sink]\ntype = \"redis\"\nurl = \"redis://a\"\n\
+                    [[relay]]\nname = \"orders\"\n[relay.sink]\nstream = \"s\"\n\
+                    [[relay]]\nname = \"billing\"\n[relay.sink]\ntype = \"amqp\"\nuri = \"amqp://h\"\n";
+        let (config, _) = with_env(text, &[("OUTBOX_RELAY__0__SINK__URL", "redis://b")]);
+        let config = config.unwrap();
+        let (orders, billing) = (&config.relays[0], &config.relays[1]);
+        assert_eq!(orders.sink_type, "redis");
+        assert_eq!(orders.sink["url"], "redis://b");
+        assert_eq!(orders.sink["stream"], "s");
+        // A block naming another type replaces the inherited sink whole.
+        assert_eq!(billing.sink_type, "amqp");
+        assert!(billing.sink.get("url").is_none(), "{:?}", billing.sink);
     }
 }

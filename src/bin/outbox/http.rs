@@ -14,8 +14,11 @@ use outbox::CancellationToken;
 use crate::Failure;
 use crate::relay::Relay;
 
-/// How long a readiness probe waits for each storage and sink.
+/// How long a health check waits for each storage and sink.
 const READY_TIMEOUT: Duration = Duration::from_secs(2);
+/// How often the health checks behind `/health/ready` run: a probe reads their last result,
+/// so probes cost no I/O however often they come.
+const READY_INTERVAL: Duration = Duration::from_secs(5);
 
 /// Installs the Prometheus recorder that the worker's metrics go to.
 pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
@@ -29,17 +32,54 @@ pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
         .map_err(|e| Failure::Runtime(format!("cannot install the metrics recorder: {e}")))
 }
 
+/// What `/health/ready` answers: the problems the last health checks found, or that the
+/// relays are still being built.
+#[derive(Clone)]
+pub struct Readiness(Arc<std::sync::RwLock<Option<Vec<String>>>>);
+
+impl Readiness {
+    /// Not ready: the relays are being built.
+    pub fn starting() -> Self {
+        Readiness(Arc::new(std::sync::RwLock::new(None)))
+    }
+
+    /// Checks every relay's storage and sink now and every [`READY_INTERVAL`] until
+    /// shutdown, keeping the last result for the probes.
+    pub async fn watch(self, relays: Arc<Vec<Relay>>, shutdown: CancellationToken) {
+        loop {
+            let problems = check(&relays).await;
+            *self.0.write().unwrap_or_else(|e| e.into_inner()) = Some(problems);
+            tokio::select! {
+                () = tokio::time::sleep(READY_INTERVAL) => {}
+                () = shutdown.cancelled() => return,
+            }
+        }
+    }
+
+    fn answer(&self) -> (StatusCode, String) {
+        match &*self.0.read().unwrap_or_else(|e| e.into_inner()) {
+            None => (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "starting: building the storages and sinks\n".into(),
+            ),
+            Some(problems) if problems.is_empty() => (StatusCode::OK, "ready\n".into()),
+            Some(problems) => (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n"),
+        }
+    }
+}
+
 #[derive(Clone)]
 struct AppState {
     metrics: PrometheusHandle,
-    relays: Arc<Vec<Relay>>,
+    readiness: Readiness,
 }
 
-/// Binds `addr` now (so a taken port is an error at start-up) and serves until shutdown.
+/// Binds `addr` now (so a taken port is an error at start-up) and serves until shutdown:
+/// `/health/live` answers from here on, before any storage or sink is built.
 pub async fn serve(
     addr: SocketAddr,
     metrics: PrometheusHandle,
-    relays: Arc<Vec<Relay>>,
+    readiness: Readiness,
     shutdown: CancellationToken,
 ) -> Result<(), Failure> {
     let listener = tokio::net::TcpListener::bind(addr).await.map_err(|e| {
@@ -51,7 +91,7 @@ pub async fn serve(
         .route("/metrics", get(render_metrics))
         .route("/health/live", get(|| async { "live\n" }))
         .route("/health/ready", get(ready))
-        .with_state(AppState { metrics, relays });
+        .with_state(AppState { metrics, readiness });
     tracing::info!(%addr, "serving /metrics and /health");
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
@@ -68,10 +108,16 @@ async fn render_metrics(State(state): State<AppState>) -> String {
     state.metrics.render()
 }
 
-/// Ready only when every relay's storage and sink answer.
+/// Ready once the relays are built and the last health checks found every storage and
+/// sink answering.
 async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
+    state.readiness.answer()
+}
+
+/// The health checks of every relay's storage and sink: what is wrong with each, if any.
+async fn check(relays: &[Relay]) -> Vec<String> {
     let mut problems = Vec::new();
-    for relay in state.relays.iter() {
+    for relay in relays {
         match tokio::time::timeout(READY_TIMEOUT, relay.storage.health()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => problems.push(format!("relay {}: storage: {e}", relay.def.name)),
@@ -89,9 +135,5 @@ async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
             )),
         }
     }
-    if problems.is_empty() {
-        (StatusCode::OK, "ready\n".into())
-    } else {
-        (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n")
-    }
+    problems
 }

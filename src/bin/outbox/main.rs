@@ -117,7 +117,10 @@ impl From<config::ConfigError> for Failure {
 impl From<outbox::Error> for Failure {
     fn from(e: outbox::Error) -> Self {
         if e.kind() == outbox::ErrorKind::Config {
-            Failure::Config(e.to_string())
+            // `main` says "configuration error" in front: the kind once.
+            let text = e.to_string();
+            let text = text.strip_prefix("configuration error: ").unwrap_or(&text);
+            Failure::Config(text.to_string())
         } else {
             Failure::Runtime(e.to_string())
         }
@@ -138,6 +141,13 @@ fn main() -> ExitCode {
         }
     };
     relay::init_logging(&config.observability);
+    if !config.ignored_env.is_empty() {
+        tracing::warn!(
+            variables = %config.ignored_env.join(", "),
+            "ignored OUTBOX_* environment variables that name no section; an override is \
+             spelled OUTBOX_<SECTION>__<KEY> (see docs/configuration.md)"
+        );
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

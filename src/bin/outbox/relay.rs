@@ -16,8 +16,10 @@ const STATS_EVERY: Duration = Duration::from_secs(5);
 pub fn init_logging(observability: &Observability) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&observability.log_level));
+    // Colour codes only on a terminal: a file or a journal would keep them as noise.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let _ = match observability.log_format {
         LogFormat::Text => builder.try_init(),
@@ -126,11 +128,23 @@ pub async fn run(config: Config) -> Result<(), Failure> {
             shutdown.cancel();
         }
     });
-    let relays = Arc::new(build(&config, Some(&shutdown)).await?);
+    // Listen first: a probe of liveness is answered while the sinks are built (a broker
+    // that is down at start-up holds this process here, retrying).
     let metrics = crate::http::install_metrics()?;
+    let readiness = crate::http::Readiness::starting();
     if let Some(addr) = config.observability.listen {
-        crate::http::serve(addr, metrics, relays.clone(), shutdown.clone()).await?;
+        crate::http::serve(addr, metrics, readiness.clone(), shutdown.clone()).await?;
     }
+    let relays = match build(&config, Some(&shutdown)).await {
+        Ok(relays) => Arc::new(relays),
+        // Asked to stop while a broker was still down: a stop, not a failure.
+        Err(_) if shutdown.is_cancelled() => {
+            tracing::info!("stopped before every broker answered");
+            return Ok(());
+        }
+        Err(failure) => return Err(failure),
+    };
+    tokio::spawn(readiness.watch(relays.clone(), shutdown.clone()));
     let mut tasks = Vec::new();
     for relay in relays.iter().filter(|r| r.def.migrate) {
         relay.storage.migrate().await?;
