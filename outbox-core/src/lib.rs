@@ -22,7 +22,7 @@ pub use backoff::Backoff;
 pub use config::Template;
 pub use error::{Error, ErrorKind, Result};
 pub use message::{Message, NewMessage, TraceContext};
-pub use redact::redact_url;
+pub use redact::{redact_url, redact_url_token};
 pub use registry::{BoxFuture, Factory, Registry, SinkFactory, SinkRegistry, StorageRegistry};
 pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
 pub use storage::{

@@ -1,31 +1,70 @@
 //! Keeping secrets out of logs and error messages.
 
-/// Replaces the password in a URL such as `postgres://user:secret@host/db` with `***`, so the
-/// URL can be logged. A URL without a password is returned unchanged.
+/// Query parameters whose value is a secret: any whose name holds one of these.
+const SECRET_PARAMETERS: [&str; 4] = ["pass", "pwd", "token", "secret"];
+
+/// Replaces the secrets in a URL with `***` so the URL can be logged: the password in
+/// `postgres://user:secret@host/db`, and the value of query parameters such as
+/// `?password=…`, `?sslpassword=…`, `?token=…`. A URL without secrets is returned
+/// unchanged. A user name alone (`amqp://guest@host`) is kept; for URLs where it is a token
+/// (NATS), use [`redact_url_token`].
 pub fn redact_url(url: &str) -> String {
+    redact(url, false)
+}
+
+/// [`redact_url`], also hiding a user name given alone, which some clients read as a token
+/// (`nats://t0ken@host` gives `nats://***@host`).
+pub fn redact_url_token(url: &str) -> String {
+    redact(url, true)
+}
+
+fn redact(url: &str, lone_user_is_secret: bool) -> String {
     let Some(scheme_end) = url.find("://") else {
         return url.to_string();
     };
     let rest = &url[scheme_end + 3..];
     let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let Some(at) = rest[..authority_end].rfind('@') else {
-        return url.to_string();
+    let (authority, tail) = rest.split_at(authority_end);
+    let authority = match authority.rfind('@') {
+        Some(at) => {
+            let (userinfo, host) = authority.split_at(at);
+            match userinfo.find(':') {
+                Some(colon) => format!("{}:***{host}", &userinfo[..colon]),
+                None if lone_user_is_secret && !userinfo.is_empty() => format!("***{host}"),
+                None => authority.to_string(),
+            }
+        }
+        None => authority.to_string(),
     };
-    let userinfo = &rest[..at];
-    match userinfo.find(':') {
-        Some(colon) => format!(
-            "{}://{}:***{}",
-            &url[..scheme_end],
-            &userinfo[..colon],
-            &rest[at..]
-        ),
-        None => url.to_string(),
-    }
+    format!("{}://{authority}{}", &url[..scheme_end], redact_query(tail))
+}
+
+/// The path, query and fragment of a URL with the values of secret parameters hidden.
+fn redact_query(tail: &str) -> String {
+    let Some(question) = tail.find('?') else {
+        return tail.to_string();
+    };
+    let (path, query) = tail.split_at(question + 1);
+    let (query, fragment) = query.split_at(query.find('#').unwrap_or(query.len()));
+    let query = query
+        .split('&')
+        .map(|pair| match pair.split_once('=') {
+            Some((name, _)) if is_secret(name) => format!("{name}=***"),
+            _ => pair.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join("&");
+    format!("{path}{query}{fragment}")
+}
+
+fn is_secret(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    SECRET_PARAMETERS.iter().any(|secret| name.contains(secret))
 }
 
 #[cfg(test)]
 mod tests {
-    use super::redact_url;
+    use super::{redact_url, redact_url_token};
 
     #[test]
     fn hides_only_the_password() {
@@ -43,5 +82,32 @@ mod tests {
         );
         assert_eq!(redact_url("redis://127.0.0.1/a@b"), "redis://127.0.0.1/a@b");
         assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn hides_secret_query_parameters() {
+        assert_eq!(
+            redact_url("postgres://db/x?user=app&password=s3cr3t&sslmode=require#top"),
+            "postgres://db/x?user=app&password=***&sslmode=require#top"
+        );
+        assert_eq!(
+            redact_url("mysql://u:pw@db/x?sslPassword=k3y&Token=t&x"),
+            "mysql://u:***@db/x?sslPassword=***&Token=***&x"
+        );
+        assert_eq!(redact_url("redis://h?db=2"), "redis://h?db=2");
+    }
+
+    #[test]
+    fn a_lone_user_name_is_hidden_where_it_is_a_token() {
+        assert_eq!(
+            redact_url_token("nats://t0ken@127.0.0.1:4222"),
+            "nats://***@127.0.0.1:4222"
+        );
+        assert_eq!(
+            redact_url_token("nats://user:pw@h:4222"),
+            "nats://user:***@h:4222"
+        );
+        assert_eq!(redact_url_token("nats://h:4222"), "nats://h:4222");
+        assert_eq!(redact_url("nats://t0ken@h"), "nats://t0ken@h");
     }
 }

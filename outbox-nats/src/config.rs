@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use outbox_core::{Error, Result, Template, redact_url};
+use outbox_core::{Error, Result, Template, redact_url_token};
 
 /// Settings of the NATS JetStream sink: the `[sink]` table of the relay's configuration file
 /// (`type = "nats"`, durations written `"5s"` or `"500ms"`, unknown keys refused) and the
@@ -74,10 +74,37 @@ impl std::fmt::Debug for NatsConfig {
     }
 }
 
-/// The URL list with each password replaced by `***`, for logs and errors.
+/// Credentials written in a server URL: a token (`nats://t0ken@host`) or a user and
+/// password (`nats://user:pw@host`). The first URL that carries some gives them.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) enum Credentials {
+    Token(String),
+    UserPassword(String, String),
+}
+
+/// `url` without its user information, and the credentials that held.
+fn take_credentials(url: &str) -> (String, Option<Credentials>) {
+    let Some(scheme_end) = url.find("://") else {
+        return (url.to_string(), None);
+    };
+    let rest = &url[scheme_end + 3..];
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return (url.to_string(), None);
+    };
+    let userinfo = &rest[..at];
+    let credentials = match userinfo.split_once(':') {
+        Some((user, password)) => Credentials::UserPassword(user.into(), password.into()),
+        None => Credentials::Token(userinfo.into()),
+    };
+    let bare = format!("{}{}", &url[..scheme_end + 3], &rest[at + 1..]);
+    (bare, (!userinfo.is_empty()).then_some(credentials))
+}
+
+/// The URL list with each password and token replaced by `***`, for logs and errors.
 pub(crate) fn redact_servers(url: &str) -> String {
     url.split(',')
-        .map(|u| redact_url(u.trim()))
+        .map(|u| redact_url_token(u.trim()))
         .collect::<Vec<_>>()
         .join(",")
 }
@@ -115,7 +142,7 @@ impl NatsConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
-        let servers = self.servers()?;
+        let (servers, _) = self.servers()?;
         if servers.is_empty() {
             return Err(Error::setting(
                 "url",
@@ -197,29 +224,33 @@ impl NatsConfig {
         Ok(())
     }
 
-    /// The parsed server addresses; a bad one is a `Config` error keyed `url`.
-    pub(crate) fn servers(&self) -> Result<Vec<async_nats::ServerAddr>> {
-        self.url
-            .split(',')
-            .map(str::trim)
-            .filter(|u| !u.is_empty())
-            .map(|u| {
-                let bad = |why: String| {
-                    Error::setting(
-                        "url",
-                        format!(
-                            "`{}` is not a NATS server URL ({why}); expected nats://host:port or tls://host:port",
-                            redact_url(u)
-                        ),
-                    )
-                };
-                let addr = u.parse::<async_nats::ServerAddr>().map_err(|e| bad(e.to_string()))?;
-                if addr.scheme().starts_with("ws") {
-                    return Err(bad("WebSocket URLs are not supported by this build".into()));
-                }
-                Ok(addr)
-            })
-            .collect()
+    /// The parsed server addresses, without the credentials a URL may carry (the client
+    /// logs its server addresses at debug level), and those credentials; a bad address is a
+    /// `Config` error keyed `url`.
+    pub(crate) fn servers(&self) -> Result<(Vec<async_nats::ServerAddr>, Option<Credentials>)> {
+        let mut credentials = None;
+        let mut servers = Vec::new();
+        for written in self.url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+            let (u, carried) = take_credentials(written);
+            credentials = credentials.or(carried);
+            let bad = |why: String| {
+                Error::setting(
+                    "url",
+                    format!(
+                        "`{}` is not a NATS server URL ({why}); expected nats://host:port or tls://host:port",
+                        redact_url_token(written)
+                    ),
+                )
+            };
+            let addr = u
+                .parse::<async_nats::ServerAddr>()
+                .map_err(|e| bad(e.to_string()))?;
+            if addr.scheme().starts_with("ws") {
+                return Err(bad("WebSocket URLs are not supported by this build".into()));
+            }
+            servers.push(addr);
+        }
+        Ok((servers, credentials))
     }
 
     /// The subject for `topic`, or why it would not be a valid subject to publish to.
@@ -251,6 +282,30 @@ mod tests {
 
     fn template(text: &str) -> Template {
         Template::new(text).unwrap()
+    }
+
+    #[test]
+    fn credentials_are_taken_out_of_the_server_addresses() {
+        let config = |url: &str| NatsConfig {
+            url: url.into(),
+            ..NatsConfig::default()
+        };
+        let (servers, credentials) = config("nats://t0ken@127.0.0.1:4222, nats://h2:4222")
+            .servers()
+            .unwrap();
+        assert!(credentials == Some(Credentials::Token("t0ken".into())));
+        let shown = format!("{servers:?}");
+        assert!(!shown.contains("t0ken") && shown.contains("h2"), "{shown}");
+        let (servers, credentials) = config("nats://app:pw@h:4222").servers().unwrap();
+        assert!(credentials == Some(Credentials::UserPassword("app".into(), "pw".into())));
+        assert!(!format!("{servers:?}").contains("pw"));
+        assert!(config("nats://h:4222").servers().unwrap().1.is_none());
+        let error = config("nats://t0ken@h:port")
+            .servers()
+            .err()
+            .expect("refused")
+            .to_string();
+        assert!(!error.contains("t0ken") && error.contains("url"), "{error}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
 
-use crate::config::redact_servers;
+use crate::config::{Credentials, redact_servers};
 use crate::error::{
     Stage, acks_timed_out, connect_error, connect_timed_out, disconnected, handover_timed_out,
     health_error, health_refused, health_timed_out, invalid_header_name, invalid_header_value,
@@ -32,6 +32,8 @@ const GRACE: Duration = Duration::from_secs(1);
 pub struct NatsSink {
     config: NatsConfig,
     servers: Vec<ServerAddr>,
+    /// The credentials the URL carried, taken out of `servers`.
+    credentials: Option<Credentials>,
     /// The redacted server list, for logs and errors.
     shown: String,
     jetstream: OnceCell<Context>,
@@ -56,11 +58,12 @@ impl NatsSink {
     /// is down shows up as an `Unavailable` error from the first call, not here.
     pub fn new(config: NatsConfig) -> Result<Self> {
         config.validate()?;
-        let servers = config.servers()?;
+        let (servers, credentials) = config.servers()?;
         Ok(NatsSink {
             shown: redact_servers(&config.url),
             config,
             servers,
+            credentials,
             jetstream: OnceCell::new(),
         })
     }
@@ -80,9 +83,17 @@ impl NatsSink {
                     .connection_timeout(t)
                     .request_timeout(Some(t))
                     .max_reconnects(None);
-                if let Some(token) = &self.config.token {
-                    options = options.token(token.clone());
-                }
+                // Credentials go to the client as options, never in the addresses it logs;
+                // the `token` setting wins over one written in the URL.
+                options = match (&self.config.token, &self.credentials) {
+                    (Some(token), _) | (None, Some(Credentials::Token(token))) => {
+                        options.token(token.clone())
+                    }
+                    (None, Some(Credentials::UserPassword(user, password))) => {
+                        options.user_and_password(user.clone(), password.clone())
+                    }
+                    (None, None) => options,
+                };
                 // The client tries each server once, each within the time-out.
                 let all = t * self.servers.len() as u32 + GRACE;
                 let client = match timeout(all, options.connect(self.servers.clone())).await {

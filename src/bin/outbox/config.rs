@@ -123,6 +123,7 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
         .parse()
         .map_err(|e: toml::de::Error| err(format!("{} is not valid TOML: {e}", path.display())))?;
     let ignored_env = apply_env(&mut table, std::env::vars())?;
+    read_secret_files(&mut table, "")?;
     let mut config = parse(table)?;
     config.ignored_env = ignored_env;
     Ok(config)
@@ -161,16 +162,64 @@ pub fn apply_env(
             ignored.push(name);
             continue;
         }
+        // `…__URL__FILE=/run/secrets/db` gives `url = { file = "/run/secrets/db" }`,
+        // whatever the file said for `url`.
+        let value = if keys.len() >= 3 && keys.last().is_some_and(|k| k == "file") {
+            keys.pop();
+            Value::Table(Table::from_iter([("file".to_string(), Value::String(raw))]))
+        } else {
+            Value::String(raw)
+        };
         if let [.., parent, last] = keys.as_mut_slice()
             && parent == "properties"
         {
             *last = last.replace('_', ".");
         }
-        set_path(table, &keys, Value::String(raw))
+        set_path(table, &keys, value)
             .map_err(|why| err(format!("environment variable {name}: {why}")))?;
     }
     ignored.sort();
     Ok(ignored)
+}
+
+/// Replaces every `{ file = "/path" }` value with the text of that file (without its final
+/// line break): any setting can come from a secret file that Docker, Kubernetes or systemd
+/// mounts (`url = { file = "/run/secrets/db_url" }`), so secrets need not sit in the
+/// configuration or the environment. `at` is the key path of `table`, for errors.
+fn read_secret_files(table: &mut Table, at: &str) -> Result<(), ConfigError> {
+    for (key, value) in table.iter_mut() {
+        let here = if at.is_empty() {
+            key.clone()
+        } else {
+            format!("{at}.{key}")
+        };
+        match value {
+            Value::Table(inner) if inner.len() == 1 && inner.contains_key("file") => {
+                let Some(Value::String(path)) = inner.get("file") else {
+                    return Err(err(format!(
+                        "{here}.file must be the path of a file, as a string"
+                    )));
+                };
+                let text = std::fs::read_to_string(path).map_err(|e| {
+                    err(format!(
+                        "{here}: cannot read the secret file `{path}`: {e}; give a readable file or the value itself"
+                    ))
+                })?;
+                let text = text.strip_suffix('\n').unwrap_or(&text);
+                *value = Value::String(text.strip_suffix('\r').unwrap_or(text).to_string());
+            }
+            Value::Table(inner) => read_secret_files(inner, &here)?,
+            Value::Array(items) => {
+                for (i, item) in items.iter_mut().enumerate() {
+                    if let Value::Table(inner) = item {
+                        read_secret_files(inner, &format!("{here}[{i}]"))?;
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    Ok(())
 }
 
 fn set_path(table: &mut Table, keys: &[String], value: Value) -> Result<(), String> {
@@ -644,6 +693,46 @@ mod tests {
         let (config, _) = with_env(MINIMAL, &[("OUTBOX_RELAY__MAX_ATTEMPTS", "seven")]);
         let error = config.unwrap_err().0;
         assert!(error.contains("relay.max_attempts"), "{error}");
+    }
+
+    #[test]
+    fn secrets_come_from_files_named_in_the_file_or_the_environment() {
+        let dir = std::env::temp_dir().join(format!("outbox_secrets_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let url = dir.join("db_url");
+        std::fs::write(&url, "postgres://app:s3cr3t@db/x\n").unwrap();
+        let token = dir.join("token");
+        std::fs::write(&token, "t0ken").unwrap();
+        let text = format!(
+            "[storage]\nurl = {{ file = \"{}\" }}\n[sink]\ntype = \"redis\"\n",
+            url.display()
+        );
+        let mut table: Table = text.parse().unwrap();
+        let vars = [(
+            "OUTBOX_SINK__PROPERTIES__SASL_PASSWORD__FILE".to_string(),
+            token.display().to_string(),
+        )];
+        apply_env(&mut table, vars.into_iter()).unwrap();
+        read_secret_files(&mut table, "").unwrap();
+        let config = parse(table).unwrap();
+        assert_eq!(
+            config.relays[0].storage["url"],
+            "postgres://app:s3cr3t@db/x"
+        );
+        assert_eq!(
+            config.relays[0].sink["properties"]["sasl.password"],
+            "t0ken"
+        );
+
+        let mut missing: Table = "[storage]\nurl = { file = \"/nowhere/db_url\" }\n"
+            .parse()
+            .unwrap();
+        let error = read_secret_files(&mut missing, "").unwrap_err().0;
+        assert!(
+            error.starts_with("storage.url: cannot read the secret file `/nowhere/db_url`"),
+            "{error}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

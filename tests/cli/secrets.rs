@@ -1,0 +1,109 @@
+//! Secrets stay out of everything the binary prints: each secret given (a database password
+//! read from a secret file, a NATS token, a Redis password the server refuses) is looked for
+//! in the output of every command and of a relay logging at debug level.
+
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use super::{ConfigFile, drop_schema, pool, text};
+use outbox_tests::unique_name;
+
+const DB_PASSWORD: &str = "pg-s3cret-from-a-file";
+const NATS_TOKEN: &str = "nats-t0ken-in-the-url";
+const REDIS_PASSWORD: &str = "r3dis-pw-refused";
+
+/// Runs `outbox <args>` with debug logs; returns what it printed, both streams.
+fn printed(config: &ConfigFile, args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(&config.path)
+        .args(args)
+        .env("RUST_LOG", "debug")
+        .output()
+        .expect("run the outbox binary");
+    format!("{}{}", text(&out.stdout), text(&out.stderr))
+}
+
+/// Runs the relay for a while with debug logs, stops it, returns what it printed.
+fn relay_printed(config: &ConfigFile, run_for: Duration) -> String {
+    let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(&config.path)
+        .arg("relay")
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the relay");
+    std::thread::sleep(run_for);
+    let killed = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(killed.success());
+    let out = child.wait_with_output().expect("relay output");
+    format!("{}{}", text(&out.stdout), text(&out.stderr))
+}
+
+fn assert_no_secret(what: &str, printed: &str) {
+    for secret in [DB_PASSWORD, NATS_TOKEN, REDIS_PASSWORD] {
+        assert!(
+            !printed.contains(secret),
+            "{what} printed the secret `{secret}`:\n{printed}"
+        );
+    }
+}
+
+#[cfg(all(feature = "nats", feature = "redis"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_secret_reaches_the_output() {
+    let pool = pool().await;
+    let schema = unique_name("cli_secrets");
+    // PostgreSQL here trusts local connections, so any password is taken: the URL with one
+    // goes through every code path that could print it.
+    let secrets = ConfigFile::new("");
+    let url_file = secrets.path.with_file_name("db_url");
+    std::fs::write(
+        &url_file,
+        format!("postgres://postgres:{DB_PASSWORD}@127.0.0.1:5432/test\n"),
+    )
+    .expect("write the secret file");
+    let storage = format!(
+        "[storage]\nurl = {{ file = \"{}\" }}\nschema = \"{schema}\"\nmigrate = true\n\
+         [relay]\npoll_interval = \"50ms\"\n",
+        url_file.display()
+    );
+    let nats = ConfigFile::new(&format!(
+        "{storage}[sink]\ntype = \"nats\"\nurl = \"nats://{NATS_TOKEN}@127.0.0.1:4222\"\n\
+         subject_prefix = \"{}.\"\npublish_timeout = \"1s\"\n",
+        unique_name("secrets")
+    ));
+    assert_no_secret("migrate", &printed(&nats, &["migrate"]));
+    let enqueued = printed(&nats, &["enqueue", "--topic", "orders", "--key", "k", "{}"]);
+    assert!(
+        enqueued.contains("enqueued 1 message"),
+        "the secret file was not used: {enqueued}"
+    );
+    assert_no_secret("enqueue", &enqueued);
+    let status = printed(&nats, &["status"]);
+    assert!(status.contains("pending 1"), "{status}");
+    assert_no_secret("status", &status);
+    assert_no_secret("check", &printed(&nats, &["check"]));
+    let relayed = relay_printed(&nats, Duration::from_secs(2));
+    assert!(relayed.contains("relay starting"), "{relayed}");
+    assert_no_secret("relay to NATS", &relayed);
+
+    // A password the server refuses: the errors name the URL, without it.
+    let redis = ConfigFile::new(&format!(
+        "{storage}[sink]\ntype = \"redis\"\nurl = \"redis://:{REDIS_PASSWORD}@127.0.0.1:6379\"\n"
+    ));
+    let checked = printed(&redis, &["check"]);
+    assert!(checked.contains("127.0.0.1:6379"), "{checked}");
+    assert_no_secret("check against a refusing Redis", &checked);
+    assert_no_secret(
+        "relay to a refusing Redis",
+        &relay_printed(&redis, Duration::from_secs(2)),
+    );
+
+    drop_schema(&pool, &schema).await;
+}
