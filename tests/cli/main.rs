@@ -10,6 +10,7 @@ use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
 
+#[cfg(all(feature = "nats", feature = "redis"))]
 mod secrets;
 #[cfg(all(feature = "sqlite", feature = "file"))]
 mod sqlite;

@@ -54,7 +54,6 @@ fn assert_no_secret(what: &str, printed: &str) {
     }
 }
 
-#[cfg(all(feature = "nats", feature = "redis"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_secret_reaches_the_output() {
     let pool = pool().await;
