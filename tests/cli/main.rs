@@ -10,6 +10,8 @@ use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
 
+#[cfg(feature = "redis")]
+mod deployment;
 #[cfg(all(feature = "nats", feature = "redis"))]
 mod secrets;
 #[cfg(all(feature = "sqlite", feature = "file"))]

@@ -4,6 +4,7 @@
 //!   installing) each one: PostgreSQL, Redis, RabbitMQ, NATS, and tansu as the Kafka broker.
 //! - `test`: `services`, then the whole test suite against them.
 //! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
+//! - `container-build`: the Dockerfile's `cargo build` line, run here (docs/deployment.md).
 //! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]`: `services`, then the
 //!   relay binary with every sink (debug build), then the chaos run against it (docs/chaos.md).
 
@@ -24,8 +25,9 @@ fn main() -> ExitCode {
         Some("test") => services().and_then(|()| test(&args[1..])),
         Some("bench") => services().and_then(|()| bench(&args[1..])),
         Some("chaos") => services().and_then(|()| chaos(&args[1..])),
+        Some("container-build") => container_build(),
         _ => Err(
-            "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | \
+            "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | container-build | \
                   chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]>"
                 .into(),
         ),
@@ -379,6 +381,27 @@ fn test(extra: &[String]) -> Result {
     run(cargo()
         .args(["test", "--workspace", "--all-features", "--no-fail-fast"])
         .args(extra))
+}
+
+/// Runs the Dockerfile's `cargo build` line as it is, here: no container engine runs on
+/// these machines, so this is how that line is tried in full (tests/cli/deployment.rs
+/// checks its form in CI).
+fn container_build() -> Result {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .ok_or("xtask has no parent directory")?;
+    let dockerfile = std::fs::read_to_string(root.join("Dockerfile"))
+        .map_err(|e| format!("cannot read the Dockerfile: {e}"))?;
+    let line = dockerfile
+        .lines()
+        .filter_map(|line| line.trim().strip_prefix("RUN cargo build "))
+        .next()
+        .ok_or("the Dockerfile has no `RUN cargo build` line")?;
+    run(cargo()
+        .current_dir(&root)
+        .arg("build")
+        .args(line.split_whitespace()))
 }
 
 fn bench(extra: &[String]) -> Result {
