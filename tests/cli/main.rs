@@ -815,3 +815,62 @@ fn every_example_configuration_is_valid() {
         "expected an example per sink and one with several relays"
     );
 }
+
+/// `enqueue --stdin` commits in transactions of 1,000: when a later one fails, the ids of
+/// those that committed have been printed, and the error says how many are in the outbox.
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn enqueue_from_stdin_accounts_for_what_committed_when_a_later_batch_fails() {
+    let pool = pool().await;
+    let schema = unique_name("cli_enqueue");
+    let config = ConfigFile::new(&format!(
+        "{}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n",
+        storage_section(&schema)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    // The database refuses one message of the second transaction.
+    for statement in [
+        format!(
+            r#"CREATE FUNCTION "{schema}".refuse() RETURNS trigger LANGUAGE plpgsql AS
+               $$ BEGIN RAISE EXCEPTION 'refused by the test'; END $$"#
+        ),
+        format!(
+            r#"CREATE TRIGGER refuse BEFORE INSERT ON "{schema}".outbox FOR EACH ROW
+               WHEN (NEW.topic = 'poison') EXECUTE FUNCTION "{schema}".refuse()"#
+        ),
+    ] {
+        sqlx::query(&statement)
+            .execute(&pool)
+            .await
+            .expect("trigger");
+    }
+    let lines: String = (1..=1500)
+        .map(|i| {
+            let topic = if i == 1400 { "poison" } else { "t" };
+            format!("{{\"topic\":\"{topic}\",\"payload\":\"{i}\"}}\n")
+        })
+        .collect();
+    let out = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(!out.status.success(), "{stderr}");
+    assert!(stderr.contains("committed 1000 of 1500"), "{stderr}");
+    assert!(
+        stderr.contains("1000 of 1500 message(s) committed")
+            && stderr.contains("messages 1001 to 1500 were not enqueued"),
+        "{stderr}"
+    );
+    let printed: std::collections::BTreeSet<String> = stdout.lines().map(str::to_string).collect();
+    let stored: Vec<String> =
+        sqlx::query_scalar(&format!(r#"SELECT id::text FROM "{schema}".outbox"#))
+            .fetch_all(&pool)
+            .await
+            .expect("ids");
+    assert_eq!(printed.len(), 1000);
+    assert_eq!(
+        stored
+            .into_iter()
+            .collect::<std::collections::BTreeSet<_>>(),
+        printed
+    );
+    drop_schema(&pool, &schema).await;
+}

@@ -349,6 +349,58 @@ async fn dead_letter_commands_work_on_sqlite() {
         shown.contains("key:             a") && shown.contains("max_payload"),
         "{shown}"
     );
+    // The same, for programs: one JSON object per line, fields by their documented names.
+    let json = |args: &[&str]| -> Vec<serde_json::Value> {
+        let out = outbox(&strict.path, args);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        (text(&out.stdout).lines())
+            .map(|line| serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}")))
+            .collect()
+    };
+    let listed = json(&["dead-letters", "list", "--output", "json"]);
+    assert_eq!(listed.len(), 2, "{listed:?}");
+    let a = listed
+        .iter()
+        .find(|d| d["key"] == "a")
+        .expect("key a's dead letter");
+    assert_eq!(a["id"], id.as_str());
+    assert_eq!(
+        (a["topic"].as_str(), a["attempts"].as_u64()),
+        (Some("t"), Some(1))
+    );
+    assert_eq!(a["payload"], big.as_str());
+    assert!(
+        a["last_error"]
+            .as_str()
+            .unwrap_or("")
+            .contains("max_payload"),
+        "{a}"
+    );
+    let shown = json(&["dead-letters", "show", &id, "--output", "json"]);
+    assert_eq!(shown.as_slice(), std::slice::from_ref(a));
+    let figures = json(&["status", "--output", "json"]);
+    assert_eq!(figures.len(), 1, "{figures:?}");
+    let figures = &figures[0];
+    assert_eq!(
+        (figures["relay"].as_str(), figures["pending"].as_u64()),
+        (Some("default"), Some(2))
+    );
+    assert_eq!(
+        (
+            figures["dead_lettered"].as_u64(),
+            figures["parked_keys"].as_u64()
+        ),
+        (Some(2), Some(2))
+    );
+    assert_eq!(figures["topics"][0]["topic"], "t");
+    assert!(
+        figures["oldest_pending_age_seconds"].as_f64().is_some(),
+        "{figures}"
+    );
+    let parked: Vec<&str> = (figures["parked"].as_array().expect("parked keys").iter())
+        .filter_map(|p| p["key"].as_str())
+        .collect();
+    assert_eq!(parked, ["a", "b"]);
 
     // Key b: purge its dead letter, release the key; its next message flows.
     let purged = outbox(&strict.path, &["dead-letters", "purge", "--key", "b"]);

@@ -91,10 +91,36 @@ pub async fn check(config: &Config) -> Result<(), Failure> {
     }
 }
 
+/// How a command prints what it read.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Output {
+    /// Aligned text, for people.
+    #[default]
+    Text,
+    /// One JSON object per line, for programs (field names are stable; docs/configuration.md).
+    Json,
+}
+
+/// Prints `value` as one JSON line.
+fn print_json(value: &serde_json::Value) {
+    println!("{value}");
+}
+
+/// A time as RFC 3339 text, or null.
+fn time_json(t: Option<chrono::DateTime<chrono::Utc>>) -> serde_json::Value {
+    t.map_or(serde_json::Value::Null, |t| t.to_rfc3339().into())
+}
+
+/// Seconds from `t` to now (never negative), or null.
+fn age_seconds(t: Option<chrono::DateTime<chrono::Utc>>) -> Option<f64> {
+    t.map(|t| (chrono_like_now() - t.timestamp_millis()).max(0) as f64 / 1000.0)
+}
+
 pub async fn status(
     config: &Config,
     relay: Option<&str>,
     watch: Option<Duration>,
+    output: Output,
 ) -> Result<(), Failure> {
     let defs: Vec<&RelayDef> = match relay {
         Some(_) => vec![pick(config, relay)?],
@@ -106,11 +132,14 @@ pub async fn status(
     }
     loop {
         for (def, storage) in defs.iter().zip(&storages) {
-            print_status(def, storage).await?;
+            match output {
+                Output::Text => print_status(def, storage).await?,
+                Output::Json => print_json(&status_json(def, storage).await?),
+            }
         }
         match watch {
             Some(every) => tokio::select! {
-                _ = tokio::time::sleep(every) => println!(),
+                _ = tokio::time::sleep(every) => if output == Output::Text { println!() },
                 _ = tokio::signal::ctrl_c() => return Ok(()),
             },
             None => return Ok(()),
@@ -163,6 +192,66 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
     Ok(())
 }
 
+/// The figures of `print_status` as one JSON object.
+async fn status_json(
+    def: &RelayDef,
+    storage: &Arc<dyn StorageAdmin>,
+) -> Result<serde_json::Value, Failure> {
+    let stats = storage.stats().await?;
+    let topics: Vec<serde_json::Value> = (storage.topic_stats().await?.into_iter())
+        .map(|t| {
+            serde_json::json!({
+                "topic": t.topic,
+                "pending": t.pending,
+                "oldest_pending": time_json(t.oldest_pending),
+                "oldest_pending_age_seconds": age_seconds(t.oldest_pending),
+                "in_flight": t.in_flight,
+                "dead_lettered": t.dead_lettered,
+            })
+        })
+        .collect();
+    let parked: Vec<serde_json::Value> = (storage.parked_keys().await?.into_iter())
+        .map(|p| serde_json::json!({ "key": p.key, "dead_letter": p.dead_letter }))
+        .collect();
+    Ok(serde_json::json!({
+        "relay": def.name,
+        "storage": storage.describe(),
+        "pending": stats.pending,
+        "oldest_pending": time_json(stats.oldest_pending),
+        "oldest_pending_age_seconds": age_seconds(stats.oldest_pending),
+        "in_flight": stats.in_flight,
+        "dead_lettered": stats.dead_lettered,
+        "parked_keys": stats.parked_keys,
+        "topics": topics,
+        "parked": parked,
+    }))
+}
+
+/// A dead letter as one JSON object: the payload as `payload` when it is UTF-8 text, else as
+/// `payload_base64`.
+fn dead_letter_json(row: &outbox::DeadLetterRow) -> serde_json::Value {
+    let m = &row.message;
+    let mut value = serde_json::json!({
+        "id": m.id,
+        "topic": m.topic,
+        "key": m.key,
+        "attempts": m.attempts,
+        "created_at": m.created_at.to_rfc3339(),
+        "dead_lettered_at": row.dead_lettered_at.to_rfc3339(),
+        "last_error": row.last_error,
+        "headers": m.headers,
+    });
+    match std::str::from_utf8(&m.payload) {
+        Ok(text) => value["payload"] = text.into(),
+        Err(_) => {
+            value["payload_base64"] = base64::engine::general_purpose::STANDARD
+                .encode(&m.payload)
+                .into()
+        }
+    }
+    value
+}
+
 fn chrono_like_now() -> i64 {
     chrono::Utc::now().timestamp_millis()
 }
@@ -208,9 +297,18 @@ impl FilterArgs {
 
 pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result<(), Failure> {
     match command {
-        DeadLetterCommand::List { filter, limit } => {
+        DeadLetterCommand::List {
+            filter,
+            limit,
+            output,
+        } => {
             let storage = storage(pick(config, filter.relay.as_deref())?).await?;
             let rows = storage.dead_letters(&filter.filter(false)?, limit).await?;
+            if output == Output::Json {
+                rows.iter()
+                    .for_each(|row| print_json(&dead_letter_json(row)));
+                return Ok(());
+            }
             println!(
                 "{:<36}  {:<24} {:<16} {:>8}  last error",
                 "id", "topic", "key", "attempts"
@@ -228,7 +326,7 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             }
             println!("{} dead letter(s)", rows.len());
         }
-        DeadLetterCommand::Show { id, relay } => {
+        DeadLetterCommand::Show { id, relay, output } => {
             let storage = storage(pick(config, relay.relay.as_deref())?).await?;
             let filter = DeadLetterFilter {
                 ids: Some(vec![id]),
@@ -237,6 +335,10 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             let Some(row) = storage.dead_letters(&filter, 1).await?.pop() else {
                 return Err(Failure::Runtime(format!("no dead letter with id {id}")));
             };
+            if output == Output::Json {
+                print_json(&dead_letter_json(&row));
+                return Ok(());
+            }
             let m = &row.message;
             println!("id:              {}", m.id);
             println!("topic:           {}", m.topic);
@@ -359,6 +461,9 @@ fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
     Ok(message)
 }
 
+/// Messages `enqueue` commits in one transaction.
+const ENQUEUE_CHUNK: usize = 1000;
+
 pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> {
     let def = pick(config, args.relay.as_deref())?;
     let storage = storage(def).await?;
@@ -379,11 +484,34 @@ pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> 
         message.headers.extend(args.headers);
         vec![message]
     };
-    for chunk in messages.chunks(1000) {
-        storage.enqueue(chunk).await?;
-    }
-    for m in &messages {
-        println!("{}", m.id);
+    // Each chunk is one transaction: its ids are printed once it has committed, so a failure
+    // later on leaves a true account of what is in the outbox.
+    let mut committed = 0;
+    for chunk in messages.chunks(ENQUEUE_CHUNK) {
+        if let Err(error) = storage.enqueue(chunk).await {
+            let failure = Failure::from(error);
+            let why = match &failure {
+                Failure::Config(why) | Failure::Runtime(why) => why.clone(),
+            };
+            let account = format!(
+                "{why}\n{committed} of {} message(s) committed (their ids are printed above); \
+                 messages {} to {} were not enqueued",
+                messages.len(),
+                committed + 1,
+                messages.len()
+            );
+            return Err(match failure {
+                Failure::Config(_) => Failure::Config(account),
+                Failure::Runtime(_) => Failure::Runtime(account),
+            });
+        }
+        committed += chunk.len();
+        for m in chunk {
+            println!("{}", m.id);
+        }
+        if messages.len() > ENQUEUE_CHUNK {
+            eprintln!("committed {committed} of {}", messages.len());
+        }
     }
     eprintln!("enqueued {} message(s)", messages.len());
     Ok(())

@@ -53,6 +53,9 @@ enum Command {
         watch: Option<Duration>,
         #[command(flatten)]
         relay: RelayChoice,
+        /// Text, or one JSON object per relay (and per interval with --watch).
+        #[arg(long, value_enum, default_value_t)]
+        output: commands::Output,
     },
     /// Inspect and repair dead letters.
     #[command(subcommand)]
@@ -76,12 +79,18 @@ enum DeadLetterCommand {
         filter: commands::FilterArgs,
         #[arg(long, default_value_t = 100)]
         limit: usize,
+        /// Text, or one JSON object per dead letter.
+        #[arg(long, value_enum, default_value_t)]
+        output: commands::Output,
     },
     /// Show one dead letter in full.
     Show {
         id: uuid::Uuid,
         #[command(flatten)]
         relay: RelayChoice,
+        /// Text, or one JSON object.
+        #[arg(long, value_enum, default_value_t)]
+        output: commands::Output,
     },
     /// Put dead letters back in the outbox, first in their key's order, and release the
     /// parked rest of their keys.
@@ -163,9 +172,11 @@ fn main() -> ExitCode {
             Command::Relay => relay::run(config).await,
             Command::Migrate => commands::migrate(&config).await,
             Command::Check => commands::check(&config).await,
-            Command::Status { watch, relay } => {
-                commands::status(&config, relay.relay.as_deref(), watch).await
-            }
+            Command::Status {
+                watch,
+                relay,
+                output,
+            } => commands::status(&config, relay.relay.as_deref(), watch, output).await,
             Command::DeadLetters(command) => commands::dead_letters(&config, command).await,
             Command::Enqueue(args) => commands::enqueue(&config, args).await,
         }
