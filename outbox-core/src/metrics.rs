@@ -2,8 +2,11 @@
 //! worker and the binary record them under these names, docs/configuration.md lists them
 //! (a test checks that it lists each one), and dashboards can rely on them.
 
-/// Label: the relay the figure belongs to (the worker's `worker_id`).
+/// Label: the relay the figure belongs to: its configured name (`WorkerConfig::relay`), the
+/// same on every replica and across restarts (Prometheus' `instance` tells replicas apart).
 pub const RELAY: &str = "relay";
+/// Label: the `outbox` version, on [`BUILD_INFO`].
+pub const VERSION: &str = "version";
 /// Label: the message's topic.
 pub const TOPIC: &str = "topic";
 
@@ -32,8 +35,14 @@ pub const PARKED_KEYS: &str = "outbox_parked_keys";
 /// Gauge (relay): age of the oldest pending message, in seconds.
 pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_oldest_pending_age_seconds";
 
+/// Histogram (relay): a message's age when the broker acknowledged it, from its creation
+/// (the writer's clock) to its delivery (the relay's), in seconds.
+pub const DELIVERY_LATENCY_SECONDS: &str = "outbox_delivery_latency_seconds";
+/// Gauge (version): 1, labelled with the running binary's version.
+pub const BUILD_INFO: &str = "outbox_build_info";
+
 /// Every metric name above.
-pub const ALL: [&str; 12] = [
+pub const ALL: [&str; 14] = [
     DELIVERED_TOTAL,
     RETRIED_TOTAL,
     DEAD_LETTERED_TOTAL,
@@ -46,4 +55,6 @@ pub const ALL: [&str; 12] = [
     DEAD_LETTERED,
     PARKED_KEYS,
     OLDEST_PENDING_AGE_SECONDS,
+    DELIVERY_LATENCY_SECONDS,
+    BUILD_INFO,
 ];

@@ -5,6 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
@@ -37,6 +38,11 @@ pub struct WorkerConfig {
     /// Names this worker in claims and logs.
     #[serde(skip)]
     pub worker_id: String,
+    /// The relay's name, the `relay` label of its metrics: stable across restarts and the
+    /// same on every replica, so series aggregate (the binary sets the configured name;
+    /// none: `worker_id`).
+    #[serde(skip)]
+    pub relay: Option<String>,
     /// Messages claimed at once (default 100).
     pub batch_size: usize,
     /// Wait after an under-full batch when no wake-up comes (default 1 s).
@@ -70,6 +76,7 @@ impl WorkerConfig {
     pub fn new(worker_id: impl Into<String>) -> Self {
         WorkerConfig {
             worker_id: worker_id.into(),
+            relay: None,
             batch_size: 100,
             poll_interval: Duration::from_secs(1),
             lease: Duration::from_secs(120),
@@ -77,6 +84,11 @@ impl WorkerConfig {
             backoff: Backoff::default(),
             shutdown_timeout: Duration::from_secs(10),
         }
+    }
+
+    /// The `relay` label of this worker's metrics: [`relay`](Self::relay), else `worker_id`.
+    pub fn relay_label(&self) -> &str {
+        self.relay.as_deref().unwrap_or(&self.worker_id)
     }
 
     /// Checks every setting; the error is keyed by the bad one (place it in its section
@@ -135,8 +147,19 @@ struct Published {
 }
 
 impl Published {
-    /// Adds this batch's outcomes to the per-topic counters, one increment per topic.
-    fn count(&self, worker: &str, topics: &HashMap<Uuid, String>) {
+    /// Adds this batch's outcomes to the per-topic counters, one increment per topic, and
+    /// each delivery's latency from its creation to its acknowledgement.
+    fn count(&self, worker: &str, topics: &HashMap<Uuid, (String, DateTime<Utc>)>) {
+        let now = Utc::now();
+        let latency = metrics::histogram!(names::DELIVERY_LATENCY_SECONDS, names::RELAY => worker.to_string());
+        for delivery in &self.settlement.delivered {
+            if let Some((_, created_at)) = topics.get(&delivery.id) {
+                // Clocks of writers and relay differ: a negative age counts as none.
+                latency.record(
+                    (now - *created_at).num_microseconds().unwrap_or(0).max(0) as f64 / 1e6,
+                );
+            }
+        }
         let mut counts: HashMap<(&'static str, &str), u64> = HashMap::new();
         let s = &self.settlement;
         let ids = [
@@ -155,7 +178,7 @@ impl Published {
         ];
         for (name, ids) in &ids {
             for id in ids {
-                let topic = topics.get(id).map(String::as_str).unwrap_or("");
+                let topic = topics.get(id).map_or("", |(topic, _)| topic.as_str());
                 *counts.entry((name, topic)).or_default() += 1;
             }
         }
@@ -254,7 +277,7 @@ impl Worker {
             // Health gate: while the sink is down, claim nothing and charge nothing.
             if !sink_checked {
                 let health = self.sink.health().await;
-                metrics::gauge!(names::SINK_UP, names::RELAY => self.config.worker_id.clone())
+                metrics::gauge!(names::SINK_UP, names::RELAY => self.config.relay_label().to_string())
                     .set(if health.is_ok() { 1.0 } else { 0.0 });
                 if let Err(error) = health {
                     sink_failures += 1;
@@ -289,7 +312,7 @@ impl Worker {
                 } else {
                     // The sink dropped out mid-publish: back off even if its health check
                     // still passes, so a half-broken broker is not hammered.
-                    metrics::gauge!(names::SINK_UP, names::RELAY => self.config.worker_id.clone())
+                    metrics::gauge!(names::SINK_UP, names::RELAY => self.config.relay_label().to_string())
                         .set(0.0);
                     sink_failures += 1;
                     let wait = self.config.backoff.delay(sink_failures);
@@ -328,10 +351,10 @@ impl Worker {
         let started = Instant::now();
         let token = claim.token;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
-        let topics: HashMap<Uuid, String> = claim
+        let topics: HashMap<Uuid, (String, DateTime<Utc>)> = claim
             .messages
             .iter()
-            .map(|m| (m.id, m.topic.clone()))
+            .map(|m| (m.id, (m.topic.clone(), m.created_at)))
             .collect();
         let mut lease = Lease {
             token,
@@ -352,8 +375,8 @@ impl Worker {
             }
         };
         self.record(&token, &published).await?;
-        published.count(&self.config.worker_id, &topics);
-        metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.worker_id.clone())
+        published.count(self.config.relay_label(), &topics);
+        metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
             .record(started.elapsed().as_secs_f64());
         Ok(!published.sink_unavailable)
     }
@@ -421,7 +444,7 @@ impl Worker {
                 }
             };
             let elapsed = started.elapsed();
-            metrics::histogram!(names::PUBLISH_DURATION_SECONDS, names::RELAY => self.config.worker_id.clone())
+            metrics::histogram!(names::PUBLISH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
                 .record(elapsed.as_secs_f64());
             tracing::debug!(worker = %self.config.worker_id, messages = ready.len(), ?elapsed, "published");
             for (message, outcome) in ready.into_iter().zip(outcomes) {

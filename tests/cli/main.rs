@@ -674,9 +674,23 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     for name in [
         "outbox_publish_duration_seconds_bucket",
         "outbox_batch_duration_seconds_bucket",
+        "outbox_delivery_latency_seconds_bucket",
         "outbox_sink_up",
+        "outbox_pending",
     ] {
         assert!(metrics.contains(name), "{name} missing from /metrics");
+    }
+    // One stable label per relay, its configured name, on every series: no host or process
+    // id, so a restart or a second replica adds no new series.
+    for line in metrics.lines().filter(|l| l.starts_with("outbox_")) {
+        if line.starts_with("outbox_build_info") {
+            assert!(
+                line.contains(&format!("version=\"{}\"", env!("CARGO_PKG_VERSION"))),
+                "{line}"
+            );
+        } else {
+            assert!(line.contains("relay=\"default\""), "{line}");
+        }
     }
     assert_eq!(relay.terminate().0, Some(0));
 

@@ -432,7 +432,9 @@ fn relay_def(
     let mut worker: WorkerConfig =
         outbox::config::from_value(json(settings)?).map_err(placed(&section.relay))?;
     let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "relay".into());
+    // Claims and logs name the process; metrics name the relay, the same on every replica.
     worker.worker_id = format!("{name}@{host}:{}", std::process::id());
+    worker.relay = Some(name.to_string());
     worker.validate().map_err(placed(&section.relay))?;
 
     let types = crate::backends::sinks().names().join("\", \"");

@@ -131,6 +131,7 @@ pub async fn run(config: Config) -> Result<(), Failure> {
     // Listen first: a probe of liveness is answered while the sinks are built (a broker
     // that is down at start-up holds this process here, retrying).
     let metrics = crate::http::install_metrics()?;
+    metrics::gauge!(names::BUILD_INFO, names::VERSION => env!("CARGO_PKG_VERSION")).set(1.0);
     let readiness = crate::http::Readiness::starting();
     if let Some(addr) = config.observability.listen {
         crate::http::serve(addr, metrics, readiness.clone(), shutdown.clone()).await?;
@@ -165,7 +166,7 @@ pub async fn run(config: Config) -> Result<(), Failure> {
         tasks.push(tokio::spawn(async move { worker.run(token).await }));
         tasks.push(tokio::spawn(report_stats(
             relay.def.name.clone(),
-            relay.def.worker.worker_id.clone(),
+            relay.def.worker.relay_label().to_string(),
             relay.storage.clone(),
             config.observability.summary_interval,
             shutdown.clone(),
@@ -201,7 +202,7 @@ async fn wait_for_signal() {
     }
 }
 
-/// Refreshes the queue gauges (labelled with the worker's id, as its own figures are) every
+/// Refreshes the queue gauges (labelled with the relay's name, as its worker's figures are) every
 /// few seconds and logs a summary now and then.
 async fn report_stats(
     name: String,
