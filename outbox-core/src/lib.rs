@@ -11,6 +11,7 @@ mod redact;
 mod registry;
 mod sink;
 mod storage;
+mod trace;
 
 #[cfg(any(test, feature = "memory"))]
 pub mod memory;

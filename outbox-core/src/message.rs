@@ -36,7 +36,8 @@ pub struct NewMessage {
 }
 
 impl NewMessage {
-    /// A message for `topic` with `payload` bytes, a fresh UUID v7 and the current time.
+    /// A message for `topic` with `payload` bytes, a fresh UUID v7, the current time and
+    /// the trace context of the current span, if it has one ([`TraceContext::current`]).
     pub fn new(topic: impl Into<String>, payload: impl Into<Vec<u8>>) -> Self {
         NewMessage {
             id: Uuid::now_v7(),
@@ -45,7 +46,7 @@ impl NewMessage {
             payload: payload.into(),
             headers: BTreeMap::new(),
             created_at: Utc::now(),
-            trace_context: None,
+            trace_context: TraceContext::current(),
         }
     }
 

@@ -8,9 +8,11 @@ use std::time::Duration;
 use chrono::{DateTime, Utc};
 use tokio::time::{Instant, sleep};
 use tokio_util::sync::CancellationToken;
+use tracing::Instrument;
 use uuid::Uuid;
 
 use crate::metrics as names;
+use crate::trace;
 use crate::{
     Backoff, Claim, ClaimToken, DeadLetter, Delivery, Error, ErrorKind, Message, Outcome, Result,
     Retry, Settlement, Sink, Storage,
@@ -294,6 +296,12 @@ impl Worker {
             // The lease runs on the storage's clock from the claim statement; counting it
             // from before the call keeps this worker's view of it on the safe side.
             let asked_at = Instant::now();
+            let claim_span = tracing::info_span!(
+                "outbox.claim",
+                relay = %self.config.relay_label(),
+                limit = self.config.batch_size,
+                claimed = tracing::field::Empty,
+            );
             let claim = self
                 .storage
                 .claim(
@@ -301,7 +309,11 @@ impl Worker {
                     self.config.batch_size,
                     self.config.lease,
                 )
+                .instrument(claim_span.clone())
                 .await?;
+            claim_span.record("claimed", claim.messages.len());
+            trace::link_messages(&claim_span, &claim.messages);
+            drop(claim_span);
             let claimed = claim.messages.len();
             if claimed > 0 {
                 if self.relay_batch(claim, asked_at, shutdown).await? {
@@ -343,6 +355,26 @@ impl Worker {
     /// turned out to be unavailable. Once shutdown is requested the batch gets
     /// `shutdown_timeout` to finish; after that its messages are released.
     async fn relay_batch(
+        &self,
+        claim: Claim,
+        asked_at: Instant,
+        shutdown: &CancellationToken,
+    ) -> Result<bool> {
+        // One span for the batch, linked to each message's trace; its publish rounds and its
+        // settlement are spans within it.
+        let span = tracing::info_span!(
+            "outbox.batch",
+            relay = %self.config.relay_label(),
+            messages = claim.messages.len(),
+        );
+        trace::link_messages(&span, &claim.messages);
+        self.publish_and_settle(claim, asked_at, shutdown)
+            .instrument(span)
+            .await
+    }
+
+    /// The body of [`relay_batch`](Self::relay_batch).
+    async fn publish_and_settle(
         &self,
         claim: Claim,
         asked_at: Instant,
@@ -412,8 +444,10 @@ impl Worker {
                 continue;
             }
             let started = Instant::now();
+            let round = tracing::info_span!("outbox.publish", messages = ready.len());
+            trace::link_messages(&round, &ready);
             let result = tokio::select! {
-                result = self.sink.publish(&ready) => result,
+                result = self.sink.publish(&ready).instrument(round) => result,
                 () = self.keep(lease) => {
                     // Another relay may publish these now: stop, whatever this round does.
                     published.lease_lost = true;
@@ -546,7 +580,18 @@ impl Worker {
             return Ok(());
         }
         let expected = settlement.len() as u64;
-        let applied = self.storage.settle(token, settlement).await?;
+        let span = tracing::info_span!(
+            "outbox.settle",
+            delivered = settlement.delivered.len(),
+            retried = settlement.retries.len(),
+            dead_lettered = settlement.dead.len(),
+            released = settlement.released.len(),
+        );
+        let applied = self
+            .storage
+            .settle(token, settlement)
+            .instrument(span)
+            .await?;
         if applied < expected {
             tracing::warn!(
                 worker = %self.config.worker_id,
