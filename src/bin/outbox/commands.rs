@@ -395,7 +395,7 @@ async fn matching_ids(
 }
 
 /// `outbox enqueue`: one message from the arguments, or JSON lines from standard input:
-/// `{"topic": "t", "key": "k", "payload": …, "headers": {"h": "v"}}`, where a string payload
+/// `{"topic": "t", "key": "k", "payload": …, "headers": {"h": "v"}, "traceparent": …}`, where a string payload
 /// is sent as its UTF-8 bytes, any other JSON value as JSON (content-type application/json),
 /// and `payload_base64` gives raw bytes.
 #[derive(Args)]
@@ -434,6 +434,9 @@ struct Line {
     payload_base64: Option<String>,
     #[serde(default)]
     headers: std::collections::BTreeMap<String, String>,
+    /// W3C trace context of the writer, carried to the consumer.
+    traceparent: Option<String>,
+    tracestate: Option<String>,
 }
 
 fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
@@ -458,6 +461,16 @@ fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
     }
     message.key = line.key;
     message.headers.extend(line.headers);
+    match (line.traceparent, line.tracestate) {
+        (Some(traceparent), tracestate) => {
+            message.trace_context = Some(outbox::TraceContext {
+                traceparent,
+                tracestate,
+            })
+        }
+        (None, Some(_)) => return Err(bad("tracestate without traceparent".into())),
+        (None, None) => {}
+    }
     Ok(message)
 }
 

@@ -79,6 +79,10 @@ pub struct Observability {
     pub log_level: String,
     #[serde(default = "default_summary", with = "humantime_serde")]
     pub summary_interval: Duration,
+    /// The OpenTelemetry collector's OTLP/HTTP base URL; spans are exported when set (needs
+    /// the `otlp` cargo feature).
+    #[serde(default)]
+    pub otlp_endpoint: Option<String>,
 }
 
 impl Default for Observability {
@@ -88,6 +92,7 @@ impl Default for Observability {
             log_format: LogFormat::Text,
             log_level: default_log_level(),
             summary_interval: default_summary(),
+            otlp_endpoint: None,
         }
     }
 }

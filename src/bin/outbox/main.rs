@@ -6,6 +6,7 @@ mod commands;
 mod config;
 mod http;
 mod relay;
+mod telemetry;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -149,7 +150,13 @@ fn main() -> ExitCode {
             return ExitCode::from(EXIT_CONFIG);
         }
     };
-    relay::init_logging(&config.observability);
+    let telemetry = match telemetry::init(&config.observability) {
+        Ok(telemetry) => telemetry,
+        Err(error) => {
+            eprintln!("outbox: configuration error: {error}");
+            return ExitCode::from(EXIT_CONFIG);
+        }
+    };
     if !config.ignored_env.is_empty() {
         tracing::warn!(
             variables = %config.ignored_env.join(", "),
@@ -181,6 +188,8 @@ fn main() -> ExitCode {
             Command::Enqueue(args) => commands::enqueue(&config, args).await,
         }
     });
+    drop(runtime);
+    telemetry.shutdown();
     match result {
         Ok(()) => ExitCode::SUCCESS,
         Err(Failure::Config(message)) => {

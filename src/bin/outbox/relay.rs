@@ -7,25 +7,10 @@ use outbox::metrics as names;
 use outbox::{CancellationToken, Sink, Storage, StorageAdmin, Worker};
 
 use crate::Failure;
-use crate::config::{Config, LogFormat, Observability, RelayDef};
+use crate::config::{Config, RelayDef};
 
 /// How often the queue gauges are refreshed.
 const STATS_EVERY: Duration = Duration::from_secs(5);
-
-/// Logs go to standard error, human-readable or JSON; `RUST_LOG` overrides the level.
-pub fn init_logging(observability: &Observability) {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&observability.log_level));
-    // Colour codes only on a terminal: a file or a journal would keep them as noise.
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_writer(std::io::stderr);
-    let _ = match observability.log_format {
-        LogFormat::Text => builder.try_init(),
-        LogFormat::Json => builder.json().try_init(),
-    };
-}
 
 /// A relay ready to run: its storage and sink are built, its settings valid.
 pub struct Relay {
