@@ -66,6 +66,18 @@ pub trait StorageAdmin: Storage {
     /// processes at once.
     async fn migrate(&self) -> Result<()>;
 
+    /// The SQL that [`migrate`](StorageAdmin::migrate) would run now, as one script, for a
+    /// database administrator to review and apply: only the steps the database lacks (it is
+    /// read, not changed), each with the record of its version. Empty when up to date. The
+    /// default says the storage cannot print its migrations.
+    async fn migration_sql(&self) -> Result<String> {
+        Err(crate::Error::permanent(format!(
+            "{} cannot print its migrations; run `outbox migrate` with an account that may \
+             change the schema",
+            self.describe()
+        )))
+    }
+
     /// Enqueues `messages` durably in one transaction of the storage's own (all or none), as
     /// an application's transaction would.
     async fn enqueue(&self, messages: &[NewMessage]) -> Result<()>;

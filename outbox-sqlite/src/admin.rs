@@ -25,6 +25,15 @@ impl StorageAdmin for SqliteStorage {
         SqliteStorage::migrate(self).await
     }
 
+    async fn migration_sql(&self) -> Result<String> {
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(|e| self.error("cannot open the database", e))?;
+        self.table().migration_sql(&mut conn).await
+    }
+
     async fn enqueue(&self, messages: &[NewMessage]) -> Result<()> {
         let what = "enqueue failed";
         let _writer = self.writer_turn().await;

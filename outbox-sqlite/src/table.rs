@@ -202,6 +202,48 @@ impl OutboxTable {
         tx.commit().await.map_err(fail)
     }
 
+    /// The script that [`migrate`](Self::migrate) would run on `conn` now: the steps after
+    /// the version the database has (0 when it has no outbox tables), each followed by the
+    /// record of its version, in one transaction. Empty when up to date. Reads only.
+    pub async fn migration_sql(&self, conn: &mut SqliteConnection) -> Result<String> {
+        let versions = self.quoted("_migrations");
+        let exists: i64 = conn
+            .fetch_one(
+                sqlx::query("SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?")
+                    .bind(format!("{}_migrations", self.table)),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let applied: i64 = if exists == 0 {
+            0
+        } else {
+            conn.fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(fail)?
+        };
+        let pending: Vec<String> = (1i64..)
+            .zip(MIGRATIONS)
+            .filter(|(version, _)| *version > applied)
+            .map(|(version, step)| {
+                format!(
+                    "-- outbox migration {version} of table {table}\n{}\n\
+                     INSERT INTO {versions} (version, applied_at) VALUES ({version}, {NOW_MS});\n",
+                    self.render(step).trim(),
+                    table = self.table
+                )
+            })
+            .collect();
+        if pending.is_empty() {
+            return Ok(String::new());
+        }
+        Ok(format!(
+            "BEGIN IMMEDIATE;\nCREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL);\n{}COMMIT;\n",
+            pending.join("")
+        ))
+    }
+
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
         template

@@ -519,3 +519,49 @@ async fn a_relay_whose_broker_is_down_at_start_up_is_live_but_not_ready() {
     assert!(took < Duration::from_secs(10), "took {took:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `migrate --print-sql` reads the database and prints what `migrate` would run; applied by
+/// hand (as a DBA would), it leaves the tables `migrate` would have made.
+#[tokio::test]
+async fn migrate_print_sql_gives_the_script_a_dba_applies() {
+    let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_sqlite_dba"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("app.db");
+    let config = ConfigFile::new(&format!(
+        "[storage]\ntype = \"sqlite\"\npath = \"{}\"\n[sink]\ntype = \"stdout\"\n",
+        path.display()
+    ));
+    let printed = outbox(&config.path, &["migrate", "--print-sql"]);
+    let script = text(&printed.stdout);
+    assert!(printed.status.success(), "{}", text(&printed.stderr));
+    assert!(
+        script.contains("CREATE TABLE \"outbox\"") && script.contains("outbox migration 1"),
+        "{script}"
+    );
+    // Printing changed nothing: the tables are still missing.
+    let status = outbox(&config.path, &["status"]);
+    assert!(!status.status.success(), "{}", text(&status.stdout));
+
+    let storage = outbox::sqlite::SqliteStorage::open(outbox::sqlite::SqliteConfig::new(&path))
+        .await
+        .expect("open the file");
+    sqlx::raw_sql(&script)
+        .execute(storage.pool())
+        .await
+        .expect("the printed script applies as it is");
+    let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
+    assert!(again.contains("is up to date"), "{again}");
+    let migrated = outbox(&config.path, &["migrate"]);
+    assert!(
+        !text(&migrated.stderr).contains("applying outbox migration"),
+        "migrate found work left: {}",
+        text(&migrated.stderr)
+    );
+    let status = outbox(&config.path, &["status"]);
+    assert!(
+        text(&status.stdout).contains("pending 0"),
+        "{}",
+        text(&status.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

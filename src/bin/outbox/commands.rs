@@ -43,9 +43,23 @@ async fn storage(def: &RelayDef) -> Result<Arc<dyn StorageAdmin>, Failure> {
     crate::relay::open_storage(def).await
 }
 
-pub async fn migrate(config: &Config) -> Result<(), Failure> {
+pub async fn migrate(config: &Config, print_sql: bool) -> Result<(), Failure> {
     for def in &config.relays {
         let storage = storage(def).await?;
+        if print_sql {
+            // For a DBA: what `migrate` would run, reviewed and applied by hand.
+            let sql = storage.migration_sql().await?;
+            if sql.is_empty() {
+                println!(
+                    "-- relay {}: {} is up to date",
+                    def.name,
+                    storage.describe()
+                );
+            } else {
+                println!("-- relay {}: {}\n{sql}", def.name, storage.describe());
+            }
+            continue;
+        }
         storage.migrate().await?;
         println!("relay {}: {} is up to date", def.name, storage.describe());
     }

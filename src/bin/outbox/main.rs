@@ -44,7 +44,12 @@ enum Command {
     /// Run the relay(s) until SIGTERM or SIGINT, then shut down gracefully.
     Relay,
     /// Create or upgrade the outbox tables.
-    Migrate,
+    Migrate {
+        /// Print the SQL that would run (only the steps the database lacks) instead of
+        /// running it, for a database administrator to apply.
+        #[arg(long)]
+        print_sql: bool,
+    },
     /// Validate the configuration, connect to the storage and the sink, report, exit.
     Check,
     /// Queue figures: pending, oldest pending age, in flight, dead-lettered, parked keys.
@@ -177,7 +182,7 @@ fn main() -> ExitCode {
     let result = runtime.block_on(async move {
         match cli.command {
             Command::Relay => relay::run(config).await,
-            Command::Migrate => commands::migrate(&config).await,
+            Command::Migrate { print_sql } => commands::migrate(&config, print_sql).await,
             Command::Check => commands::check(&config).await,
             Command::Status {
                 watch,
