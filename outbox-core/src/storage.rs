@@ -110,6 +110,11 @@ pub struct StorageCapabilities {
     /// claim's limit). The worker publishes a key's messages one round after another, so this
     /// bounds the rounds of a batch, which the worker checks against the lease at start-up.
     pub max_per_key: Option<usize>,
+    /// A committed message becomes claimable only once every transaction that began
+    /// writing before it has ended (a storage that reads below the oldest running
+    /// transaction, such as PostgreSQL's log mode): a long-open transaction delays later
+    /// messages, and no message can commit behind one already claimed.
+    pub waits_for_older_transactions: bool,
 }
 
 impl StorageCapabilities {
@@ -118,7 +123,14 @@ impl StorageCapabilities {
         StorageCapabilities {
             per_key_order,
             max_per_key: None,
+            waits_for_older_transactions: false,
         }
+    }
+
+    /// Sets whether committed messages wait for older transactions to end.
+    pub fn with_waits_for_older_transactions(mut self, waits: bool) -> Self {
+        self.waits_for_older_transactions = waits;
+        self
     }
 
     /// Sets the most messages of one key a claim returns.
@@ -175,6 +187,12 @@ pub trait Storage: Send + Sync {
     /// Housekeeping (such as removing kept delivered rows past their retention), called by
     /// the worker now and then. Must do a bounded amount of work per call.
     async fn maintain(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Called once when a worker stops (shutdown): gives up what this relay holds that other
+    /// relays could take at once (a log-mode storage's shards). The default does nothing.
+    async fn stop(&self) -> Result<()> {
         Ok(())
     }
 

@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use tokio::time::{Instant, sleep};
-use tokio_util::sync::CancellationToken;
 use tracing::Instrument;
+use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
 use crate::metrics as names;
@@ -241,12 +241,20 @@ impl Worker {
 
     /// Runs until `shutdown` is cancelled. A run that fails (database down, grant missing) is
     /// logged and restarted after a wait that doubles from 1 s to 60 s, reset once a run has
-    /// lasted 60 s.
+    /// lasted 60 s. On the way out it calls [`Storage::stop`] (log mode gives its shards up).
     pub async fn run(&self, shutdown: CancellationToken) {
+        self.supervise(&shutdown).await;
+        if let Err(error) = self.storage.stop().await {
+            tracing::warn!(worker = %self.config.worker_id, %error, "storage could not hand its work over on stop");
+        }
+    }
+
+    /// Runs and restarts failed runs until `shutdown` is cancelled.
+    async fn supervise(&self, shutdown: &CancellationToken) {
         let mut failures = 0;
         loop {
             let started = Instant::now();
-            match self.run_once(&shutdown).await {
+            match self.run_once(shutdown).await {
                 Ok(()) => return,
                 Err(error) => {
                     if started.elapsed() >= RESTART_RESET_AFTER {
@@ -255,7 +263,7 @@ impl Worker {
                     failures += 1;
                     let wait = RESTART_BACKOFF.delay(failures);
                     tracing::error!(worker = %self.config.worker_id, %error, ?wait, "relay run failed; restarting");
-                    if sleep_or_cancel(wait, &shutdown).await {
+                    if sleep_or_cancel(wait, shutdown).await {
                         return;
                     }
                 }

@@ -16,8 +16,12 @@ use crate::{rows, sql};
 #[async_trait]
 impl StorageAdmin for PgStorage {
     fn describe(&self) -> String {
+        let mode = match self.config().mode {
+            crate::StorageMode::Lease => "",
+            crate::StorageMode::Log => " (log mode)",
+        };
         format!(
-            "{}, table {}.{}",
+            "{}, table {}.{}{mode}",
             redact_url(&self.config().url),
             self.table().schema(),
             self.table().table()
@@ -41,7 +45,11 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
-        let rows = sqlx::query(&self.sql.topic_stats)
+        let sql = match &self.log {
+            Some(log) => &log.sql.topic_stats,
+            None => &self.sql.topic_stats,
+        };
+        let rows = sqlx::query(sql)
             .fetch_all(self.pool())
             .await
             .map_err(|e| db_error("cannot read topic figures", e))?;
@@ -65,6 +73,15 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        if let Some(log) = &self.log {
+            let n: i64 = sqlx::query_scalar(&log.sql.replay)
+                .bind(ids)
+                .bind(self.config().per_key_order)
+                .fetch_one(self.pool())
+                .await
+                .map_err(|e| db_error("cannot replay dead letters", e))?;
+            return Ok(n.max(0) as u64);
+        }
         let n: i64 = sqlx::query_scalar(&self.sql.replay_dead_letters)
             .bind(ids)
             .bind(self.table().lock_key())
@@ -95,7 +112,12 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn release_parked_key(&self, key: &str) -> Result<bool> {
-        let done = sqlx::query(&self.sql.release_parked_key)
+        let sql = match &self.log {
+            // The owner delivers the key's held rows, then unparks it.
+            Some(log) => &log.sql.release,
+            None => &self.sql.release_parked_key,
+        };
+        let done = sqlx::query(sql)
             .bind(key)
             .execute(self.pool())
             .await

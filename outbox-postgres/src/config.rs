@@ -10,6 +10,36 @@ pub const DEFAULT_MAX_PER_KEY: usize = 8;
 /// The largest [`PostgresConfig::max_per_key`] accepted.
 const MAX_MAX_PER_KEY: usize = 10_000;
 
+/// The default of [`PostgresConfig::shards`].
+pub const DEFAULT_SHARDS: u32 = 16;
+
+/// The largest [`PostgresConfig::shards`] accepted.
+const MAX_SHARDS: u32 = 1024;
+
+/// How the relay runs an outbox table: `[storage] mode`. A table is migrated for one mode;
+/// a relay configured for the other refuses it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StorageMode {
+    /// Claims under fenced leases: an UPDATE per claimed row, then a DELETE (the default).
+    #[default]
+    Lease,
+    /// An append-only log: relays own shards and only read past a stored cursor
+    /// `(xid, seq)`, below the oldest running transaction; delivered rows are removed in
+    /// bulk by housekeeping.
+    Log,
+}
+
+impl StorageMode {
+    /// The name used in configuration and errors.
+    pub fn name(self) -> &'static str {
+        match self {
+            StorageMode::Lease => "lease",
+            StorageMode::Log => "log",
+        }
+    }
+}
+
 /// Settings of the PostgreSQL storage: the `[storage]` section of the relay's file and the
 /// Rust API alike. Every key but `url` has a default. `Debug` hides the password in the URL.
 #[derive(Clone, PartialEq, serde::Deserialize)]
@@ -17,6 +47,11 @@ const MAX_MAX_PER_KEY: usize = 10_000;
 pub struct PostgresConfig {
     /// Connection URL, e.g. `postgres://user:password@127.0.0.1:5432/app`.
     pub url: String,
+    /// How the table is run (default `lease`); see [`StorageMode`].
+    pub mode: StorageMode,
+    /// Log mode: the number of shards a new table is made with (default 16, 1 to 1024).
+    /// Fixed when the table is created: a relay reads the count from the table.
+    pub shards: u32,
     /// Schema of the outbox tables (default `outbox`).
     pub schema: String,
     /// Name of the outbox table (default `outbox`); the dead-letter and other tables are
@@ -48,6 +83,8 @@ impl std::fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresConfig")
             .field("url", &redact_url(&self.url))
+            .field("mode", &self.mode)
+            .field("shards", &self.shards)
             .field("schema", &self.schema)
             .field("table", &self.table)
             .field("per_key_order", &self.per_key_order)
@@ -65,6 +102,8 @@ impl Default for PostgresConfig {
     fn default() -> Self {
         PostgresConfig {
             url: String::new(),
+            mode: StorageMode::Lease,
+            shards: DEFAULT_SHARDS,
             schema: "outbox".into(),
             table: "outbox".into(),
             per_key_order: true,
@@ -137,6 +176,12 @@ impl PostgresConfig {
                     "is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
                     self.max_per_key
                 ),
+            ));
+        }
+        if !(1..=MAX_SHARDS).contains(&self.shards) {
+            return Err(Error::setting(
+                "shards",
+                format!("is {}; it must be between 1 and {MAX_SHARDS}", self.shards),
             ));
         }
         if self.retention.is_some_and(|r| r.is_zero()) {

@@ -5,13 +5,15 @@ mod admin;
 mod config;
 mod connection;
 mod error;
+mod log;
 mod rows;
 mod sql;
 mod storage;
 mod table;
 mod wakeup;
 
-pub use config::{DEFAULT_MAX_PER_KEY, PostgresConfig};
+pub use config::{DEFAULT_MAX_PER_KEY, DEFAULT_SHARDS, PostgresConfig, StorageMode};
+pub use log::HorizonLag;
 /// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
 /// code written against this crate.
 pub use outbox_core::{DeadLetterFilter, DeadLetterRow, TopicStats};

@@ -13,9 +13,10 @@ use sqlx::postgres::PgPool;
 use uuid::Uuid;
 
 use crate::error::db_error;
+use crate::log::LogEngine;
 use crate::sql::{self, Statements};
 use crate::wakeup::Wakeup;
-use crate::{OutboxTable, PostgresConfig, connection, rows};
+use crate::{OutboxTable, PostgresConfig, StorageMode, connection, rows};
 
 /// The PostgreSQL [`Storage`]: claims with `FOR UPDATE` under leases on the database clock,
 /// fences every later write with the claim's token, keeps per-key order, and wakes the
@@ -29,6 +30,10 @@ pub struct PgStorage {
     wakeup: Wakeup,
     /// The partition key after which the next ordered claim starts its sweep.
     cursor: std::sync::Mutex<String>,
+    /// Log mode's shards and what this relay has read of them (`None` in lease mode).
+    pub(crate) log: Option<LogEngine>,
+    /// Whether the table was found migrated for the configured mode.
+    mode_checked: std::sync::atomic::AtomicBool,
 }
 
 impl std::fmt::Debug for PgStorage {
@@ -48,6 +53,7 @@ impl PgStorage {
         let table = OutboxTable::new(&config.schema, &config.table)?;
         let sql = Statements::new(&table, &config);
         let wakeup = Wakeup::new(config.wakeup, &table);
+        let log = (config.mode == StorageMode::Log).then(|| LogEngine::new(&table));
         Ok(PgStorage {
             config,
             table,
@@ -55,6 +61,8 @@ impl PgStorage {
             sql,
             wakeup,
             cursor: std::sync::Mutex::new(String::new()),
+            log,
+            mode_checked: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -85,9 +93,78 @@ impl PgStorage {
             .execute(&mut *conn)
             .await
             .map_err(|e| db_error("migration failed", e))?;
-        let result = self.table.migrate(&mut conn).await;
+        let result = match self.config.mode {
+            StorageMode::Lease => self.table.migrate(&mut conn).await,
+            StorageMode::Log => self.table.migrate_log(&mut conn, self.config.shards).await,
+        };
+        if result.is_ok() {
+            self.mode_checked
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
         let _ = sqlx::query(sql::FAST_COMMITS).execute(&mut *conn).await;
         result
+    }
+
+    /// Refuses, once, a table migrated for the other mode (a `Config` error naming
+    /// `mode`). A table that does not exist yet is left to the statements' own errors.
+    async fn check_mode(&self) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        if self.mode_checked.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| db_error("cannot connect", e))?;
+        self.table
+            .refuse_other_mode(&mut conn, self.config.mode)
+            .await?;
+        if self.table.mode(&mut conn).await?.is_some() {
+            self.mode_checked.store(true, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Log mode: gives every shard this relay owns up at once, so other relays take them
+    /// without waiting for the lease to run out (call it when a relay stops; the worker
+    /// does through [`Storage::stop`]). A no-op in lease mode.
+    pub async fn give_up_shards(&self) -> Result<()> {
+        match &self.log {
+            Some(log) => log.give_up(&self.pool).await,
+            None => Ok(()),
+        }
+    }
+
+    /// Log mode: how far the readable horizon trails the log: committed rows waiting for an
+    /// older transaction of the database to end, and which transaction that is (its backend
+    /// and age, or a prepared transaction). `None` in lease mode.
+    pub async fn horizon_lag(&self) -> Result<Option<crate::HorizonLag>> {
+        match &self.log {
+            Some(log) => log.horizon_lag(&self.pool).await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Log mode: the shards this relay owns, with their fencing epochs (empty in lease mode).
+    pub async fn owned_shards(&self) -> Vec<(i32, i64)> {
+        match &self.log {
+            Some(log) => log.owned().await,
+            None => Vec::new(),
+        }
+    }
+
+    /// Log mode: this relay's name in the shards table (`None` in lease mode).
+    pub fn relay_name(&self) -> Option<&str> {
+        self.log.as_ref().map(|l| l.owner())
+    }
+
+    /// Tests only: moves log mode's in-memory clock (leases, retry delays) ahead.
+    #[doc(hidden)]
+    pub fn advance_clock(&self, by: Duration) {
+        if let Some(log) = &self.log {
+            log.advance(by);
+        }
     }
 
     /// Runs a statement that returns a count.
@@ -113,6 +190,14 @@ fn millis(d: Duration) -> i64 {
 #[async_trait]
 impl Storage for PgStorage {
     async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        self.check_mode().await?;
+        if let Some(log) = &self.log {
+            let claim = log.claim(&self.pool, &self.config, limit, lease).await?;
+            self.wakeup
+                .claimed(&self.pool, !claim.messages.is_empty())
+                .await?;
+            return Ok(claim);
+        }
         let fail = |e| db_error("claim failed", e);
         let token = ClaimToken(Uuid::now_v7());
         let query = sqlx::query(&self.sql.claim)
@@ -157,6 +242,11 @@ impl Storage for PgStorage {
         if settlement.is_empty() {
             return Ok(0);
         }
+        if let Some(log) = &self.log {
+            return log
+                .settle(&self.pool, &self.config, token, settlement)
+                .await;
+        }
         let sql = if settlement.holds_back() {
             &self.sql.settle_holding_back
         } else {
@@ -192,6 +282,9 @@ impl Storage for PgStorage {
     }
 
     async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
+        if let Some(log) = &self.log {
+            return log.extend_lease(&self.pool, token, ids, lease).await;
+        }
         let query = sqlx::query(&self.sql.extend_lease)
             .bind(ids.to_vec())
             .bind(token.0)
@@ -208,6 +301,9 @@ impl Storage for PgStorage {
     }
 
     async fn stats(&self) -> Result<QueueStats> {
+        if let Some(log) = &self.log {
+            return log.stats(&self.pool).await;
+        }
         let row = sqlx::query(&self.sql.stats)
             .fetch_one(&self.pool)
             .await
@@ -219,6 +315,11 @@ impl Storage for PgStorage {
         let per_key_order = self.config.per_key_order;
         StorageCapabilities::new(per_key_order)
             .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
+            .with_waits_for_older_transactions(self.log.is_some())
+    }
+
+    async fn stop(&self) -> Result<()> {
+        self.give_up_shards().await
     }
 
     async fn wait_for_work(&self) -> Result<()> {
@@ -226,6 +327,9 @@ impl Storage for PgStorage {
     }
 
     async fn maintain(&self) -> Result<()> {
+        if let Some(log) = &self.log {
+            return log.maintain(&self.pool, self.config.retention).await;
+        }
         if let Some(retention) = self.config.retention {
             let done = sqlx::query(&self.sql.purge_delivered)
                 .bind(millis(retention))

@@ -6,6 +6,7 @@ use std::time::Duration;
 use outbox_core::{Error, NewMessage, Result};
 use sqlx::{Connection, Executor, PgConnection, Row};
 
+use crate::StorageMode;
 use crate::error::db_error;
 
 /// Longest schema or table name accepted, leaving room for the suffixes of the companion
@@ -193,6 +194,90 @@ impl OutboxTable {
         self.migrate_to(conn, MIGRATIONS.len()).await
     }
 
+    /// Creates or upgrades the tables for log mode (`[storage] mode = "log"`), with `shards`
+    /// shards if the table is new (the count of an existing table never changes). Refuses a
+    /// table migrated for lease mode. Safe to run concurrently and repeatedly.
+    pub async fn migrate_log(&self, conn: &mut PgConnection, shards: u32) -> Result<()> {
+        self.create_schema(conn).await?;
+        self.lock_migrations(conn).await?;
+        let result = async {
+            self.refuse_other_mode(conn, StorageMode::Log).await?;
+            let steps: Vec<(i32, String)> = (LOG_FIRST_VERSION..)
+                .zip(LOG_MIGRATIONS)
+                .map(|(version, template)| {
+                    let sql = self.render(template).replace("{shard_count}", &shards.to_string());
+                    (version, sql)
+                })
+                .collect();
+            let versions = self.qualified("_migrations");
+            let create = format!(
+                "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+            );
+            conn.execute(create.as_str()).await.map_err(fail)?;
+            let applied: i32 = conn
+                .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(fail)?;
+            let todo: Vec<(i32, String)> =
+                steps.into_iter().filter(|(v, _)| *v > applied).collect();
+            self.run_in_transaction(conn, &todo).await
+        }
+        .await;
+        let unlocked = conn
+            .execute(sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.migration_key()))
+            .await;
+        result?;
+        unlocked.map_err(fail)?;
+        Ok(())
+    }
+
+    /// The mode the outbox table was migrated for, or `None` when it does not exist yet:
+    /// only a log-mode table has the `xid` column.
+    pub async fn mode(&self, conn: &mut PgConnection) -> Result<Option<StorageMode>> {
+        let (exists, log): (bool, bool) = conn
+            .fetch_one(
+                sqlx::query(
+                    "SELECT to_regclass($1) IS NOT NULL, EXISTS (SELECT FROM pg_attribute \
+                     WHERE attrelid = to_regclass($1) AND attname = 'xid' AND NOT attisdropped)",
+                )
+                .bind(self.qualified("")),
+            )
+            .await
+            .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .map_err(|e| db_error("cannot read the outbox table's mode", e))?;
+        Ok(exists.then_some(if log {
+            StorageMode::Log
+        } else {
+            StorageMode::Lease
+        }))
+    }
+
+    /// A `Config` error when the table exists and was migrated for the other mode.
+    pub(crate) async fn refuse_other_mode(
+        &self,
+        conn: &mut PgConnection,
+        wanted: StorageMode,
+    ) -> Result<()> {
+        match self.mode(conn).await? {
+            Some(found) if found != wanted => Err(Error::setting(
+                "mode",
+                format!(
+                    "is `{}`, but table {}.{} was migrated for `{}` mode; a table runs in one \
+                     mode: set mode = \"{}\", or migrate a new table for `{}` mode (see \
+                     docs/storage/postgres.md, switching modes)",
+                    wanted.name(),
+                    self.schema,
+                    self.table,
+                    found.name(),
+                    found.name(),
+                    wanted.name()
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
     /// Applies the migrations up to version `target` only, as an older release would have:
     /// for tests of upgrades. Not part of the stable API.
     #[doc(hidden)]
@@ -202,7 +287,10 @@ impl OutboxTable {
         // `tokio::spawn` ("implementation of `Executor` is not general enough").
         self.create_schema(conn).await?;
         self.lock_migrations(conn).await?;
-        let result = self.apply(conn, target.min(MIGRATIONS.len())).await;
+        let result = match self.refuse_other_mode(conn, StorageMode::Lease).await {
+            Ok(()) => self.apply(conn, target.min(MIGRATIONS.len())).await,
+            Err(e) => Err(e),
+        };
         // A session lock outlives the call: release it even after a failure, since the
         // connection usually goes back to a pool. (If this future is dropped midway, the lock
         // lasts until the pool closes that connection.)
@@ -386,6 +474,9 @@ impl OutboxTable {
             .replace("{parked_keys}", &self.qualified("_parked_keys"))
             .replace("{delivered}", &self.qualified("_delivered"))
             .replace("{wakeup}", &self.qualified("_wakeup"))
+            .replace("{shards}", &self.qualified("_shards"))
+            .replace("{relays}", &self.qualified("_relays"))
+            .replace("{held}", &self.qualified("_held"))
             .replace("{notify_fn}", &self.qualified("_notify"))
             .replace("{channel}", &self.channel())
             .replace("{table}", &self.table)
@@ -558,6 +649,127 @@ $fn$;
     ),
 ];
 
+/// Log-mode migrations are numbered from here, so a table's versions say its mode.
+const LOG_FIRST_VERSION: i32 = 1001;
+
+/// Log-mode migrations (version = [`LOG_FIRST_VERSION`] + position); never change one that
+/// has shipped, add another. `{shard_count}` is the configured number of shards.
+const LOG_MIGRATIONS: &[&str] = &[r#"
+-- Append-only: writers INSERT exactly as in lease mode; the defaults add what the relays
+-- need. `xid` is the writing transaction's id: relays read only below the oldest running
+-- transaction, in (xid, seq) order. The shard is fixed by the partition key (keyless rows
+-- spread by their id); the count is part of the expression, so it never changes.
+CREATE TABLE {outbox} (
+    seq           bigint GENERATED ALWAYS AS IDENTITY,
+    xid           xid8 NOT NULL DEFAULT pg_current_xact_id(),
+    id            uuid NOT NULL DEFAULT gen_random_uuid(),
+    topic         text NOT NULL CHECK (topic <> ''),
+    partition_key text,
+    payload       bytea NOT NULL,
+    headers       jsonb NOT NULL DEFAULT '{}'::jsonb,
+    traceparent   text,
+    tracestate    text,
+    created_at    timestamptz NOT NULL DEFAULT now(),
+    shard         integer NOT NULL GENERATED ALWAYS AS (
+        ((coalesce(hashtext(partition_key), uuid_hash(id)) % {shard_count}) + {shard_count}) % {shard_count}
+    ) STORED,
+    PRIMARY KEY (shard, xid, seq)
+);
+-- Rows are inserted, then deleted in ranges behind the cursors: vacuum after a fixed count.
+ALTER TABLE {outbox} SET (
+    autovacuum_vacuum_scale_factor = 0,
+    autovacuum_vacuum_threshold = 20000,
+    autovacuum_vacuum_insert_scale_factor = 0,
+    autovacuum_vacuum_insert_threshold = 20000,
+    autovacuum_analyze_scale_factor = 0,
+    autovacuum_analyze_threshold = 20000,
+    autovacuum_vacuum_cost_delay = 0
+);
+
+-- One row per shard: its owner, the fencing epoch (bumped on every change of owner), the
+-- owner's lease on the database clock, and the cursor: every row at or before
+-- (cursor_xid, cursor_seq) is settled.
+CREATE TABLE {shards} (
+    shard      integer PRIMARY KEY,
+    owner      text,
+    epoch      bigint NOT NULL DEFAULT 0,
+    expires_at timestamptz NOT NULL DEFAULT '-infinity',
+    cursor_xid xid8 NOT NULL DEFAULT '0',
+    cursor_seq bigint NOT NULL DEFAULT 0,
+    moved_at   timestamptz NOT NULL DEFAULT now()
+);
+INSERT INTO {shards} (shard) SELECT generate_series(0, {shard_count} - 1);
+
+-- Relays alive, for the fair share of shards each takes.
+CREATE TABLE {relays} (
+    relay      text PRIMARY KEY,
+    expires_at timestamptz NOT NULL
+);
+
+CREATE TABLE {dead_letters} (
+    seq              bigint PRIMARY KEY,
+    xid              xid8 NOT NULL,
+    shard            integer NOT NULL,
+    id               uuid NOT NULL,
+    topic            text NOT NULL,
+    partition_key    text,
+    payload          bytea NOT NULL,
+    headers          jsonb NOT NULL,
+    traceparent      text,
+    tracestate       text,
+    created_at       timestamptz NOT NULL,
+    attempts         integer NOT NULL,
+    last_error       text NOT NULL,
+    dead_lettered_at timestamptz NOT NULL DEFAULT now()
+);
+CREATE INDEX {table}_dead_letters_key ON {dead_letters} (partition_key, seq);
+
+-- A parked key's messages kept aside (the cursor moves past them), with replayed dead
+-- letters; delivered in (xid, seq) order once the key drains.
+CREATE TABLE {held} (
+    seq           bigint PRIMARY KEY,
+    xid           xid8 NOT NULL,
+    shard         integer NOT NULL,
+    id            uuid NOT NULL,
+    topic         text NOT NULL,
+    partition_key text NOT NULL,
+    payload       bytea NOT NULL,
+    headers       jsonb NOT NULL,
+    traceparent   text,
+    tracestate    text,
+    created_at    timestamptz NOT NULL,
+    attempts      integer NOT NULL DEFAULT 0
+);
+CREATE INDEX {table}_held_key ON {held} (partition_key, xid, seq);
+
+-- draining: released or replayed; the owner delivers the key's held rows, then unparks it.
+-- generation: bumped by every replay or release, so the owner reloads the held rows.
+CREATE TABLE {parked_keys} (
+    partition_key  text PRIMARY KEY,
+    dead_letter_id uuid NOT NULL,
+    shard          integer NOT NULL,
+    draining       boolean NOT NULL DEFAULT false,
+    generation     bigint NOT NULL DEFAULT 0,
+    parked_at      timestamptz NOT NULL DEFAULT now()
+);
+
+CREATE TABLE {wakeup} (
+    singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    relay_idle boolean NOT NULL DEFAULT false
+);
+INSERT INTO {wakeup} DEFAULT VALUES;
+CREATE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    IF (SELECT relay_idle FROM {wakeup}) THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
+    FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
+"#];
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -601,12 +813,36 @@ mod tests {
                 "{notify_fn}",
                 "{channel}",
                 "{table}",
+                "{shards}",
+                "{relays}",
+                "{held}",
             ] {
                 assert!(
                     !sql.contains(placeholder),
                     "{placeholder} left in the migration"
                 );
             }
+        }
+    }
+
+    #[test]
+    fn log_migrations_fill_every_placeholder() {
+        let t = OutboxTable::new("app", "outbox").unwrap();
+        for template in LOG_MIGRATIONS {
+            let sql = t.render(template).replace("{shard_count}", "16");
+            for placeholder in [
+                "{outbox}",
+                "{shards}",
+                "{relays}",
+                "{held}",
+                "{shard_count}",
+            ] {
+                assert!(
+                    !sql.contains(placeholder),
+                    "{placeholder} left in a log migration"
+                );
+            }
+            assert!(sql.contains(r#""app"."outbox_shards""#));
         }
     }
 

@@ -52,6 +52,8 @@ struct Msg {
     id: Uuid,
     key: Option<String>,
     state: State,
+    /// The transaction that wrote it, numbered in the order they began.
+    tx: usize,
 }
 
 /// The reference: every message in write (sequence) order, the parked keys and the clock.
@@ -61,6 +63,11 @@ struct Model {
     index: HashMap<Uuid, usize>,
     parked: HashSet<String>,
     now: Duration,
+    /// The storage `waits_for_older_transactions`: a message is claimable only once every
+    /// transaction that began before its own has ended.
+    horizon: bool,
+    /// Transactions still open, by number.
+    open_txs: HashSet<usize>,
 }
 
 impl Model {
@@ -70,6 +77,9 @@ impl Model {
     }
 
     fn due(&self, m: &Msg) -> bool {
+        if self.horizon && self.open_txs.iter().any(|&t| t < m.tx) {
+            return false;
+        }
         match m.state {
             State::Waiting { at } => at <= self.now,
             State::Held { until, .. } => until <= self.now,
@@ -191,7 +201,11 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
         return;
     };
     let storage = f.storage();
-    let mut model = Model::default();
+    let mut model = Model {
+        horizon: storage.capabilities().waits_for_older_transactions,
+        ..Model::default()
+    };
+    let mut next_tx = 0usize;
     let mut open: Vec<(Vec<usize>, Box<dyn PendingWrite>)> = Vec::new();
     let mut claims: Vec<Option<Claim>> = (0..RELAYS).map(|_| None).collect();
     let mut written = 0usize;
@@ -204,6 +218,9 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
             0..=17 if open.len() < 3 => {
                 let mut batch = Vec::new();
                 let mut idx = Vec::new();
+                let tx = next_tx;
+                next_tx += 1;
+                model.open_txs.insert(tx);
                 for _ in 0..rng.usize(1..=3) {
                     let key = KEYS[rng.usize(..KEYS.len())];
                     let mut message = NewMessage::new("model", format!("m{written}"));
@@ -217,6 +234,7 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                         id: message.id,
                         key: key.map(str::to_string),
                         state: State::Open,
+                        tx,
                     });
                     batch.push(message);
                 }
@@ -225,6 +243,9 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
             // One open transaction commits (or, now and then, rolls back).
             18..=35 if !open.is_empty() => {
                 let (idx, tx) = open.remove(rng.usize(..open.len()));
+                if let Some(&i) = idx.first() {
+                    model.open_txs.remove(&model.msgs[i].tx);
+                }
                 let commit = rng.u8(..10) < 8;
                 if commit {
                     tx.commit().await;
@@ -302,6 +323,12 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                 let n = f.replay_dead_letters(&[model.msgs[i].id]).await;
                 assert_eq!(n, 1, "{}: replay count", context("replay"));
                 replay(&mut model, i);
+                if model.horizon && model.msgs[i].key.is_none() {
+                    // Without a key, order does not matter: such a storage appends the
+                    // message again, written by a transaction that begins (and ends) now.
+                    model.msgs[i].tx = next_tx;
+                    next_tx += 1;
+                }
             }
             // The operator releases a parked key.
             96..=99 => {
@@ -321,6 +348,7 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
 
     // The end: open transactions commit, time passes, dead letters are replayed, and the
     // relays drain everything; every committed message is delivered.
+    model.open_txs.clear();
     for (idx, tx) in open.drain(..) {
         tx.commit().await;
         for i in idx {

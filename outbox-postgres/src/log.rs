@@ -1,0 +1,1589 @@
+//! Log mode (`[storage] mode = "log"`): the outbox is an append-only log that relays only
+//! read. Each row belongs to one of S shards; a relay owns some shards (a lease on the
+//! database clock, fenced by an epoch bumped at every change of owner) and reads each past
+//! its cursor `(xid, seq)`, only rows whose transaction id is below the oldest transaction
+//! of the database still running ([`HORIZON`]), in `(xid, seq)` order. What it has read
+//! but not settled is kept here, in memory: in flight under a claim token, waiting to retry,
+//! or ready. The stored cursor moves to just before the oldest row not settled. A parked
+//! key's rows move to `<table>_held` so the cursor can pass them. See docs/ARCHITECTURE.md
+//! (log mode) for why the horizon rule loses nothing.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+
+use outbox_core::{Claim, ClaimToken, Error, Message, QueueStats, Result, Settlement};
+use sqlx::Row;
+use sqlx::postgres::{PgPool, PgRow};
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::error::db_error;
+use crate::sql::MESSAGE_COLUMNS;
+use crate::{OutboxTable, PostgresConfig, rows};
+
+/// How far log mode's readable horizon trails the log ([`crate::PgStorage::horizon_lag`]):
+/// committed rows that wait for an older transaction to end, and that transaction.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HorizonLag {
+    /// Committed rows at or above the horizon: not readable until it moves.
+    pub waiting_rows: u64,
+    /// The backend (`pg_stat_activity.pid`) whose open transaction holds the horizon, if
+    /// one does.
+    pub blocker_pid: Option<i32>,
+    /// How long that transaction has been open.
+    pub blocker_age: Option<Duration>,
+    /// Or the prepared transaction (two-phase commit) that holds it, by its `gid`.
+    pub blocker_prepared: Option<String>,
+}
+
+/// A row's place in the log: (transaction id, seq).
+type Pos = (u64, i64);
+
+/// How often a claiming relay renews its shards, counts the relays and rebalances (more
+/// often with a lease under 3 s: three times per lease). A claim that hands messages out
+/// renews their shards in any case, so a shard is held at least as long as its claims.
+const ROUND_EVERY: Duration = Duration::from_secs(1);
+
+/// The most rows a relay keeps read but unsettled per shard: this many claims' limits, and
+/// at least [`BUFFER_MIN`]. Rows behind a shard's full buffer wait unread.
+const BUFFER_CLAIMS: usize = 4;
+const BUFFER_MIN: usize = 256;
+
+/// Where a row read by this relay stands.
+#[derive(Debug, Clone, Copy)]
+enum State {
+    Ready,
+    InFlight { token: Uuid, until: Instant },
+    Waiting { at: Instant },
+}
+
+/// A row read and not yet settled.
+struct Entry {
+    message: Message,
+    /// Read from the held rows of a draining key (before the cursor), not from the log.
+    held: bool,
+    state: State,
+}
+
+/// A shard this relay owns.
+struct Shard {
+    epoch: i64,
+    /// The stored cursor: every row at or before it is settled.
+    cursor: Pos,
+    /// The last row read from the log.
+    read: Pos,
+    entries: BTreeMap<Pos, Entry>,
+    /// Above this relay's fair share: read nothing more, give it up once all is settled
+    /// (so the next owner delivers nothing again).
+    leaving: bool,
+}
+
+impl Shard {
+    /// Forgets the rows read but never handed out (ready) after the last one that was, and
+    /// reads them again from there: a shard being handed over then has only what is out.
+    fn forget_unclaimed_tail(&mut self) {
+        while let Some((&pos, e)) = self.entries.last_key_value() {
+            if e.held || !matches!(e.state, State::Ready) || e.message.attempts > 0 {
+                break;
+            }
+            self.entries.remove(&pos);
+            self.read = (pos.0, pos.1 - 1);
+        }
+    }
+
+    /// Just before the oldest log row not settled, or the last row read.
+    fn cursor_after(&self, removed: &HashSet<Pos>) -> Pos {
+        self.entries
+            .iter()
+            .find(|(pos, e)| !e.held && !removed.contains(pos))
+            .map(|(&(xid, seq), _)| (xid, seq - 1))
+            .unwrap_or(self.read)
+    }
+}
+
+/// A parked key of a shard this relay owns.
+#[derive(Debug, Clone, Copy)]
+struct Parked {
+    draining: bool,
+    generation: i64,
+}
+
+/// A row kept aside in the held rows while a claim still held it or it waited to retry:
+/// its state carries over when the key drains, and a late settlement of that claim is
+/// still accepted, as in lease mode while nobody has claimed the row since.
+struct Aside {
+    shard: i32,
+    seq: i64,
+    key: String,
+    state: State,
+    attempts: u32,
+}
+
+#[derive(Default)]
+struct Inner {
+    /// By message id.
+    aside: HashMap<Uuid, Aside>,
+    shards: BTreeMap<i32, Shard>,
+    /// Where each entry is.
+    ids: HashMap<Uuid, (i32, Pos)>,
+    parked: HashMap<String, Parked>,
+    last_round: Option<Instant>,
+}
+
+impl Inner {
+    fn drop_shard(&mut self, shard: i32) {
+        self.aside.retain(|_, a| a.shard != shard);
+        if let Some(s) = self.shards.remove(&shard) {
+            for e in s.entries.values() {
+                self.ids.remove(&e.message.id);
+            }
+        }
+    }
+
+    /// Remembers the state of an entry moved to the held rows, unless it is simply ready.
+    fn set_aside(&mut self, shard: i32, pos: Pos, state: State, attempts: u32, token: &ClaimToken) {
+        let Some(e) = self.shards.get(&shard).and_then(|s| s.entries.get(&pos)) else {
+            return;
+        };
+        let Some(key) = e.message.key.clone() else {
+            return;
+        };
+        let keep = match state {
+            State::Ready => false,
+            State::InFlight { token: t, .. } => t != token.0,
+            State::Waiting { .. } => true,
+        };
+        if keep {
+            self.aside.insert(
+                e.message.id,
+                Aside {
+                    shard,
+                    seq: pos.1,
+                    key,
+                    state,
+                    attempts,
+                },
+            );
+        }
+    }
+
+    /// The aside row `id` if it is in flight under `token`.
+    fn aside_held_by(&self, id: &Uuid, token: &ClaimToken) -> bool {
+        self.aside
+            .get(id)
+            .is_some_and(|a| matches!(a.state, State::InFlight { token: t, .. } if t == token.0))
+    }
+
+    /// The entry `id` if it is in flight under `token`.
+    fn held_by(&self, id: &Uuid, token: &ClaimToken) -> Option<(i32, Pos)> {
+        let &(shard, pos) = self.ids.get(id)?;
+        let entry = self.shards.get(&shard)?.entries.get(&pos)?;
+        match entry.state {
+            State::InFlight { token: t, .. } if t == token.0 => Some((shard, pos)),
+            _ => None,
+        }
+    }
+}
+
+/// The SQL of log mode for one table.
+pub(crate) struct LogSql {
+    heartbeat: String,
+    renew: String,
+    counts: String,
+    acquire: String,
+    give_up: String,
+    forget_relay: String,
+    read: String,
+    parked_in: String,
+    held_of_key: String,
+    hold: String,
+    move_cursors: String,
+    dead_from_log: String,
+    dead_from_held: String,
+    park: String,
+    delete_held: String,
+    unpark: String,
+    stats: String,
+    cleanup: String,
+    forget_old_relays: String,
+    lag: String,
+    // The operator's side (`admin.rs`).
+    pub(crate) replay: String,
+    pub(crate) release: String,
+    pub(crate) topic_stats: String,
+}
+
+/// The horizon rule: a row is readable once its transaction id is below every transaction
+/// of this database still running, `h`. That is `pg_snapshot_xmin(pg_current_snapshot())`
+/// with the running transactions of other databases left out (they can never write this
+/// table; a transaction is left out only when `pg_stat_activity` shows it in another
+/// database, so one it cannot see, such as a prepared transaction, still holds the
+/// horizon). With none running, the next transaction id. Every transaction below `h` has
+/// ended, so its rows are all visible to this statement, and every transaction yet to
+/// write gets an id at or above `h`: nothing can ever appear behind a cursor that only
+/// moves through rows below it.
+const HORIZON: &str = "SELECT coalesce(
+        (SELECT min(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+         WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                           WHERE a.backend_xid = xid(x)
+                             AND a.datname IS DISTINCT FROM current_database())),
+        pg_snapshot_xmax(pg_current_snapshot())) AS h";
+
+/// Binds of a set of positions: shards, transaction ids (as text: sqlx has no `xid8`), seqs.
+fn split(positions: &[(i32, Pos)]) -> (Vec<i32>, Vec<String>, Vec<i64>) {
+    let mut out = (Vec::new(), Vec::new(), Vec::new());
+    for &(shard, (xid, seq)) in positions {
+        out.0.push(shard);
+        out.1.push(xid.to_string());
+        out.2.push(seq);
+    }
+    out
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+fn parse_xid(text: &str) -> Result<u64> {
+    text.parse()
+        .map_err(|_| Error::temporary(format!("postgres: `{text}` is not a transaction id")))
+}
+
+impl LogSql {
+    fn new(t: &OutboxTable) -> Self {
+        let outbox = t.qualified("");
+        let shards = t.qualified("_shards");
+        let relays = t.qualified("_relays");
+        let held = t.qualified("_held");
+        let dead = t.qualified("_dead_letters");
+        let parked = t.qualified("_parked_keys");
+        let ms = "* interval '1 millisecond'";
+        let cols = MESSAGE_COLUMNS.replace(", attempts", "");
+        let row_cols = "seq, xid, shard, id, topic, partition_key, payload, headers, \
+                        traceparent, tracestate, created_at";
+        let o_cols = row_cols
+            .split(", ")
+            .map(|c| format!("o.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        LogSql {
+            heartbeat: format!(
+                "INSERT INTO {relays} (relay, expires_at) VALUES ($1, statement_timestamp() + $2 {ms})
+                 ON CONFLICT (relay) DO UPDATE SET expires_at = excluded.expires_at"
+            ),
+            // The epoch fences: a shard another relay took since has a new one. A lease that
+            // ran out with nobody taking the shard is renewed.
+            renew: format!(
+                "UPDATE {shards} s SET expires_at = statement_timestamp() + $3 {ms}
+                 FROM unnest($1::int[], $2::bigint[]) AS o(shard, epoch)
+                 WHERE s.shard = o.shard AND s.epoch = o.epoch AND s.owner = $4
+                 RETURNING s.shard"
+            ),
+            counts: format!(
+                "SELECT (SELECT count(*) FROM {shards}),
+                        (SELECT count(*) FROM {relays} WHERE expires_at > statement_timestamp())"
+            ),
+            acquire: format!(
+                "UPDATE {shards} s SET owner = $1, epoch = s.epoch + 1,
+                        expires_at = statement_timestamp() + $2 {ms}
+                 FROM (SELECT shard FROM {shards}
+                       WHERE (owner IS NULL OR expires_at <= statement_timestamp())
+                         AND shard <> ALL($4)
+                       ORDER BY shard LIMIT $3 FOR UPDATE SKIP LOCKED) f
+                 WHERE s.shard = f.shard
+                 RETURNING s.shard, s.epoch, s.cursor_xid::text, s.cursor_seq"
+            ),
+            give_up: format!(
+                "UPDATE {shards} s SET owner = NULL, expires_at = '-infinity'
+                 FROM unnest($1::int[], $2::bigint[]) AS o(shard, epoch)
+                 WHERE s.shard = o.shard AND s.epoch = o.epoch AND s.owner = $3"
+            ),
+            forget_relay: format!("DELETE FROM {relays} WHERE relay = $1"),
+            read: format!(
+                "WITH horizon AS MATERIALIZED ({HORIZON})
+                 SELECT r.* FROM horizon,
+                     unnest($1::int[], $2::text[], $3::bigint[], $4::bigint[])
+                     AS p(shard, xid, seq, n)
+                 CROSS JOIN LATERAL (
+                    SELECT o.shard, o.xid::text AS xid_text, o.seq, {o_msg}, 0 AS attempts
+                    FROM {outbox} o
+                    WHERE o.shard = p.shard AND (o.xid, o.seq) > (p.xid::xid8, p.seq)
+                      AND o.xid < horizon.h
+                    ORDER BY o.xid, o.seq LIMIT p.n) r",
+                o_msg = cols
+                    .split(", ")
+                    .map(|c| format!("o.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            parked_in: format!(
+                "SELECT partition_key, draining, generation FROM {parked} WHERE shard = ANY($1)"
+            ),
+            held_of_key: format!(
+                "SELECT shard, xid::text AS xid_text, seq, {MESSAGE_COLUMNS} FROM {held}
+                 WHERE partition_key = $1 ORDER BY xid, seq"
+            ),
+            hold: format!(
+                "INSERT INTO {held} ({row_cols}, attempts)
+                 SELECT {o_cols}, u.attempts
+                 FROM unnest($1::int[], $2::text[], $3::bigint[], $4::int[])
+                     AS u(shard, xid, seq, attempts)
+                 JOIN {outbox} o ON o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                 ON CONFLICT (seq) DO NOTHING"
+            ),
+            // Fenced by the epoch, and a cursor never moves back. The row locks taken here
+            // keep the shards until the commit: a takeover waits for it.
+            move_cursors: format!(
+                "UPDATE {shards} s SET
+                    cursor_xid = greatest(s.cursor_xid, u.xid::xid8),
+                    cursor_seq = CASE WHEN (u.xid::xid8, u.seq) > (s.cursor_xid, s.cursor_seq)
+                                      THEN u.seq ELSE s.cursor_seq END,
+                    moved_at = CASE WHEN (u.xid::xid8, u.seq) > (s.cursor_xid, s.cursor_seq)
+                                    THEN now() ELSE s.moved_at END
+                 FROM unnest($1::int[], $2::text[], $3::bigint[], $4::bigint[])
+                     AS u(shard, xid, seq, epoch)
+                 WHERE s.shard = u.shard AND s.epoch = u.epoch AND s.owner = $5
+                 RETURNING s.shard"
+            ),
+            dead_from_log: format!(
+                "INSERT INTO {dead} ({row_cols}, attempts, last_error)
+                 SELECT {o_cols}, u.attempts, u.error
+                 FROM unnest($1::int[], $2::text[], $3::bigint[], $4::int[], $5::text[])
+                     AS u(shard, xid, seq, attempts, error)
+                 JOIN {outbox} o ON o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                 ON CONFLICT (seq) DO NOTHING"
+            ),
+            dead_from_held: format!(
+                "WITH gone AS (
+                    DELETE FROM {held} h USING unnest($1::bigint[], $2::int[], $3::text[])
+                        AS u(seq, attempts, error)
+                    WHERE h.seq = u.seq RETURNING h.*, u.attempts AS tries, u.error)
+                 INSERT INTO {dead} ({row_cols}, attempts, last_error)
+                 SELECT {row_cols}, tries, error FROM gone
+                 ON CONFLICT (seq) DO NOTHING"
+            ),
+            park: format!(
+                "INSERT INTO {parked} (partition_key, dead_letter_id, shard)
+                 SELECT * FROM unnest($1::text[], $2::uuid[], $3::int[])
+                 ON CONFLICT (partition_key) DO UPDATE SET draining = false,
+                    dead_letter_id = excluded.dead_letter_id"
+            ),
+            delete_held: format!("DELETE FROM {held} WHERE seq = ANY($1)"),
+            unpark: format!(
+                "DELETE FROM {parked} p WHERE p.partition_key = $1 AND p.draining
+                   AND p.generation = $2
+                   AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.partition_key = $1)"
+            ),
+            // Rows past each shard's position: this relay's read position for its shards
+            // (what it has read is counted from memory), the stored cursor for the others.
+            stats: format!(
+                "SELECT coalesce(sum(c.n), 0)::bigint, min(c.oldest),
+                        (SELECT count(*) FROM {held} WHERE seq <> ALL($4)),
+                        (SELECT min(created_at) FROM {held} WHERE seq <> ALL($4)),
+                        (SELECT count(*) FROM {dead}), (SELECT count(*) FROM {parked})
+                 FROM {shards} s
+                 LEFT JOIN unnest($1::int[], $2::text[], $3::bigint[]) AS p(shard, xid, seq)
+                     ON p.shard = s.shard
+                 CROSS JOIN LATERAL (
+                    SELECT count(*) AS n, min(o.created_at) AS oldest FROM {outbox} o
+                    WHERE o.shard = s.shard
+                      AND (o.xid, o.seq) > (coalesce(p.xid::xid8, s.cursor_xid),
+                                            coalesce(p.seq, s.cursor_seq))) c"
+            ),
+            // A ranged delete per shard along the primary key, up to the stored cursor.
+            cleanup: format!(
+                "DELETE FROM {outbox} o USING {shards} s
+                 WHERE s.shard = ANY($1) AND o.shard = s.shard
+                   AND (o.xid, o.seq) <= (s.cursor_xid, s.cursor_seq)
+                   AND ($2::bigint IS NULL OR o.created_at < now() - $2 {ms})"
+            ),
+            forget_old_relays: format!(
+                "DELETE FROM {relays} WHERE expires_at < now() - interval '1 hour'"
+            ),
+            // Committed rows not yet readable, and the transaction that holds the horizon
+            // (a backend of this database, or a prepared transaction) with its age.
+            lag: format!(
+                "WITH horizon AS MATERIALIZED ({HORIZON})
+                 SELECT (SELECT coalesce(sum(c.n), 0)::bigint FROM {shards} s CROSS JOIN LATERAL (
+                            SELECT count(*) AS n FROM {outbox} o
+                            WHERE o.shard = s.shard AND o.xid >= horizon.h) c),
+                        (SELECT a.pid FROM pg_stat_activity a WHERE a.backend_xid = xid(horizon.h)
+                         LIMIT 1),
+                        (SELECT extract(epoch FROM statement_timestamp() - a.xact_start)::float8
+                         FROM pg_stat_activity a WHERE a.backend_xid = xid(horizon.h) LIMIT 1),
+                        (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = xid(horizon.h)
+                         LIMIT 1)
+                 FROM horizon"
+            ),
+            // With per-key order (`$2`), a keyed dead letter goes back to the held rows at
+            // its original place and its key drains (the owner delivers the held rows in
+            // order, then unparks it) once no other dead letter of the key remains. Without
+            // a key or key order, order does not matter: it is appended to the log again.
+            replay: format!(
+                "WITH back AS (DELETE FROM {dead} d WHERE d.id = ANY($1) RETURNING d.*),
+                 kept AS (
+                    INSERT INTO {held} ({row_cols}, attempts)
+                    SELECT {row_cols}, 0 FROM back WHERE partition_key IS NOT NULL AND $2
+                    ON CONFLICT (seq) DO NOTHING
+                    RETURNING partition_key, id, shard),
+                 logged AS (
+                    INSERT INTO {outbox} (id, topic, partition_key, payload, headers,
+                           traceparent, tracestate, created_at)
+                    SELECT id, topic, partition_key, payload, headers, traceparent, tracestate,
+                           created_at FROM back WHERE partition_key IS NULL OR NOT $2
+                    RETURNING 1),
+                 parks AS (
+                    INSERT INTO {parked} AS p (partition_key, dead_letter_id, shard, draining)
+                    SELECT DISTINCT ON (k.partition_key) k.partition_key, k.id, k.shard,
+                           NOT EXISTS (SELECT 1 FROM {dead} d
+                                       WHERE d.partition_key = k.partition_key AND d.id <> ALL($1))
+                    FROM kept k ORDER BY k.partition_key
+                    ON CONFLICT (partition_key) DO UPDATE SET generation = p.generation + 1,
+                       draining = p.draining OR excluded.draining
+                    RETURNING 1)
+                 SELECT count(*) + 0 * (SELECT count(*) FROM logged) + 0 * (SELECT count(*) FROM parks)
+                 FROM back"
+            ),
+            release: format!(
+                "UPDATE {parked} SET draining = true, generation = generation + 1
+                 WHERE partition_key = $1 AND NOT draining"
+            ),
+            topic_stats: format!(
+                "WITH live AS (
+                    SELECT topic, count(*) AS pending, min(created_at) AS oldest FROM (
+                        SELECT o.topic, o.created_at FROM {outbox} o JOIN {shards} s ON s.shard = o.shard
+                        WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq)
+                        UNION ALL SELECT topic, created_at FROM {held}) x
+                    GROUP BY topic),
+                 dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic)
+                 SELECT coalesce(live.topic, dead.topic) AS topic, coalesce(pending, 0) AS pending,
+                        oldest, 0::bigint AS in_flight, coalesce(dead.dead, 0) AS dead
+                 FROM live FULL JOIN dead ON live.topic = dead.topic ORDER BY 1"
+            ),
+        }
+    }
+}
+
+/// The log-mode engine of one [`crate::PgStorage`]: one relay's shards and what it has read.
+pub(crate) struct LogEngine {
+    /// This relay's name in the shards table: unique per storage instance.
+    owner: String,
+    pub(crate) sql: LogSql,
+    inner: tokio::sync::Mutex<Inner>,
+    /// Added to the clock of in-memory times (leases, retry delays): for tests only.
+    offset: std::sync::Mutex<Duration>,
+}
+
+impl LogEngine {
+    pub(crate) fn new(table: &OutboxTable) -> Self {
+        LogEngine {
+            owner: format!("relay-{}", Uuid::now_v7()),
+            sql: LogSql::new(table),
+            inner: tokio::sync::Mutex::new(Inner::default()),
+            offset: std::sync::Mutex::new(Duration::ZERO),
+        }
+    }
+
+    /// This relay's name in the shards table.
+    pub(crate) fn owner(&self) -> &str {
+        &self.owner
+    }
+
+    fn now(&self) -> Instant {
+        Instant::now() + *self.offset.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Moves the in-memory clock ahead (tests: the conformance suite's `advance`).
+    pub(crate) fn advance(&self, by: Duration) {
+        *self.offset.lock().unwrap_or_else(|e| e.into_inner()) += by;
+    }
+
+    /// The shards this relay owns, with their epochs.
+    pub(crate) async fn owned(&self) -> Vec<(i32, i64)> {
+        let inner = self.inner.lock().await;
+        inner.shards.iter().map(|(s, sh)| (*s, sh.epoch)).collect()
+    }
+
+    /// Renews owned shards (dropping those another relay took), records this relay as
+    /// alive, and takes free or expired shards up to a fair share (shards ÷ live relays,
+    /// rounded up), giving up idle ones above it.
+    async fn round(&self, pool: &PgPool, inner: &mut Inner, lease: Duration) -> Result<()> {
+        let fail = |e| db_error("cannot renew or take shards", e);
+        let ms = millis(lease);
+        let asked_at = self.now();
+        let mut tx = pool.begin().await.map_err(fail)?;
+        sqlx::query(&self.sql.heartbeat)
+            .bind(&self.owner)
+            .bind(ms)
+            .execute(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let (owned, epochs): (Vec<i32>, Vec<i64>) =
+            inner.shards.iter().map(|(s, sh)| (*s, sh.epoch)).unzip();
+        let kept: Vec<i32> = sqlx::query_scalar(&self.sql.renew)
+            .bind(&owned)
+            .bind(&epochs)
+            .bind(ms)
+            .bind(&self.owner)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let (total, live): (i64, i64) = sqlx::query_as(&self.sql.counts)
+            .fetch_one(&mut *tx)
+            .await
+            .map_err(fail)?;
+        let live = live.max(1);
+        let fair = usize::try_from((total + live - 1) / live).unwrap_or(0);
+        let mut acquired: Vec<(i32, i64, String, i64)> = Vec::new();
+        let mut given_up: Vec<i32> = Vec::new();
+        let mut leaving: HashSet<i32> = HashSet::new();
+        if kept.len() < fair {
+            acquired = sqlx::query_as(&self.sql.acquire)
+                .bind(&self.owner)
+                .bind(ms)
+                .bind(i64::try_from(fair - kept.len()).unwrap_or(0))
+                .bind(&kept)
+                .fetch_all(&mut *tx)
+                .await
+                .map_err(fail)?;
+        } else if kept.len() > fair {
+            // Hand over the shards with the least read: they stop reading now, and are
+            // given up once nothing read of them is unsettled (their cursor is stored).
+            let mut by_load: Vec<(usize, i32)> = kept
+                .iter()
+                .filter_map(|s| inner.shards.get(s).map(|sh| (sh.entries.len(), *s)))
+                .collect();
+            by_load.sort_unstable();
+            leaving = by_load
+                .iter()
+                .take(kept.len() - fair)
+                .map(|(_, s)| *s)
+                .collect();
+            for shard in &leaving {
+                if let Some(s) = inner.shards.get_mut(shard) {
+                    s.forget_unclaimed_tail();
+                }
+            }
+            given_up = leaving
+                .iter()
+                .copied()
+                .filter(|s| inner.shards.get(s).is_some_and(|sh| sh.entries.is_empty()))
+                .collect();
+            let epochs: Vec<i64> = given_up
+                .iter()
+                .filter_map(|s| inner.shards.get(s).map(|sh| sh.epoch))
+                .collect();
+            sqlx::query(&self.sql.give_up)
+                .bind(&given_up)
+                .bind(&epochs)
+                .bind(&self.owner)
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)?;
+        let kept: HashSet<i32> = kept.into_iter().collect();
+        for shard in owned {
+            if !kept.contains(&shard) {
+                tracing::warn!(relay = %self.owner, shard, "another relay took this shard over; dropping what was read of it");
+                inner.drop_shard(shard);
+            }
+        }
+        for shard in given_up {
+            tracing::debug!(relay = %self.owner, shard, "gave a shard up (more relays are alive)");
+            inner.drop_shard(shard);
+        }
+        for (shard, s) in inner.shards.iter_mut() {
+            s.leaving = leaving.contains(shard);
+        }
+        if !leaving.is_empty() {
+            let ids: HashSet<Uuid> = inner
+                .shards
+                .values()
+                .flat_map(|s| s.entries.values().map(|e| e.message.id))
+                .collect();
+            inner.ids.retain(|id, _| ids.contains(id));
+        }
+        for (shard, epoch, xid, seq) in acquired {
+            let cursor = (parse_xid(&xid)?, seq);
+            tracing::debug!(relay = %self.owner, shard, epoch, "took a shard");
+            inner.shards.insert(
+                shard,
+                Shard {
+                    epoch,
+                    cursor,
+                    read: cursor,
+                    entries: BTreeMap::new(),
+                    leaving: false,
+                },
+            );
+        }
+        inner.last_round = Some(asked_at);
+        Ok(())
+    }
+
+    /// Reads which keys of the owned shards are parked; loads the held rows of keys that
+    /// became draining (released or replayed) or were replayed again; unparks draining keys
+    /// whose held rows are all settled.
+    async fn refresh_parked(&self, pool: &PgPool, inner: &mut Inner) -> Result<()> {
+        let fail = |e| db_error("cannot read parked keys", e);
+        let owned: Vec<i32> = inner.shards.keys().copied().collect();
+        let rows: Vec<(String, bool, i64)> = sqlx::query_as(&self.sql.parked_in)
+            .bind(&owned)
+            .fetch_all(pool)
+            .await
+            .map_err(fail)?;
+        let mut seen = HashSet::new();
+        for (key, draining, generation) in rows {
+            let before = inner.parked.get(&key).copied();
+            let load = draining && before.is_none_or(|p| !p.draining || p.generation != generation);
+            if load {
+                let held = sqlx::query(&self.sql.held_of_key)
+                    .bind(&key)
+                    .fetch_all(pool)
+                    .await
+                    .map_err(fail)?;
+                for row in &held {
+                    let (shard, pos) = position(row)?;
+                    let mut message = rows::message(row)?;
+                    if let Some(s) = inner.shards.get_mut(&shard)
+                        && let std::collections::btree_map::Entry::Vacant(slot) =
+                            s.entries.entry(pos)
+                    {
+                        let mut state = State::Ready;
+                        if let Some(a) = inner.aside.remove(&message.id) {
+                            state = a.state;
+                            message.attempts = a.attempts;
+                        }
+                        inner.ids.insert(message.id, (shard, pos));
+                        slot.insert(Entry {
+                            message,
+                            held: true,
+                            state,
+                        });
+                    }
+                }
+            }
+            seen.insert(key.clone());
+            inner.parked.insert(
+                key,
+                Parked {
+                    draining,
+                    generation,
+                },
+            );
+        }
+        inner.parked.retain(|k, _| seen.contains(k));
+        // A draining key with nothing held left in memory is unparked (the statement checks
+        // the table too, and that no replay came meanwhile).
+        let done: Vec<(String, i64)> = inner
+            .parked
+            .iter()
+            .filter(|(key, p)| {
+                p.draining
+                    && !inner.shards.values().any(|s| {
+                        s.entries
+                            .values()
+                            .any(|e| e.held && e.message.key.as_deref() == Some(key.as_str()))
+                    })
+            })
+            .map(|(k, p)| (k.clone(), p.generation))
+            .collect();
+        for (key, generation) in done {
+            let gone = sqlx::query(&self.sql.unpark)
+                .bind(&key)
+                .bind(generation)
+                .execute(pool)
+                .await
+                .map_err(fail)?;
+            if gone.rows_affected() > 0 {
+                inner.parked.remove(&key);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads new rows below the horizon into memory; rows of parked keys are kept aside in
+    /// the held rows at once (fenced), before the cursor can move past them.
+    async fn read(&self, pool: &PgPool, inner: &mut Inner, limit: usize) -> Result<()> {
+        let fail = |e| db_error("cannot read the outbox log", e);
+        let cap = limit.saturating_mul(BUFFER_CLAIMS).max(BUFFER_MIN);
+        let mut want: Vec<(i32, Pos)> = Vec::new();
+        let mut room: Vec<i64> = Vec::new();
+        for (&shard, s) in &inner.shards {
+            if s.entries.len() < cap && !s.leaving {
+                want.push((shard, s.read));
+                room.push(i64::try_from(cap - s.entries.len()).unwrap_or(i64::MAX));
+            }
+        }
+        if want.is_empty() {
+            return Ok(());
+        }
+        let (shards, xids, seqs) = split(&want);
+        let rows = sqlx::query(&self.sql.read)
+            .bind(&shards)
+            .bind(&xids)
+            .bind(&seqs)
+            .bind(&room)
+            .fetch_all(pool)
+            .await
+            .map_err(fail)?;
+        // Decode everything first and write the held rows, then change memory: a failure
+        // on the way must leave no row behind the read position that is neither in memory
+        // nor kept aside.
+        let mut read: Vec<(i32, Pos, Message, bool)> = Vec::with_capacity(rows.len());
+        for row in &rows {
+            let (shard, pos) = position(row)?;
+            let message = rows::message(row)?;
+            let parked = message
+                .key
+                .as_ref()
+                .and_then(|k| inner.parked.get(k))
+                .is_some_and(|p| !p.draining);
+            read.push((shard, pos, message, parked));
+        }
+        let hold: Vec<(i32, Pos)> = read.iter().filter(|r| r.3).map(|r| (r.0, r.1)).collect();
+        let touched: HashSet<i32> = hold.iter().map(|(s, _)| *s).collect();
+        let mut kept = HashSet::new();
+        if !hold.is_empty() {
+            let mut tx = pool.begin().await.map_err(fail)?;
+            kept = self
+                .fence(&mut tx, inner, &touched, &HashSet::new())
+                .await?;
+            let hold: Vec<(i32, Pos)> =
+                hold.into_iter().filter(|(s, _)| kept.contains(s)).collect();
+            let (shards, xids, seqs) = split(&hold);
+            sqlx::query(&self.sql.hold)
+                .bind(&shards)
+                .bind(&xids)
+                .bind(&seqs)
+                .bind(vec![0_i32; hold.len()])
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+            tx.commit().await.map_err(fail)?;
+        }
+        for (shard, pos, message, parked) in read {
+            if touched.contains(&shard) && !kept.contains(&shard) {
+                continue;
+            }
+            let Some(s) = inner.shards.get_mut(&shard) else {
+                continue;
+            };
+            s.read = s.read.max(pos);
+            if parked {
+                continue;
+            }
+            inner.ids.insert(message.id, (shard, pos));
+            s.entries.insert(
+                pos,
+                Entry {
+                    message,
+                    held: false,
+                    state: State::Ready,
+                },
+            );
+        }
+        self.forget_lost(inner, &touched, &kept);
+        Ok(())
+    }
+
+    /// Keeps aside the rows in memory of parked keys that no live claim holds (a claim whose
+    /// lease ran out, rows read just before the key was parked), so that the cursor can move.
+    async fn hold_parked(&self, pool: &PgPool, inner: &mut Inner) -> Result<()> {
+        let now = self.now();
+        let mut hold: Vec<(i32, Pos, i32)> = Vec::new();
+        let mut drop: HashSet<Pos> = HashSet::new();
+        for (&shard, s) in &inner.shards {
+            for (&pos, e) in &s.entries {
+                let parked = e
+                    .message
+                    .key
+                    .as_ref()
+                    .and_then(|k| inner.parked.get(k))
+                    .is_some_and(|p| !p.draining);
+                let live = matches!(e.state, State::InFlight { until, .. } if until > now);
+                if parked && !live {
+                    drop.insert(pos);
+                    if !e.held {
+                        hold.push((shard, pos, e.message.attempts as i32));
+                    }
+                }
+            }
+        }
+        if drop.is_empty() {
+            return Ok(());
+        }
+        let fail = |e| db_error("cannot keep a parked key's rows aside", e);
+        let touched: HashSet<i32> = hold.iter().map(|(s, _, _)| *s).collect();
+        let mut kept = HashSet::new();
+        if !hold.is_empty() {
+            let mut tx = pool.begin().await.map_err(fail)?;
+            kept = self.fence(&mut tx, inner, &touched, &drop).await?;
+            let hold: Vec<&(i32, Pos, i32)> =
+                hold.iter().filter(|(s, _, _)| kept.contains(s)).collect();
+            let positions: Vec<(i32, Pos)> = hold.iter().map(|h| (h.0, h.1)).collect();
+            let (shards, xids, seqs) = split(&positions);
+            sqlx::query(&self.sql.hold)
+                .bind(&shards)
+                .bind(&xids)
+                .bind(&seqs)
+                .bind(hold.iter().map(|h| h.2).collect::<Vec<_>>())
+                .execute(&mut *tx)
+                .await
+                .map_err(fail)?;
+            tx.commit().await.map_err(fail)?;
+        }
+        for (&shard, s) in inner.shards.iter_mut() {
+            if touched.contains(&shard) && !kept.contains(&shard) {
+                continue;
+            }
+            if kept.contains(&shard) {
+                s.cursor = s.cursor.max(s.cursor_after(&drop));
+            }
+            let gone: Vec<Pos> = s
+                .entries
+                .keys()
+                .filter(|p| drop.contains(p))
+                .copied()
+                .collect();
+            for pos in gone {
+                if let Some(e) = s.entries.remove(&pos) {
+                    inner.ids.remove(&e.message.id);
+                    if let (Some(key), State::InFlight { .. } | State::Waiting { .. }) =
+                        (e.message.key.clone(), e.state)
+                    {
+                        inner.aside.insert(
+                            e.message.id,
+                            Aside {
+                                shard,
+                                seq: pos.1,
+                                key,
+                                state: e.state,
+                                attempts: e.message.attempts,
+                            },
+                        );
+                    }
+                }
+            }
+        }
+        self.forget_lost(inner, &touched, &kept);
+        Ok(())
+    }
+
+    /// Moves the cursors of `touched` shards (to where they stand once `removed` are gone)
+    /// under the epoch fence, in `tx`; returns the shards still owned.
+    async fn fence(
+        &self,
+        tx: &mut sqlx::PgConnection,
+        inner: &Inner,
+        touched: &HashSet<i32>,
+        removed: &HashSet<Pos>,
+    ) -> Result<HashSet<i32>> {
+        let mut positions = Vec::new();
+        let mut epochs = Vec::new();
+        for shard in touched {
+            if let Some(s) = inner.shards.get(shard) {
+                positions.push((*shard, s.cursor_after(removed)));
+                epochs.push(s.epoch);
+            }
+        }
+        let (shards, xids, seqs) = split(&positions);
+        let kept: Vec<i32> = sqlx::query_scalar(&self.sql.move_cursors)
+            .bind(&shards)
+            .bind(&xids)
+            .bind(&seqs)
+            .bind(&epochs)
+            .bind(&self.owner)
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(|e| db_error("cannot move the cursor", e))?;
+        Ok(kept.into_iter().collect())
+    }
+
+    /// Renews the lease of `shards` (those still this relay's, by their epoch) for `lease`
+    /// from now on the database clock; drops the others. Returns the shards renewed.
+    async fn renew(
+        &self,
+        pool: &PgPool,
+        inner: &mut Inner,
+        shards: &HashSet<i32>,
+        lease: Duration,
+    ) -> Result<HashSet<i32>> {
+        let (list, epochs): (Vec<i32>, Vec<i64>) = shards
+            .iter()
+            .filter_map(|s| inner.shards.get(s).map(|sh| (*s, sh.epoch)))
+            .unzip();
+        let kept: Vec<i32> = sqlx::query_scalar(&self.sql.renew)
+            .bind(&list)
+            .bind(&epochs)
+            .bind(millis(lease))
+            .bind(&self.owner)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| db_error("cannot renew shards", e))?;
+        let kept: HashSet<i32> = kept.into_iter().collect();
+        self.forget_lost(inner, shards, &kept);
+        Ok(kept)
+    }
+
+    /// Drops the shards of `touched` that the fence found taken over.
+    fn forget_lost(&self, inner: &mut Inner, touched: &HashSet<i32>, kept: &HashSet<i32>) {
+        for shard in touched {
+            if !kept.contains(shard) && inner.shards.contains_key(shard) {
+                tracing::warn!(relay = %self.owner, shard, "shard taken over by another relay: its writes were refused");
+                inner.drop_shard(*shard);
+            }
+        }
+    }
+
+    pub(crate) async fn claim(
+        &self,
+        pool: &PgPool,
+        config: &PostgresConfig,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Claim> {
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let now = self.now();
+        let every = ROUND_EVERY.min(lease / 3);
+        let round_due = inner
+            .last_round
+            .is_none_or(|at| now.saturating_duration_since(at) >= every);
+        if round_due {
+            self.round(pool, inner, lease).await?;
+        }
+        let token = ClaimToken(Uuid::now_v7());
+        if inner.shards.is_empty() {
+            return Ok(Claim {
+                token,
+                messages: Vec::new(),
+            });
+        }
+        if config.per_key_order {
+            self.refresh_parked(pool, inner).await?;
+        }
+        self.read(pool, inner, limit).await?;
+        if config.per_key_order {
+            self.hold_parked(pool, inner).await?;
+        }
+
+        let now = self.now();
+        let max_per_key = if config.per_key_order {
+            config.max_per_key
+        } else {
+            usize::MAX
+        };
+        let mut picked: Vec<(Pos, i32)> = Vec::new();
+        for (&shard, s) in &inner.shards {
+            // Per key: taken so far, and whether the key is stopped.
+            let mut keys: HashMap<&str, (usize, bool)> = HashMap::new();
+            for (&pos, e) in &s.entries {
+                let ready = match e.state {
+                    State::Ready => true,
+                    State::InFlight { until, .. } => until <= now,
+                    State::Waiting { at } => at <= now,
+                };
+                match e.message.key.as_deref() {
+                    Some(key) if config.per_key_order => {
+                        let parked = inner.parked.get(key).is_some_and(|p| !p.draining);
+                        let k = keys.entry(key).or_insert((0, parked));
+                        if k.1 {
+                            continue;
+                        }
+                        if !ready || k.0 >= max_per_key {
+                            k.1 = true;
+                            continue;
+                        }
+                        k.0 += 1;
+                        picked.push((pos, shard));
+                    }
+                    _ if ready => picked.push((pos, shard)),
+                    _ => {}
+                }
+            }
+        }
+        // Oldest first across shards; the cut drops only the last rows of a key.
+        picked.sort_unstable();
+        picked.truncate(limit);
+        // The shards of what goes out are held for a whole lease from now (the worker counts
+        // its lease from before this call), so no other relay may take them meanwhile.
+        if !picked.is_empty() && !round_due {
+            let shards: HashSet<i32> = picked.iter().map(|(_, s)| *s).collect();
+            let kept = self.renew(pool, inner, &shards, lease).await?;
+            picked.retain(|(_, s)| kept.contains(s));
+        }
+        let until = now + lease;
+        let mut messages = Vec::with_capacity(picked.len());
+        for (pos, shard) in picked {
+            if let Some(e) = inner
+                .shards
+                .get_mut(&shard)
+                .and_then(|s| s.entries.get_mut(&pos))
+            {
+                e.state = State::InFlight {
+                    token: token.0,
+                    until,
+                };
+                messages.push(e.message.clone());
+            }
+        }
+        Ok(Claim { token, messages })
+    }
+
+    pub(crate) async fn settle(
+        &self,
+        pool: &PgPool,
+        config: &PostgresConfig,
+        token: &ClaimToken,
+        s: &Settlement,
+    ) -> Result<u64> {
+        let fail = |e| db_error("settling a batch failed", e);
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let now = self.now();
+        let find = |inner: &Inner, id: &Uuid| inner.held_by(id, token);
+        let delivered: Vec<(i32, Pos)> = s
+            .delivered
+            .iter()
+            .filter_map(|d| find(inner, &d.id))
+            .collect();
+        let dead: Vec<(i32, Pos, &str)> = s
+            .dead
+            .iter()
+            .filter_map(|d| find(inner, &d.id).map(|(sh, p)| (sh, p, d.error.as_str())))
+            .collect();
+        let retries: Vec<(i32, Pos, Duration, &str)> = s
+            .retries
+            .iter()
+            .filter_map(|r| find(inner, &r.id).map(|(sh, p)| (sh, p, r.delay, r.error.as_str())))
+            .collect();
+        let released: Vec<(i32, Pos)> =
+            s.released.iter().filter_map(|id| find(inner, id)).collect();
+        // Late settlements of rows set aside while this claim held them.
+        let aside_delivered: Vec<Uuid> = s
+            .delivered
+            .iter()
+            .map(|d| d.id)
+            .filter(|id| inner.aside_held_by(id, token))
+            .collect();
+        let aside_dead: Vec<(Uuid, &str)> = s
+            .dead
+            .iter()
+            .filter(|d| inner.aside_held_by(&d.id, token))
+            .map(|d| (d.id, d.error.as_str()))
+            .collect();
+        let aside_retries: Vec<(Uuid, Duration)> = s
+            .retries
+            .iter()
+            .filter(|r| inner.aside_held_by(&r.id, token))
+            .map(|r| (r.id, r.delay))
+            .collect();
+        let aside_released: Vec<Uuid> = s
+            .released
+            .iter()
+            .copied()
+            .filter(|id| inner.aside_held_by(id, token))
+            .collect();
+        let count = (delivered.len()
+            + dead.len()
+            + retries.len()
+            + released.len()
+            + aside_delivered.len()
+            + aside_dead.len()
+            + aside_retries.len()
+            + aside_released.len()) as u64;
+
+        // What leaves memory: deliveries, dead letters, and (with per-key order) every other
+        // row of a dead letter's key, which is kept aside in the held rows.
+        let mut removed: HashSet<Pos> = delivered.iter().map(|(_, p)| *p).collect();
+        removed.extend(dead.iter().map(|(_, p, _)| *p));
+        let mut parks: Vec<(String, Uuid, i32)> = Vec::new();
+        let mut hold: Vec<(i32, Pos, i32)> = Vec::new();
+        if config.per_key_order {
+            let mut keys = HashSet::new();
+            for &(shard, pos, _) in &dead {
+                let Some(e) = inner.shards.get(&shard).and_then(|s| s.entries.get(&pos)) else {
+                    continue;
+                };
+                if let Some(key) = &e.message.key
+                    && keys.insert(key.clone())
+                {
+                    parks.push((key.clone(), e.message.id, shard));
+                }
+            }
+            // Rows of this settlement given back (retried, released) whose key is parked.
+            for (shard, pos) in retries
+                .iter()
+                .map(|(s, p, _, _)| (*s, *p))
+                .chain(released.iter().copied())
+            {
+                if let Some(key) = entry(inner, shard, pos).and_then(|e| e.message.key.as_ref())
+                    && inner.parked.get(key).is_some_and(|p| !p.draining)
+                {
+                    keys.insert(key.clone());
+                }
+            }
+            if !keys.is_empty() {
+                for (&shard, sh) in &inner.shards {
+                    for (&pos, e) in &sh.entries {
+                        let Some(key) = &e.message.key else { continue };
+                        if !keys.contains(key) || removed.contains(&pos) {
+                            continue;
+                        }
+                        // Another claim's live row of the key stays until it is settled.
+                        let other = matches!(e.state,
+                            State::InFlight { token: t, until } if t != token.0 && until > now);
+                        if other {
+                            continue;
+                        }
+                        removed.insert(pos);
+                        if !e.held {
+                            hold.push((shard, pos, e.message.attempts as i32));
+                        }
+                    }
+                }
+            }
+        }
+        let mut touched: HashSet<i32> = delivered.iter().map(|(s, _)| *s).collect();
+        touched.extend(dead.iter().map(|(s, _, _)| *s));
+        touched.extend(hold.iter().map(|(s, _, _)| *s));
+        let aside_shard = |id: &Uuid| inner.aside.get(id).map(|a| a.shard);
+        touched.extend(aside_delivered.iter().filter_map(aside_shard));
+        touched.extend(aside_dead.iter().filter_map(|(id, _)| aside_shard(id)));
+
+        let mut held_delivered: Vec<i64> = delivered
+            .iter()
+            .filter(|(sh, p)| entry(inner, *sh, *p).is_some_and(|e| e.held))
+            .map(|(_, p)| p.1)
+            .collect();
+        held_delivered.extend(
+            aside_delivered
+                .iter()
+                .filter_map(|id| inner.aside.get(id).map(|a| a.seq)),
+        );
+        for (id, _) in &aside_dead {
+            if let Some(a) = inner.aside.get(id) {
+                parks.push((a.key.clone(), *id, a.shard));
+            }
+        }
+        if !touched.is_empty() {
+            let needs_tx = !dead.is_empty()
+                || !hold.is_empty()
+                || !held_delivered.is_empty()
+                || !aside_dead.is_empty();
+            let mut tx = if needs_tx {
+                Some(pool.begin().await.map_err(fail)?)
+            } else {
+                None
+            };
+            let kept = match tx.as_mut() {
+                Some(tx) => self.fence(tx, inner, &touched, &removed).await?,
+                None => {
+                    let mut conn = pool.acquire().await.map_err(fail)?;
+                    self.fence(&mut conn, inner, &touched, &removed).await?
+                }
+            };
+            if let Some(tx) = tx.as_mut() {
+                let live = |sh: &i32| kept.contains(sh);
+                // Dead letters first: a held row of the key must not be in the held rows and
+                // the dead letters at once.
+                let (log_dead, held_dead): (Vec<_>, Vec<_>) = dead
+                    .iter()
+                    .filter(|(sh, _, _)| live(sh))
+                    .partition(|(sh, p, _)| entry(inner, *sh, *p).is_some_and(|e| !e.held));
+                if !log_dead.is_empty() {
+                    let positions: Vec<(i32, Pos)> =
+                        log_dead.iter().map(|(s, p, _)| (*s, *p)).collect();
+                    let (shards, xids, seqs) = split(&positions);
+                    let attempts: Vec<i32> = log_dead
+                        .iter()
+                        .map(|(s, p, _)| attempts_after_failure(entry(inner, *s, *p)))
+                        .collect();
+                    let errors: Vec<&str> = log_dead.iter().map(|(_, _, e)| *e).collect();
+                    sqlx::query(&self.sql.dead_from_log)
+                        .bind(&shards)
+                        .bind(&xids)
+                        .bind(&seqs)
+                        .bind(&attempts)
+                        .bind(&errors)
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(fail)?;
+                }
+                let aside_dead: Vec<(&Aside, &str)> = aside_dead
+                    .iter()
+                    .filter_map(|(id, e)| inner.aside.get(id).map(|a| (a, *e)))
+                    .filter(|(a, _)| live(&a.shard))
+                    .collect();
+                if !held_dead.is_empty() || !aside_dead.is_empty() {
+                    let mut seqs: Vec<i64> = held_dead.iter().map(|(_, p, _)| p.1).collect();
+                    let mut attempts: Vec<i32> = held_dead
+                        .iter()
+                        .map(|(s, p, _)| attempts_after_failure(entry(inner, *s, *p)))
+                        .collect();
+                    let mut errors: Vec<&str> = held_dead.iter().map(|(_, _, e)| *e).collect();
+                    for (a, error) in &aside_dead {
+                        seqs.push(a.seq);
+                        attempts.push(a.attempts.saturating_add(1) as i32);
+                        errors.push(error);
+                    }
+                    sqlx::query(&self.sql.dead_from_held)
+                        .bind(&seqs)
+                        .bind(&attempts)
+                        .bind(&errors)
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(fail)?;
+                }
+                let mut parks: Vec<&(String, Uuid, i32)> =
+                    parks.iter().filter(|(_, _, sh)| live(sh)).collect();
+                // One order for the key locks of every writer of parked keys.
+                parks.sort();
+                if !parks.is_empty() {
+                    sqlx::query(&self.sql.park)
+                        .bind(parks.iter().map(|p| p.0.as_str()).collect::<Vec<_>>())
+                        .bind(parks.iter().map(|p| p.1).collect::<Vec<_>>())
+                        .bind(parks.iter().map(|p| p.2).collect::<Vec<_>>())
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(fail)?;
+                }
+                let hold: Vec<&(i32, Pos, i32)> =
+                    hold.iter().filter(|(sh, _, _)| live(sh)).collect();
+                if !hold.is_empty() {
+                    let positions: Vec<(i32, Pos)> = hold.iter().map(|h| (h.0, h.1)).collect();
+                    let (shards, xids, seqs) = split(&positions);
+                    sqlx::query(&self.sql.hold)
+                        .bind(&shards)
+                        .bind(&xids)
+                        .bind(&seqs)
+                        .bind(hold.iter().map(|h| h.2).collect::<Vec<_>>())
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(fail)?;
+                }
+                if !held_delivered.is_empty() {
+                    sqlx::query(&self.sql.delete_held)
+                        .bind(&held_delivered)
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(fail)?;
+                }
+            }
+            if let Some(tx) = tx {
+                tx.commit().await.map_err(fail)?;
+            }
+            // Written: now change memory to match.
+            for &shard in &touched {
+                if let Some(s) = inner.shards.get_mut(&shard)
+                    && kept.contains(&shard)
+                {
+                    s.cursor = s.cursor.max(s.cursor_after(&removed));
+                }
+            }
+            for (key, _, shard) in &parks {
+                if kept.contains(shard) {
+                    inner.parked.insert(
+                        key.clone(),
+                        Parked {
+                            draining: false,
+                            generation: -1,
+                        },
+                    );
+                }
+            }
+            let settled: HashSet<Pos> = delivered
+                .iter()
+                .map(|(_, p)| *p)
+                .chain(dead.iter().map(|(_, p, _)| *p))
+                .collect();
+            let retried: HashMap<Pos, Duration> =
+                retries.iter().map(|(_, p, d, _)| (*p, *d)).collect();
+            let given_back: HashSet<Pos> = released.iter().map(|(_, p)| *p).collect();
+            let shards: Vec<i32> = inner.shards.keys().copied().collect();
+            for &pos in &removed {
+                for &shard in &shards {
+                    if !kept.contains(&shard) {
+                        continue;
+                    }
+                    // A row moved aside keeps its state (after this settlement) for later.
+                    if !settled.contains(&pos)
+                        && let Some(e) = entry(inner, shard, pos)
+                    {
+                        let (state, attempts) = if let Some(delay) = retried.get(&pos) {
+                            (State::Waiting { at: now + *delay }, e.message.attempts + 1)
+                        } else if given_back.contains(&pos) {
+                            (State::Ready, e.message.attempts)
+                        } else {
+                            (e.state, e.message.attempts)
+                        };
+                        inner.set_aside(shard, pos, state, attempts, token);
+                    }
+                    if let Some(e) = inner
+                        .shards
+                        .get_mut(&shard)
+                        .and_then(|s| s.entries.remove(&pos))
+                    {
+                        inner.ids.remove(&e.message.id);
+                    }
+                }
+            }
+            let lost = touched.iter().any(|s| !kept.contains(s));
+            self.forget_lost(inner, &touched, &kept);
+            if lost {
+                // Count only what was written for shards still owned.
+                let written = |sh: &i32| kept.contains(sh);
+                let n = delivered.iter().filter(|(s, _)| written(s)).count()
+                    + dead.iter().filter(|(s, _, _)| written(s)).count()
+                    + retries
+                        .iter()
+                        .filter(|(s, _, _, _)| written(s) || !touched.contains(s))
+                        .count()
+                    + released
+                        .iter()
+                        .filter(|(s, _)| written(s) || !touched.contains(s))
+                        .count();
+                self.apply_waits(inner, &retries, &released, now);
+                return Ok(n as u64);
+            }
+        }
+        self.apply_waits(inner, &retries, &released, now);
+        for id in aside_delivered
+            .iter()
+            .chain(aside_dead.iter().map(|(id, _)| id))
+        {
+            inner.aside.remove(id);
+        }
+        for id in &aside_released {
+            inner.aside.remove(id);
+        }
+        for (id, delay) in &aside_retries {
+            if let Some(a) = inner.aside.get_mut(id) {
+                a.state = State::Waiting { at: now + *delay };
+                a.attempts = a.attempts.saturating_add(1);
+            }
+        }
+        Ok(count)
+    }
+
+    /// Retries wait out their delay with one more attempt; releases are ready at once.
+    fn apply_waits(
+        &self,
+        inner: &mut Inner,
+        retries: &[(i32, Pos, Duration, &str)],
+        released: &[(i32, Pos)],
+        now: Instant,
+    ) {
+        for &(shard, pos, delay, _) in retries {
+            if let Some(e) = inner
+                .shards
+                .get_mut(&shard)
+                .and_then(|s| s.entries.get_mut(&pos))
+            {
+                e.message.attempts = e.message.attempts.saturating_add(1);
+                e.state = State::Waiting { at: now + delay };
+            }
+        }
+        for &(shard, pos) in released {
+            if let Some(e) = inner
+                .shards
+                .get_mut(&shard)
+                .and_then(|s| s.entries.get_mut(&pos))
+            {
+                e.state = State::Ready;
+            }
+        }
+    }
+
+    pub(crate) async fn extend_lease(
+        &self,
+        pool: &PgPool,
+        token: &ClaimToken,
+        ids: &[Uuid],
+        lease: Duration,
+    ) -> Result<u64> {
+        let mut guard = self.inner.lock().await;
+        let inner = &mut *guard;
+        let asked_at = self.now();
+        // Rows set aside under this claim: the lease of a parked key's row is only memory.
+        let mut aside = 0;
+        for id in ids {
+            if inner.aside_held_by(id, token)
+                && let Some(a) = inner.aside.get_mut(id)
+            {
+                a.state = State::InFlight {
+                    token: token.0,
+                    until: asked_at + lease,
+                };
+                aside += 1;
+            }
+        }
+        let found: Vec<(i32, Pos)> = ids
+            .iter()
+            .filter_map(|id| inner.held_by(id, token))
+            .collect();
+        if found.is_empty() {
+            return Ok(aside);
+        }
+        let touched: HashSet<i32> = found.iter().map(|(s, _)| *s).collect();
+        let kept = self.renew(pool, inner, &touched, lease).await?;
+        let mut n = 0;
+        for (shard, pos) in found {
+            if !kept.contains(&shard) {
+                continue;
+            }
+            if let Some(e) = inner
+                .shards
+                .get_mut(&shard)
+                .and_then(|s| s.entries.get_mut(&pos))
+            {
+                e.state = State::InFlight {
+                    token: token.0,
+                    until: asked_at + lease,
+                };
+                n += 1;
+            }
+        }
+        Ok(n + aside)
+    }
+
+    pub(crate) async fn stats(&self, pool: &PgPool) -> Result<QueueStats> {
+        let fail = |e| db_error("cannot read queue figures", e);
+        let inner = self.inner.lock().await;
+        let now = self.now();
+        let positions: Vec<(i32, Pos)> = inner.shards.iter().map(|(s, sh)| (*s, sh.read)).collect();
+        let (shards, xids, seqs) = split(&positions);
+        let mut in_flight = 0_u64;
+        // Held entries in flight are left out of the held rows' count by their seq.
+        let mut held_in_flight: Vec<i64> = Vec::new();
+        let mut pending = 0_u64;
+        let mut oldest = None;
+        for s in inner.shards.values() {
+            for (pos, e) in &s.entries {
+                let flying = matches!(e.state, State::InFlight { until, .. } if until > now);
+                if flying {
+                    in_flight += 1;
+                    if e.held {
+                        held_in_flight.push(pos.1);
+                    }
+                } else if !e.held {
+                    pending += 1;
+                    oldest = min_time(oldest, Some(e.message.created_at));
+                }
+            }
+        }
+        let row = sqlx::query(&self.sql.stats)
+            .bind(&shards)
+            .bind(&xids)
+            .bind(&seqs)
+            .bind(&held_in_flight)
+            .fetch_one(pool)
+            .await
+            .map_err(fail)?;
+        let count =
+            |i: usize| -> Result<u64> { Ok(row.try_get::<i64, _>(i).map_err(fail)?.max(0) as u64) };
+        Ok(QueueStats {
+            pending: pending + count(0)? + count(2)?,
+            oldest_pending: min_time(
+                oldest,
+                min_time(row.try_get(1).map_err(fail)?, row.try_get(3).map_err(fail)?),
+            ),
+            in_flight,
+            dead_lettered: count(4)?,
+            parked_keys: count(5)?,
+        })
+    }
+
+    /// Removes delivered rows behind the cursors of the owned shards, in one ranged delete
+    /// along the primary key (or only those older than `retention`).
+    pub(crate) async fn maintain(&self, pool: &PgPool, retention: Option<Duration>) -> Result<()> {
+        let owned: Vec<i32> = self.owned().await.into_iter().map(|(s, _)| s).collect();
+        if owned.is_empty() {
+            return Ok(());
+        }
+        let done = sqlx::query(&self.sql.cleanup)
+            .bind(&owned)
+            .bind(retention.map(millis))
+            .execute(pool)
+            .await
+            .map_err(|e| db_error("cannot remove delivered rows", e))?;
+        if done.rows_affected() > 0 {
+            tracing::debug!(
+                rows = done.rows_affected(),
+                "removed delivered rows behind the cursors"
+            );
+        }
+        sqlx::query(&self.sql.forget_old_relays)
+            .execute(pool)
+            .await
+            .map_err(|e| db_error("cannot remove old relays", e))?;
+        Ok(())
+    }
+
+    /// How far the readable horizon trails the log, and why.
+    pub(crate) async fn horizon_lag(&self, pool: &PgPool) -> Result<HorizonLag> {
+        let fail = |e| db_error("cannot read the horizon", e);
+        let row = sqlx::query(&self.sql.lag)
+            .fetch_one(pool)
+            .await
+            .map_err(fail)?;
+        let waiting: i64 = row.try_get(0).map_err(fail)?;
+        let age: Option<f64> = row.try_get(2).map_err(fail)?;
+        Ok(HorizonLag {
+            waiting_rows: waiting.max(0) as u64,
+            blocker_pid: row.try_get(1).map_err(fail)?,
+            blocker_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
+            blocker_prepared: row.try_get(3).map_err(fail)?,
+        })
+    }
+
+    /// Gives every owned shard up at once (their cursors are stored), so other relays take
+    /// them without waiting for the lease; what was read and not settled is read again by
+    /// the next owner.
+    pub(crate) async fn give_up(&self, pool: &PgPool) -> Result<()> {
+        let mut inner = self.inner.lock().await;
+        let (shards, epochs): (Vec<i32>, Vec<i64>) =
+            inner.shards.iter().map(|(s, sh)| (*s, sh.epoch)).unzip();
+        let fail = |e| db_error("cannot give shards up", e);
+        sqlx::query(&self.sql.give_up)
+            .bind(&shards)
+            .bind(&epochs)
+            .bind(&self.owner)
+            .execute(pool)
+            .await
+            .map_err(fail)?;
+        sqlx::query(&self.sql.forget_relay)
+            .bind(&self.owner)
+            .execute(pool)
+            .await
+            .map_err(fail)?;
+        *inner = Inner::default();
+        Ok(())
+    }
+}
+
+fn entry(inner: &Inner, shard: i32, pos: Pos) -> Option<&Entry> {
+    inner.shards.get(&shard).and_then(|s| s.entries.get(&pos))
+}
+
+fn attempts_after_failure(entry: Option<&Entry>) -> i32 {
+    entry.map_or(1, |e| e.message.attempts.saturating_add(1) as i32)
+}
+
+fn min_time<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// The shard and place of a row that has `shard`, `xid_text` and `seq`.
+fn position(row: &PgRow) -> Result<(i32, Pos)> {
+    let fail = |e| db_error("cannot read the outbox log", e);
+    let shard: i32 = row.try_get("shard").map_err(fail)?;
+    let xid: String = row.try_get("xid_text").map_err(fail)?;
+    let seq: i64 = row.try_get("seq").map_err(fail)?;
+    Ok((shard, (parse_xid(&xid)?, seq)))
+}

@@ -1,0 +1,1119 @@
+//! Log mode of the PostgreSQL storage (`[storage] mode = "log"`) against the real PostgreSQL:
+//! relays only read the outbox past a stored cursor `(xid, seq)`, below the oldest running
+//! transaction. Each test has its own schema, so they run in parallel.
+//!
+//! Note: the readable horizon is cluster-wide, so a test that holds a transaction open
+//! delays log-mode delivery in every other test for that long (never more: they wait for it).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::memory::MemorySink;
+use outbox_core::{
+    CancellationToken, Claim, DeadLetter, Delivery, Error, NewMessage, QueueStats, Receipt,
+    Settlement, Sink, Storage, StorageAdmin, Worker, WorkerConfig,
+};
+use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
+use outbox_tests::{Service, postgres_url, test_worker_config, unique_name};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+fn payloads(claim: &Claim) -> Vec<String> {
+    claim.messages.iter().map(|m| text(&m.payload)).collect()
+}
+
+fn deliveries(claim: &Claim) -> Vec<Delivery> {
+    claim
+        .messages
+        .iter()
+        .map(|m| Delivery {
+            id: m.id,
+            receipt: Receipt::new("r"),
+        })
+        .collect()
+}
+
+/// Per key, the payloads in the order the sink saw them.
+fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
+    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in sink.published() {
+        keys.entry(m.key.clone().unwrap_or_default())
+            .or_default()
+            .push(text(&m.payload));
+    }
+    keys
+}
+
+/// A log-mode outbox in a database of its own (the readable horizon is per database, so
+/// one test's open transactions never delay another's), dropped with it.
+pub struct LogOutbox {
+    /// The table names and enqueue statements.
+    pub table: OutboxTable,
+    /// A pool for the application side (enqueueing, inspecting).
+    pub pool: PgPool,
+    /// The relay side.
+    pub storage: Arc<PgStorage>,
+    /// The URL of the test's database.
+    pub url: String,
+    database: String,
+}
+
+impl LogOutbox {
+    /// A fresh database with a log-mode outbox of `shards` shards; `adjust` may change the
+    /// settings further.
+    pub async fn new(shards: u32, adjust: impl FnOnce(&mut PostgresConfig)) -> LogOutbox {
+        let server = postgres_url();
+        let database = unique_name("outbox_log");
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&server)
+            .await
+            .unwrap_or_else(|e| Service::Postgres.missing(e));
+        sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
+            .execute(&admin)
+            .await
+            .expect("create the test's database");
+        admin.close().await;
+        let url = match server.rsplit_once('/') {
+            Some((base, _)) => format!("{base}/{database}"),
+            None => panic!("postgres URL without a database: {server}"),
+        };
+        let mut config = PostgresConfig::new(&url);
+        config.mode = StorageMode::Log;
+        config.shards = shards;
+        adjust(&mut config);
+        let storage = PgStorage::new(config).expect("valid test configuration");
+        storage.migrate().await.expect("migrate for log mode");
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .expect("connect to the test's database");
+        LogOutbox {
+            table: storage.table().clone(),
+            pool,
+            storage: Arc::new(storage),
+            url,
+            database,
+        }
+    }
+
+    /// Another relay's storage on the same table (its own shards and memory).
+    pub fn another_relay(&self) -> Arc<PgStorage> {
+        Arc::new(PgStorage::new(self.storage.config().clone()).expect("valid configuration"))
+    }
+
+    /// Enqueues `messages` in one committed transaction.
+    pub async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.pool.begin().await.expect("begin");
+        self.table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+
+    /// Starts a worker over `storage` with `config`.
+    pub fn relay_on(
+        &self,
+        storage: Arc<PgStorage>,
+        config: WorkerConfig,
+        sink: Arc<dyn Sink>,
+    ) -> Relay {
+        let worker = Worker::new(config, storage, sink).expect("valid worker configuration");
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { worker.run(shutdown).await }
+        });
+        Relay { shutdown, handle }
+    }
+
+    /// Starts a relay on this outbox's storage with [`test_worker_config`].
+    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
+        self.relay_on(self.storage.clone(), test_worker_config(worker_id), sink)
+    }
+
+    /// Queue figures, as this outbox's storage sees them.
+    pub async fn stats(&self) -> QueueStats {
+        Storage::stats(&*self.storage).await.expect("queue figures")
+    }
+
+    /// Rows in the log not yet behind a cursor, and rows kept aside, counted in SQL: what
+    /// any process sees.
+    pub async fn undelivered(&self) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT (SELECT count(*) FROM {o} o JOIN {s} s ON s.shard = o.shard
+                     WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq))
+                  + (SELECT count(*) FROM {h})",
+            o = self.table.qualified(""),
+            s = self.table.qualified("_shards"),
+            h = self.table.qualified("_held"),
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .expect("count undelivered rows")
+    }
+
+    /// Waits until every row is behind a cursor and nothing is kept aside.
+    pub async fn wait_until_delivered(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = self.undelivered().await;
+            if left == 0 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{left} rows not delivered after {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until no key is parked: the owner unparks a released or replayed key on its
+    /// next claim after the key's kept rows are all delivered.
+    pub async fn wait_until_unparked(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.stats().await.parked_keys > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a key stayed parked"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Dead letters as (id, last error), oldest first.
+    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
+        self.storage
+            .dead_letters(&Default::default(), 100_000)
+            .await
+            .expect("dead letters")
+            .into_iter()
+            .map(|d| (d.message.id, d.last_error))
+            .collect()
+    }
+}
+
+impl Drop for LogOutbox {
+    fn drop(&mut self) {
+        let sql = format!(
+            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
+            self.database
+        );
+        let url = postgres_url();
+        // A runtime cannot block inside another: clean up from a thread with its own.
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let pool = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .ok()?;
+                sqlx::query(&sql).execute(&pool).await.ok()
+            })
+        });
+        let _ = cleanup.join();
+    }
+}
+
+/// A relay running in the background.
+pub struct Relay {
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    /// Shuts the relay down gracefully (it gives its shards up) and waits for it.
+    pub async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.expect("relay task panicked");
+    }
+
+    /// Stops the relay as a crash would: no shutdown, its shards wait out their lease.
+    pub fn kill(self) {
+        self.handle.abort();
+    }
+}
+
+async fn log_outbox(shards: u32) -> LogOutbox {
+    LogOutbox::new(shards, |_| {}).await
+}
+
+/// Claims until a claim comes back with messages or `timeout` passes (the horizon moves
+/// only once every older transaction in the cluster has ended, and other tests run).
+async fn claim_some(storage: &PgStorage, timeout: Duration) -> Claim {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let claim = storage.claim("w", 100, LEASE).await.expect("claim");
+        if !claim.messages.is_empty() || tokio::time::Instant::now() >= deadline {
+            return claim;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// The first test of issue 15: writer L takes its transaction id and its `seq` early and
+/// commits after rows written later (by an older transaction) were delivered. A design that
+/// reads `seq > cursor` skips L's row for good; log mode delivers it. A rolled-back row is
+/// never delivered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_commit_behind_the_cursor_is_delivered_a_rollback_never_is() {
+    let outbox = log_outbox(1).await;
+    // E takes a transaction id first, L second; L writes its row (seq 1) before E (seq 2).
+    let mut early = outbox.pool.begin().await.unwrap();
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *early)
+        .await
+        .unwrap();
+    let mut late = outbox.pool.begin().await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut late, &NewMessage::new("t", "late"))
+        .await
+        .unwrap();
+    outbox
+        .table
+        .enqueue(&mut early, &NewMessage::new("t", "early"))
+        .await
+        .unwrap();
+    early.commit().await.unwrap();
+    let mut rolled_back = outbox.pool.begin().await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut rolled_back, &NewMessage::new("t", "rolled back"))
+        .await
+        .unwrap();
+
+    let first = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    assert_eq!(
+        payloads(&first),
+        ["early"],
+        "E's row is readable while L is open"
+    );
+    outbox
+        .storage
+        .ack(&first.token, &deliveries(&first))
+        .await
+        .unwrap();
+    let seq_of = format!(
+        "SELECT seq FROM {} WHERE convert_from(payload, 'UTF8') = $1",
+        outbox.table.qualified("")
+    );
+    let late_seq: i64 = sqlx::query_scalar(&seq_of)
+        .bind("late")
+        .fetch_one(&mut *late)
+        .await
+        .unwrap();
+    let early_seq: i64 = sqlx::query_scalar(&seq_of)
+        .bind("early")
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+    assert!(
+        late_seq < early_seq,
+        "L's row has the lower seq ({late_seq} < {early_seq}): a `seq > cursor` relay now skips it"
+    );
+
+    late.commit().await.unwrap();
+    rolled_back.rollback().await.unwrap();
+    let second = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    assert_eq!(payloads(&second), ["late"], "the late commit is delivered");
+    outbox
+        .storage
+        .ack(&second.token, &deliveries(&second))
+        .await
+        .unwrap();
+    let third = claim_some(&outbox.storage, Duration::from_millis(500)).await;
+    assert!(
+        third.messages.is_empty(),
+        "rolled back: {:?}",
+        payloads(&third)
+    );
+    let stats = outbox.stats().await;
+    assert_eq!((stats.pending, stats.in_flight), (0, 0), "{stats:?}");
+}
+
+/// A transaction held open delays delivery of everything written after it began, and loses
+/// nothing: once it commits, its message and every later one are delivered, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
+    let outbox = log_outbox(4).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay("w", sink.clone());
+    outbox
+        .enqueue(&[NewMessage::new("t", "before").key("k")])
+        .await;
+    let mut open = outbox.pool.begin().await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut open, &NewMessage::new("t", "held").key("k"))
+        .await
+        .unwrap();
+    for i in 0..5 {
+        outbox
+            .enqueue(&[NewMessage::new("t", format!("after-{i}")).key("k")])
+            .await;
+    }
+    let hold = Duration::from_secs(3);
+    let started = tokio::time::Instant::now();
+    tokio::time::sleep(hold).await;
+    let seen: Vec<String> = sink.published().iter().map(|m| text(&m.payload)).collect();
+    assert_eq!(
+        seen,
+        ["before"],
+        "nothing written after the open transaction began goes out"
+    );
+    // The delay is visible: five committed rows wait for the open transaction, named by its
+    // backend and age.
+    let lag = outbox
+        .storage
+        .horizon_lag()
+        .await
+        .unwrap()
+        .expect("log mode");
+    assert_eq!(lag.waiting_rows, 5, "{lag:?}");
+    let blocker: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *open)
+        .await
+        .unwrap();
+    assert_eq!(lag.blocker_pid, Some(blocker), "{lag:?}");
+    assert!(
+        lag.blocker_age.is_some_and(|age| age >= hold / 2),
+        "{lag:?}"
+    );
+    // The held row is not committed, so not counted; the five behind it wait, pending.
+    assert_eq!(
+        outbox.stats().await.pending,
+        5,
+        "the delayed messages count as pending"
+    );
+    open.commit().await.unwrap();
+    outbox.wait_until_delivered(Duration::from_secs(20)).await;
+    let lag = outbox
+        .storage
+        .horizon_lag()
+        .await
+        .unwrap()
+        .expect("log mode");
+    assert_eq!((lag.waiting_rows, lag.blocker_pid), (0, None), "{lag:?}");
+    relay.stop().await;
+    assert!(started.elapsed() >= hold);
+    assert_eq!(
+        by_key(&sink)["k"],
+        [
+            "before", "held", "after-0", "after-1", "after-2", "after-3", "after-4"
+        ],
+        "everything delivered once, in commit order"
+    );
+}
+
+/// Per key, the payloads in the order of their first delivery, and how many deliveries
+/// there were in all.
+fn first_deliveries(sink: &MemorySink) -> (BTreeMap<String, Vec<String>>, usize) {
+    let mut seen = std::collections::HashSet::new();
+    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let published = sink.published();
+    for m in &published {
+        if seen.insert(m.id) {
+            keys.entry(m.key.clone().unwrap_or_default())
+                .or_default()
+                .push(text(&m.payload));
+        }
+    }
+    (keys, published.len())
+}
+
+/// The shards table: (shard, owner, epoch, cursor seq).
+async fn shards(outbox: &LogOutbox) -> Vec<(i32, Option<String>, i64, i64)> {
+    sqlx::query_as(&format!(
+        "SELECT shard, owner, epoch, cursor_seq FROM {} ORDER BY shard",
+        outbox.table.qualified("_shards")
+    ))
+    .fetch_all(&outbox.pool)
+    .await
+    .expect("read the shards")
+}
+
+/// Four relays (each its own storage, as separate processes would be), 20,000 messages over
+/// 200 keys: one relay starts alone and owns every shard, three join under load and get
+/// shares; one is killed mid-run (its shards wait out the lease) and another started.
+/// Nothing is lost, each key's first deliveries are in order, every shard has one owner in
+/// the table at any time and no cursor or epoch ever moves back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_relays_one_killed_one_started_lose_nothing_and_keep_key_order() {
+    let outbox = log_outbox(16).await;
+    let keys = 200;
+    let total = 20_000;
+    let mut batch = Vec::new();
+    for i in 0..total {
+        batch.push(NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)));
+        if batch.len() == 2000 {
+            outbox.enqueue(&batch).await;
+            batch.clear();
+        }
+    }
+    let sink = Arc::new(MemorySink::new());
+    let config = |name: &str| WorkerConfig {
+        batch_size: 250,
+        lease: Duration::from_secs(2),
+        ..test_worker_config(name)
+    };
+    // Cursors sampled while the relays run: never back, whoever owns the shard.
+    let watcher = {
+        let (pool, table) = (outbox.pool.clone(), outbox.table.qualified("_shards"));
+        tokio::spawn(async move {
+            let mut last: HashMap<i32, (i64, i64)> = HashMap::new();
+            for _ in 0..400 {
+                let rows: Vec<(i32, i64, i64)> =
+                    sqlx::query_as(&format!("SELECT shard, epoch, cursor_seq FROM {table}"))
+                        .fetch_all(&pool)
+                        .await
+                        .expect("sample the shards");
+                for (shard, epoch, cursor) in rows {
+                    if let Some(&(e, c)) = last.get(&shard) {
+                        assert!(epoch >= e, "shard {shard}: epoch went back");
+                        assert!(
+                            cursor >= c,
+                            "shard {shard}: cursor moved back {c} -> {cursor}"
+                        );
+                    }
+                    last.insert(shard, (epoch, cursor));
+                }
+                tokio::time::sleep(Duration::from_millis(25)).await;
+            }
+        })
+    };
+    // One relay takes every shard; three more join under load and get their share as it
+    // hands shards over (it stops reading them and gives them up once settled).
+    let first = outbox.another_relay();
+    let mut relays: Vec<Relay> = vec![outbox.relay_on(first.clone(), config("w0"), sink.clone())];
+    while sink.published().len() < total / 6 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        first.owned_shards().await.len(),
+        16,
+        "one relay alone owns every shard"
+    );
+    let late: Vec<Arc<PgStorage>> = (0..3).map(|_| outbox.another_relay()).collect();
+    for (i, storage) in late.iter().enumerate() {
+        relays.push(outbox.relay_on(
+            storage.clone(),
+            config(&format!("w{}", i + 1)),
+            sink.clone(),
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    for storage in &late {
+        while storage.owned_shards().await.is_empty() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a relay that joined got no shard"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    let rebalanced_at = sink.published().len();
+    // Mid-run: kill one without a shutdown, start another.
+    while sink.published().len() < total / 2 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    relays.remove(1).kill();
+    let killed = late[0].relay_name().map(str::to_string);
+    relays.push(outbox.relay_on(outbox.another_relay(), config("w4"), sink.clone()));
+    outbox.wait_until_delivered(Duration::from_secs(90)).await;
+    // The killed relay's shards go to the others once its lease has run out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while shards(&outbox).await.iter().any(|s| s.1 == killed) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the killed relay's shards were never taken over"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for relay in relays {
+        relay.stop().await;
+    }
+    watcher.await.expect("cursors never moved back");
+    let (by_key, deliveries) = first_deliveries(&sink);
+    let firsts: usize = by_key.values().map(Vec::len).sum();
+    assert_eq!(firsts, total, "every message delivered");
+    for (key, payloads) in &by_key {
+        let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
+        assert_eq!(payloads, &expected, "order broken for key {key}");
+    }
+    // Redeliveries come only from the killed relay's unsettled batches.
+    assert!(
+        deliveries - total <= 16 * 1000,
+        "{} redeliveries",
+        deliveries - total
+    );
+    let owners: Vec<(i32, Option<String>, i64, i64)> = shards(&outbox).await;
+    assert!(
+        owners.iter().all(|(_, owner, _, _)| owner.is_none()),
+        "stopped relays gave their shards up: {owners:?}"
+    );
+    eprintln!(
+        "four relays: {deliveries} deliveries for {total} messages; shares taken by {rebalanced_at}"
+    );
+}
+
+/// A relay stalls past its shard's lease; another takes the shard (a new epoch) and moves
+/// on. Every write of the stale owner is refused: its acknowledgement changes nothing and
+/// the cursor does not move back; it stops holding the shard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_owners_cursor_writes_are_refused() {
+    let outbox = log_outbox(1).await;
+    outbox
+        .enqueue(
+            &(0..6)
+                .map(|i| NewMessage::new("t", format!("m{i}")).key("k"))
+                .collect::<Vec<_>>(),
+        )
+        .await;
+    let stale = outbox.another_relay();
+    let first = claim_some(&stale, Duration::from_secs(10)).await;
+    assert_eq!(first.messages.len(), 6);
+    assert_eq!(stale.owned_shards().await.len(), 1);
+    // The stale relay's lease (30 s in claim_some) is shortened as a stall would let it run out.
+    sqlx::query(&format!(
+        "UPDATE {} SET expires_at = now() - interval '1 second'",
+        outbox.table.qualified("_shards")
+    ))
+    .execute(&outbox.pool)
+    .await
+    .unwrap();
+    let fresh = outbox.another_relay();
+    let taken = fresh.claim("w2", 3, LEASE).await.unwrap();
+    assert_eq!(
+        payloads(&taken),
+        ["m0", "m1", "m2"],
+        "the new owner reads from the stored cursor"
+    );
+    assert_eq!(
+        fresh.ack(&taken.token, &deliveries(&taken)).await.unwrap(),
+        3
+    );
+    let before = shards(&outbox).await;
+    assert_eq!(
+        before[0].1.as_deref(),
+        fresh.relay_name(),
+        "one owner: the new relay"
+    );
+    assert_eq!(before[0].3, 3, "the cursor: just before m3 (seq 4)");
+
+    // The stale owner acknowledges everything it had: refused, the cursor stays.
+    let refused = stale.ack(&first.token, &deliveries(&first)).await.unwrap();
+    assert_eq!(refused, 0, "the stale owner's cursor write must be refused");
+    let after = shards(&outbox).await;
+    assert_eq!(after, before, "nothing changed in the shards table");
+    assert!(
+        stale.owned_shards().await.is_empty(),
+        "the stale relay let the shard go"
+    );
+    assert_eq!(
+        stale
+            .extend_lease(&first.token, &[first.messages[5].id], LEASE)
+            .await
+            .unwrap(),
+        0,
+        "nor can it renew"
+    );
+    // The new owner goes on from where it was.
+    let rest = fresh.claim("w2", 100, LEASE).await.unwrap();
+    assert_eq!(payloads(&rest), ["m3", "m4", "m5"]);
+}
+
+/// A poison message: retried with backoff while its key waits and other keys go on, then
+/// dead-lettered; its key is parked with its later messages kept aside (new ones too),
+/// and a replay delivers them in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_message_is_dead_lettered_its_key_parked_and_a_replay_restores_order() {
+    let outbox = log_outbox(4).await;
+    let mut messages = vec![
+        NewMessage::new("t", "poison").key("k1"),
+        NewMessage::new("t", "k1-a").key("k1"),
+    ];
+    messages.extend((0..10).map(|i| NewMessage::new("t", format!("k2-{i}")).key("k2")));
+    messages.push(NewMessage::new("t", "k1-b").key("k1"));
+    outbox.enqueue(&messages).await;
+    let poison_id = messages[0].id;
+
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|m| (m.payload == b"poison").then(|| Error::temporary("broker rejected it")));
+    let config = WorkerConfig {
+        max_attempts: 3,
+        ..test_worker_config("w")
+    };
+    let relay = outbox.relay_on(outbox.storage.clone(), config, sink.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while outbox.dead_letters().await.is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "never dead-lettered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let dead = outbox.dead_letters().await;
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].0, poison_id);
+    assert!(
+        dead[0].1.contains("gave up after 3 attempts"),
+        "{}",
+        dead[0].1
+    );
+    let keys = by_key(&sink);
+    assert_eq!(keys["k2"].len(), 10, "other keys keep flowing");
+    assert!(
+        !keys.contains_key("k1"),
+        "k1's later messages must stay parked"
+    );
+    let stats = outbox.stats().await;
+    assert_eq!(
+        (stats.parked_keys, stats.pending, stats.dead_lettered),
+        (1, 2, 1),
+        "{stats:?}"
+    );
+    // Parked rows are kept aside, not skipped: the log's cursors are past them.
+    assert_eq!(outbox.undelivered().await, 2, "k1-a and k1-b kept aside");
+
+    outbox
+        .enqueue(&[NewMessage::new("t", "k1-c").key("k1")])
+        .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !by_key(&sink).contains_key("k1"),
+        "a new message of a parked key waits too"
+    );
+
+    sink.fail_when(|_| None);
+    assert_eq!(
+        outbox
+            .storage
+            .replay_dead_letters(&[poison_id])
+            .await
+            .unwrap(),
+        1
+    );
+    outbox.wait_until_delivered(Duration::from_secs(10)).await;
+    outbox.wait_until_unparked(Duration::from_secs(10)).await;
+    relay.stop().await;
+    assert_eq!(by_key(&sink)["k1"], ["poison", "k1-a", "k1-b", "k1-c"]);
+    let stats = outbox.stats().await;
+    assert_eq!(
+        (stats.parked_keys, stats.dead_lettered, stats.pending),
+        (0, 0, 0),
+        "{stats:?}"
+    );
+}
+
+/// A permanent failure is dead-lettered at once; releasing the key lets the rest flow, in
+/// order, without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
+    let outbox = log_outbox(2).await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "bad").key("k"),
+            NewMessage::new("t", "k-1").key("k"),
+            NewMessage::new("t", "k-2").key("k"),
+        ])
+        .await;
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|m| (m.payload == b"bad").then(|| Error::permanent("too large")));
+    let relay = outbox.relay("w", sink.clone());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while outbox.stats().await.parked_keys == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never parked");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(outbox.storage.release_parked_key("k").await.unwrap());
+    outbox.wait_until_delivered(Duration::from_secs(10)).await;
+    outbox.wait_until_unparked(Duration::from_secs(10)).await;
+    relay.stop().await;
+    assert_eq!(by_key(&sink)["k"], ["k-1", "k-2"]);
+    assert_eq!(outbox.dead_letters().await.len(), 1);
+}
+
+/// A sink outage charges no attempt and moves no cursor; everything goes out afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sink_outage_charges_nothing_and_moves_no_cursor() {
+    let outbox = log_outbox(4).await;
+    let messages: Vec<NewMessage> = (0..50)
+        .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 5)))
+        .collect();
+    outbox.enqueue(&messages).await;
+    let sink = Arc::new(MemorySink::new());
+    sink.set_up(false);
+    let relay = outbox.relay("w", sink.clone());
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert!(
+        shards(&outbox).await.iter().all(|s| s.3 == 0),
+        "no cursor moved"
+    );
+    assert_eq!(outbox.undelivered().await, 50);
+    sink.set_up(true);
+    outbox.wait_until_delivered(Duration::from_secs(10)).await;
+    relay.stop().await;
+    assert_eq!(sink.published().len(), 50);
+    assert!(
+        sink.published().iter().all(|m| m.attempts == 0),
+        "no attempt charged"
+    );
+    assert!(outbox.dead_letters().await.is_empty());
+}
+
+/// A relay that stops gives its shards up; the next one resumes from the stored cursors,
+/// delivering nothing twice. Delivered rows are removed in bulk by housekeeping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_resumes_from_the_cursor_and_housekeeping_removes_delivered_rows() {
+    let outbox = log_outbox(4).await;
+    let first: Vec<NewMessage> = (0..300)
+        .map(|i| NewMessage::new("t", format!("{i:03}")).key(format!("k{}", i % 7)))
+        .collect();
+    outbox.enqueue(&first).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay("w1", sink.clone());
+    outbox.wait_until_delivered(Duration::from_secs(10)).await;
+    relay.stop().await;
+    assert!(
+        shards(&outbox).await.iter().all(|s| s.1.is_none()),
+        "shards given up on stop"
+    );
+
+    let second: Vec<NewMessage> = (300..400)
+        .map(|i| NewMessage::new("t", format!("{i:03}")).key(format!("k{}", i % 7)))
+        .collect();
+    outbox.enqueue(&second).await;
+    let next = outbox.another_relay();
+    let relay = outbox.relay_on(next.clone(), test_worker_config("w2"), sink.clone());
+    outbox.wait_until_delivered(Duration::from_secs(10)).await;
+    // Housekeeping: the rows behind every cursor go in one ranged delete per call.
+    next.maintain().await.unwrap();
+    relay.stop().await;
+    let (by_key, deliveries) = first_deliveries(&sink);
+    assert_eq!(
+        deliveries, 400,
+        "nothing delivered twice across the restart"
+    );
+    for payloads in by_key.values() {
+        let mut sorted = payloads.clone();
+        sorted.sort();
+        assert_eq!(payloads, &sorted, "key order across the restart");
+    }
+    let rows: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {}",
+        outbox.table.qualified("")
+    ))
+    .fetch_one(&outbox.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 0, "delivered rows removed");
+}
+
+/// With `retention`, housekeeping keeps delivered rows until they are that old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_keeps_delivered_rows_for_that_long() {
+    let outbox = LogOutbox::new(2, |c| c.retention = Some(Duration::from_secs(3600))).await;
+    outbox
+        .enqueue(&[NewMessage::new("t", "a"), NewMessage::new("t", "b")])
+        .await;
+    let claim = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    outbox
+        .storage
+        .ack(&claim.token, &deliveries(&claim))
+        .await
+        .unwrap();
+    outbox.storage.maintain().await.unwrap();
+    let count = format!("SELECT count(*) FROM {}", outbox.table.qualified(""));
+    let rows: i64 = sqlx::query_scalar(&count)
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 2, "kept for the retention");
+    sqlx::query(&format!(
+        "UPDATE {} SET created_at = created_at - interval '2 hours'",
+        outbox.table.qualified("")
+    ))
+    .execute(&outbox.pool)
+    .await
+    .unwrap();
+    outbox.storage.maintain().await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&count)
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 0, "removed once older than the retention");
+}
+
+/// A table runs in one mode: a relay configured for the other refuses it, naming `mode`;
+/// writers' plain INSERT works on a log-mode table as on a lease-mode one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_migrated_for_one_mode_is_refused_by_the_other_and_a_plain_insert_works() {
+    let outbox = log_outbox(2).await;
+    let mut lease = outbox.storage.config().clone();
+    lease.mode = StorageMode::Lease;
+    let lease = PgStorage::new(lease).unwrap();
+    let err = lease.migrate().await.unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+    assert!(
+        err.to_string().contains("mode") && err.to_string().contains("`log` mode"),
+        "{err}"
+    );
+    let err = lease.claim("w", 10, LEASE).await.unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+    assert!(err.to_string().contains("mode"), "{err}");
+
+    // The other way round, on a lease-mode table of the same database.
+    let mut config = outbox.storage.config().clone();
+    config.mode = StorageMode::Lease;
+    config.table = "lease_outbox".into();
+    PgStorage::new(config.clone())
+        .unwrap()
+        .migrate()
+        .await
+        .unwrap();
+    config.mode = StorageMode::Log;
+    let log = PgStorage::new(config).unwrap();
+    let err = log.migrate().await.unwrap_err();
+    assert!(err.to_string().contains("`lease` mode"), "{err}");
+    let err = log.claim("w", 10, LEASE).await.unwrap_err();
+    assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+
+    // The writers' contract of docs/storage/postgres.md, unchanged.
+    sqlx::query(&format!(
+        "INSERT INTO {} (topic, partition_key, payload, headers) VALUES ('orders', 'o-1', '\\x7b7d', '{{\"a\": \"b\"}}')",
+        outbox.table.qualified("")
+    ))
+    .execute(&outbox.pool)
+    .await
+    .unwrap();
+    let claim = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    assert_eq!(claim.messages.len(), 1);
+    assert_eq!(claim.messages[0].payload, b"{}");
+    assert_eq!(claim.messages[0].key.as_deref(), Some("o-1"));
+    // Migrating again changes nothing.
+    outbox.storage.migrate().await.unwrap();
+}
+
+/// The operator's side (`outbox enqueue`, `status`, `dead-letters …`) works on a log table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_commands_work_on_a_log_table() {
+    let outbox = log_outbox(2).await;
+    let sent = [
+        NewMessage::new("orders", "bad").key("k"),
+        NewMessage::new("orders", "k-2").key("k"),
+        NewMessage::new("audit", "a-1"),
+    ];
+    StorageAdmin::enqueue(&*outbox.storage, &sent)
+        .await
+        .unwrap();
+    let topics = outbox.storage.topic_stats().await.unwrap();
+    let figures: Vec<(String, u64)> = topics
+        .iter()
+        .map(|t| (t.topic.clone(), t.pending))
+        .collect();
+    assert_eq!(
+        figures,
+        [("audit".to_string(), 1), ("orders".to_string(), 2)]
+    );
+    let claim = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    assert_eq!(claim.messages.len(), 3);
+    let bad = claim
+        .messages
+        .iter()
+        .find(|m| m.payload == b"bad")
+        .unwrap()
+        .id;
+    let settlement = Settlement {
+        dead: vec![DeadLetter {
+            id: bad,
+            error: "refused".into(),
+        }],
+        delivered: claim
+            .messages
+            .iter()
+            .filter(|m| m.payload == b"a-1")
+            .map(|m| Delivery {
+                id: m.id,
+                receipt: Receipt::new("r"),
+            })
+            .collect(),
+        released: claim
+            .messages
+            .iter()
+            .filter(|m| m.payload == b"k-2")
+            .map(|m| m.id)
+            .collect(),
+        ..Settlement::default()
+    };
+    assert_eq!(
+        outbox
+            .storage
+            .settle(&claim.token, &settlement)
+            .await
+            .unwrap(),
+        3
+    );
+    let parked = outbox.storage.parked_keys().await.unwrap();
+    assert_eq!(parked.len(), 1);
+    assert_eq!((parked[0].key.as_str(), parked[0].dead_letter), ("k", bad));
+    let dead = outbox
+        .storage
+        .dead_letters(&Default::default(), 10)
+        .await
+        .unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (dead[0].message.id, dead[0].last_error.as_str()),
+        (bad, "refused")
+    );
+    assert_eq!(dead[0].message.attempts, 1);
+    let topics = outbox.storage.topic_stats().await.unwrap();
+    let figures: Vec<(String, u64, u64)> = topics
+        .iter()
+        .map(|t| (t.topic.clone(), t.pending, t.dead_lettered))
+        .collect();
+    assert_eq!(
+        figures,
+        [("orders".to_string(), 1, 1)],
+        "k-2 kept aside, the dead letter"
+    );
+    assert_eq!(outbox.storage.purge_dead_letters(&[bad]).await.unwrap(), 1);
+    assert!(outbox.storage.release_parked_key("k").await.unwrap());
+    let rest = claim_some(&outbox.storage, Duration::from_secs(10)).await;
+    assert_eq!(payloads(&rest), ["k-2"], "released: the kept message flows");
+    assert!(outbox.storage.describe().ends_with("(log mode)"));
+}
+
+/// Bad log-mode settings are refused with the key named.
+#[test]
+fn bad_mode_settings_are_refused_with_the_key_named() {
+    let url = "postgres://u@127.0.0.1/db";
+    let err =
+        PostgresConfig::from_value(serde_json::json!({"url": url, "mode": "append"})).unwrap_err();
+    assert!(err.to_string().contains("mode"), "{err}");
+    let err =
+        PostgresConfig::from_value(serde_json::json!({"url": url, "mode": "log", "shards": 0}))
+            .unwrap_err();
+    assert!(err.to_string().contains("shards"), "{err}");
+    let ok =
+        PostgresConfig::from_value(serde_json::json!({"url": url, "mode": "log", "shards": 8}))
+            .unwrap();
+    assert_eq!((ok.mode, ok.shards), (StorageMode::Log, 8));
+    let default = PostgresConfig::from_value(serde_json::json!({"url": url})).unwrap();
+    assert_eq!(
+        default.mode,
+        StorageMode::Lease,
+        "lease mode stays the default"
+    );
+}
+
+/// The storage conformance suite in log mode: each fixture is a fresh schema migrated for
+/// log mode (4 shards), dropped with it.
+mod conformance {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use outbox_core::{NewMessage, Storage, StorageAdmin};
+    use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+    use uuid::Uuid;
+
+    use super::LogOutbox;
+
+    pub struct LogHarness;
+
+    struct LogFixture(LogOutbox);
+
+    struct LogWrite(sqlx::Transaction<'static, sqlx::Postgres>);
+
+    #[async_trait]
+    impl PendingWrite for LogWrite {
+        async fn commit(self: Box<Self>) {
+            self.0.commit().await.expect("commit");
+        }
+        async fn rollback(self: Box<Self>) {
+            self.0.rollback().await.expect("rollback");
+        }
+    }
+
+    #[async_trait]
+    impl StorageFixture for LogFixture {
+        fn storage(&self) -> Arc<dyn Storage> {
+            self.0.storage.clone()
+        }
+
+        async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
+            let mut tx = self.0.pool.begin().await.expect("begin");
+            self.0
+                .table
+                .enqueue_many(&mut tx, messages)
+                .await
+                .expect("enqueue");
+            Box::new(LogWrite(tx))
+        }
+
+        async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
+            self.0
+                .storage
+                .replay_dead_letters(ids)
+                .await
+                .expect("replay")
+        }
+
+        async fn release_parked_key(&self, key: &str) -> bool {
+            self.0
+                .storage
+                .release_parked_key(key)
+                .await
+                .expect("release parked key")
+        }
+
+        async fn advance(&self, by: Duration) {
+            // Leases and retry delays of what the relay has read run on its clock; shard
+            // ownership on the database's: move both.
+            self.0.storage.advance_clock(by);
+            for table in ["_shards", "_relays"] {
+                let sql = format!(
+                    "UPDATE {} SET expires_at = expires_at - $1 * interval '1 millisecond'",
+                    self.0.table.qualified(table)
+                );
+                sqlx::query(&sql)
+                    .bind(by.as_millis() as i64)
+                    .execute(&self.0.pool)
+                    .await
+                    .expect("moving stored times back");
+            }
+        }
+    }
+
+    #[async_trait]
+    impl StorageHarness for LogHarness {
+        async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+            let runtime = tokio::runtime::Handle::current();
+            let outbox = tokio::task::spawn_blocking(move || {
+                runtime.block_on(LogOutbox::new(4, |c| c.per_key_order = per_key_order))
+            })
+            .await
+            .expect("making a fresh outbox schema");
+            Box::new(LogFixture(outbox))
+        }
+    }
+
+    outbox_tests::storage_conformance_tests!(LogHarness);
+}
