@@ -7,6 +7,7 @@ use async_trait::async_trait;
 use lapin::options::{BasicPublishOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Confirmation, PublisherConfirm};
+use outbox_core::envelope::{self, Envelope};
 use outbox_core::{Error, ErrorKind, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use tokio::time::{Instant, timeout, timeout_at};
 
@@ -16,7 +17,6 @@ use crate::error::{
     at_startup, channel_lost, copy, from_lapin, nacked, returned, text, timed_out, transport,
     unpublishable,
 };
-use crate::wire;
 
 /// Publishes outbox messages to an AMQP 0-9-1 broker (RabbitMQ) with publisher confirms.
 ///
@@ -160,20 +160,15 @@ impl AmqpSink {
             headers.insert(name, AMQPValue::LongString(LongString::from(value)));
             Ok(())
         };
-        for (name, value) in &message.headers {
+        let envelope = Envelope::of(message);
+        for (name, value) in envelope::application_headers(message) {
             add(name, value)?;
         }
-        if let Some(key) = &message.key {
-            add(wire::KEY, key)?;
+        for (name, value) in envelope.fields() {
+            add(name, &value)?;
         }
-        if let Some(trace) = &message.trace_context {
-            add(wire::TRACEPARENT, &trace.traceparent)?;
-            if let Some(state) = &trace.tracestate {
-                add(wire::TRACESTATE, state)?;
-            }
-        }
-        let content_type = message.content_type().unwrap_or(wire::DEFAULT_CONTENT_TYPE);
-        let id_text = id.to_string();
+        let content_type = envelope.content_type;
+        let id_text = envelope.id.clone();
         // Class, weight, body size, flags, delivery mode, timestamp, table length, and a
         // length byte per short string.
         header_size += 40

@@ -1,16 +1,17 @@
 //! The names the AMQP sink writes on the wire. A consumer finds the payload in the body
-//! (exact bytes); the outbox id in the `message_id` property, the topic in `type`, the
-//! created time in `timestamp` (seconds since the epoch), the `app_id` setting in `app_id`,
-//! and the message's `content-type` header in `content_type` ([`DEFAULT_CONTENT_TYPE`] when it
-//! has none); and in the headers table, as long strings, every outbox header plus [`KEY`]
-//! (the partition key, when there is one) and [`TRACEPARENT`] and [`TRACESTATE`] (the W3C
-//! trace context, when there is one). Messages are persistent (`delivery_mode` 2).
+//! (exact bytes), and the envelope of [`outbox_core::envelope`] (the same names on every
+//! broker, docs/envelope.md) in the headers table, each field a long string: [`VERSION`],
+//! [`ID`], [`TOPIC`], [`KEY`] (when the message has a key), [`CREATED_AT`],
+//! [`CONTENT_TYPE`], [`TRACEPARENT`] and [`TRACESTATE`] (with a trace context). The message's
+//! own headers are in the same table; one whose name is an envelope name is not sent (the
+//! envelope's value wins).
+//!
+//! The native properties are filled as well: `message_id` (the id), `content_type` (the
+//! content type, [`DEFAULT_CONTENT_TYPE`] when the message has none), `timestamp` (the created
+//! time in whole seconds since the epoch), `type` (the topic), `app_id` (the `app_id`
+//! setting), and `delivery_mode` 2 (persistent).
 
-/// Header that carries the message's partition key.
-pub const KEY: &str = "outbox-key";
-/// Header that carries the W3C `traceparent`.
-pub const TRACEPARENT: &str = "traceparent";
-/// Header that carries the W3C `tracestate`.
-pub const TRACESTATE: &str = "tracestate";
-/// The `content_type` property of a message without a `content-type` header.
-pub const DEFAULT_CONTENT_TYPE: &str = "application/octet-stream";
+pub use outbox_core::envelope::{
+    CONTENT_TYPE, CREATED_AT, DEFAULT_CONTENT_TYPE, ID, KEY, TOPIC, TRACEPARENT, TRACESTATE,
+    VERSION,
+};

@@ -90,10 +90,22 @@ async fn properties_headers_and_payload_arrive_exactly() {
         p0.content_type().as_ref().map(|s| s.to_string()),
         Some("application/json".into())
     );
-    let mut expected = FieldTable::default();
-    expected.insert("content-type".into(), text("application/json"));
+    // The envelope (docs/envelope.md) by its documented names, then the message's headers.
+    let envelope = |sent: &Message, content_type: &str| {
+        let mut table = FieldTable::default();
+        table.insert("outbox-envelope".into(), text("1"));
+        table.insert("outbox-id".into(), text(&sent.id.to_string()));
+        table.insert("outbox-topic".into(), text(&sent.topic));
+        if let Some(key) = &sent.key {
+            table.insert("outbox-key".into(), text(key));
+        }
+        let created = outbox_core::envelope::format_created_at(&sent.created_at);
+        table.insert("outbox-created-at".into(), text(&created));
+        table.insert("content-type".into(), text(content_type));
+        table
+    };
+    let mut expected = envelope(&batch[0], "application/json");
     expected.insert("tenant".into(), text("acme"));
-    expected.insert("outbox-key".into(), text("o-7"));
     expected.insert("traceparent".into(), text(&trace.traceparent));
     expected.insert("tracestate".into(), text("vendor=1"));
     assert_eq!(p0.headers().as_ref(), Some(&expected));
@@ -105,12 +117,13 @@ async fn properties_headers_and_payload_arrive_exactly() {
     );
     assert_eq!(
         p1.headers().as_ref(),
-        Some(&FieldTable::default()),
-        "no key, no headers"
+        Some(&envelope(&batch[1], "application/octet-stream")),
+        "no key, no headers: the envelope only"
     );
-    let mut expected = FieldTable::default();
-    expected.insert("outbox-key".into(), text("o-8"));
-    assert_eq!(got[2].properties.headers().as_ref(), Some(&expected));
+    assert_eq!(
+        got[2].properties.headers().as_ref(),
+        Some(&envelope(&batch[2], "application/octet-stream"))
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -4,6 +4,7 @@
 mod admin;
 mod backoff;
 pub mod config;
+pub mod envelope;
 mod error;
 mod message;
 pub mod metrics;

@@ -18,7 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use base64::Engine;
 use base64::engine::general_purpose::STANDARD;
-use chrono::SecondsFormat;
+use outbox_core::envelope::Envelope;
 use outbox_core::{Error, Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use serde::ser::{SerializeMap, Serializer};
 use tokio::sync::{Mutex, oneshot};
@@ -36,22 +36,10 @@ impl serde::Serialize for Line<'_> {
     fn serialize<S: Serializer>(&self, serializer: S) -> std::result::Result<S::Ok, S::Error> {
         let message = self.0;
         let mut map = serializer.serialize_map(None)?;
-        map.serialize_entry(wire::ID, &message.id)?;
-        map.serialize_entry(wire::TOPIC, &message.topic)?;
-        map.serialize_entry(wire::KEY, &message.key)?;
-        map.serialize_entry(wire::HEADERS, &message.headers)?;
-        map.serialize_entry(
-            wire::CREATED_AT,
-            &message
-                .created_at
-                .to_rfc3339_opts(SecondsFormat::Micros, true),
-        )?;
-        if let Some(trace) = &message.trace_context {
-            map.serialize_entry(wire::TRACEPARENT, &trace.traceparent)?;
-            if let Some(state) = &trace.tracestate {
-                map.serialize_entry(wire::TRACESTATE, state)?;
-            }
+        for (name, value) in Envelope::of(message).fields() {
+            map.serialize_entry(name, &value)?;
         }
+        map.serialize_entry(wire::HEADERS, &message.headers)?;
         match std::str::from_utf8(&message.payload) {
             Ok(text) => {
                 map.serialize_entry(wire::PAYLOAD_ENCODING, wire::UTF8)?;
@@ -585,11 +573,14 @@ mod tests {
         assert_eq!(
             String::from_utf8(encoded.bytes).unwrap(),
             concat!(
-                r#"{"id":"01943a5e-7b2c-7d3e-8f40-123456789abc","topic":"orders","key":"o-1","#,
-                r#""headers":{"content-type":"application/json","x-note":"two\nlines \"quoted\""},"#,
-                r#""created_at":"2025-01-31T12:00:00.123456Z","#,
+                r#"{"outbox-envelope":"1","outbox-id":"01943a5e-7b2c-7d3e-8f40-123456789abc","#,
+                r#""outbox-topic":"orders","outbox-key":"o-1","#,
+                r#""outbox-created-at":"2025-01-31T12:00:00.123456Z","#,
+                r#""content-type":"application/json","#,
                 r#""traceparent":"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01","#,
-                r#""tracestate":"rojo=00f067aa0ba902b7","payload_encoding":"utf8","#,
+                r#""tracestate":"rojo=00f067aa0ba902b7","#,
+                r#""headers":{"content-type":"application/json","x-note":"two\nlines \"quoted\""},"#,
+                r#""payload_encoding":"utf8","#,
                 r#""payload":"{\"total\":\"12.50\"}"}"#,
                 "\n"
             )
@@ -600,7 +591,8 @@ mod tests {
         m.payload = vec![0xff, 0x00, 0xfe];
         let encoded = encode(std::slice::from_ref(&m), b"");
         let line: serde_json::Value = serde_json::from_slice(&encoded.bytes).unwrap();
-        assert_eq!(line[wire::KEY], serde_json::Value::Null);
+        assert!(line.get(wire::KEY).is_none(), "no key, no field");
+        assert_eq!(line[wire::CONTENT_TYPE], "application/octet-stream");
         assert_eq!(line[wire::HEADERS], serde_json::json!({}));
         assert!(line.get(wire::TRACEPARENT).is_none() && line.get(wire::TRACESTATE).is_none());
         assert_eq!(line[wire::PAYLOAD_ENCODING], wire::BASE64);

@@ -4,7 +4,7 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use chrono::SecondsFormat;
+use outbox_core::envelope::{self, Envelope};
 use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
@@ -17,7 +17,6 @@ use crate::error::{
     config_error, delivery_error, health_failed, health_not_finished, no_report, producer_closed,
     session_broken,
 };
-use crate::wire;
 
 /// Extra wait for delivery reports past librdkafka's own `message.timeout.ms`, which
 /// normally reports first; this bounds a publish whose reports librdkafka holds back (the
@@ -31,8 +30,8 @@ const QUEUE_FULL_WAIT: Duration = Duration::from_millis(20);
 /// rdkafka).
 ///
 /// Each message goes to the Kafka topic its outbox topic maps to, keyed by its partition
-/// key (no key when it has none), with its headers plus [`wire::ID`], [`wire::TOPIC`],
-/// [`wire::CREATED_AT`] and the trace context. A batch is handed to librdkafka in order
+/// key (no key when it has none) and timestamped with its created time, with its headers
+/// plus the envelope ([`crate::wire`]). A batch is handed to librdkafka in order
 /// and every delivery report is awaited; the receipt is `partition:offset`.
 pub struct KafkaSink {
     config: KafkaConfig,
@@ -106,8 +105,11 @@ impl KafkaSink {
         topic: &str,
         queue_deadline: Instant,
     ) -> Result<DeliveryFuture> {
+        // The created time is the record's timestamp (CreateTime), as the envelope's
+        // `outbox-created-at` is, so time-based consumers see when it happened.
         let mut record = FutureRecord::to(topic)
             .payload(message.payload.as_slice())
+            .timestamp(message.created_at.timestamp_millis())
             .headers(headers(message));
         if let Some(key) = &message.key {
             record = record.key(key.as_str());
@@ -239,38 +241,22 @@ fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
     config.create().map_err(config_error)
 }
 
-/// The Kafka headers of a message: its own, then ours (which win over its own of the same
-/// name).
+/// The Kafka headers of a message: its own, then the envelope (which wins over its own of
+/// the same name: those are left out).
 fn headers(message: &Message) -> OwnedHeaders {
-    let id = message.id.to_string();
-    let created = message
-        .created_at
-        .to_rfc3339_opts(SecondsFormat::Micros, true);
-    let mut ours: Vec<(&str, &str)> = vec![
-        (wire::ID, &id),
-        (wire::TOPIC, &message.topic),
-        (wire::CREATED_AT, &created),
-    ];
-    if let Some(trace) = &message.trace_context {
-        ours.push((wire::TRACEPARENT, &trace.traceparent));
-        if let Some(state) = &trace.tracestate {
-            ours.push((wire::TRACESTATE, state));
-        }
-    }
-    let own = message
-        .headers
-        .iter()
-        .filter(|(name, _)| !ours.iter().any(|(n, _)| n == name))
-        .map(|(name, value)| (name.as_str(), value.as_str()));
-    own.chain(ours.iter().copied()).fold(
-        OwnedHeaders::new_with_capacity(message.headers.len() + 5),
-        |h, (key, value)| {
-            h.insert(Header {
-                key,
-                value: Some(value),
-            })
-        },
-    )
+    let envelope = Envelope::of(message);
+    let fields = envelope.fields();
+    envelope::application_headers(message)
+        .chain(fields.iter().map(|(name, value)| (*name, value.as_ref())))
+        .fold(
+            OwnedHeaders::new_with_capacity(message.headers.len() + fields.len()),
+            |h, (key, value)| {
+                h.insert(Header {
+                    key,
+                    value: Some(value),
+                })
+            },
+        )
 }
 
 /// A metadata request for the brokers and the topics this producer already uses (not the

@@ -25,9 +25,10 @@ pub struct NatsConfig {
     /// (the `Nats-Expected-Stream` header), so a misconfigured subject cannot land
     /// somewhere unexpected. Such a message is dead-lettered.
     pub stream: Option<String>,
-    /// The header that carries the message's partition key (default `Outbox-Key`,
-    /// [`wire::KEY`](crate::wire::KEY)); absent when the message has no key.
-    pub key_header: String,
+    /// A header that repeats the message's partition key besides the envelope's
+    /// [`wire::KEY`](crate::wire::KEY) (`outbox-key`), for consumers of an older layout
+    /// (`Outbox-Key`); none by default. Absent when the message has no key.
+    pub key_header: Option<String>,
     /// Longest wait to connect, to hand a message to the connection, and for a batch's
     /// acknowledgements (default 5 s). A time-out counts as the server being unavailable.
     /// Keep it shorter than the worker's lease.
@@ -49,7 +50,7 @@ impl Default for NatsConfig {
             subject: Template::topic(),
             subject_prefix: String::new(),
             stream: None,
-            key_header: crate::wire::KEY.into(),
+            key_header: None,
             publish_timeout: Duration::from_secs(5),
             max_pending_acks: 5000,
             token: None,
@@ -180,25 +181,26 @@ impl NatsConfig {
                 ),
             ));
         }
-        if async_nats::HeaderName::try_from(self.key_header.as_str()).is_err()
-            || self.key_header.is_empty()
-        {
-            return Err(Error::setting(
-                "key_header",
-                format!(
-                    "`{}` is not a valid header name (printable ASCII without ':' or spaces)",
-                    self.key_header
-                ),
-            ));
-        }
-        if self.key_header.to_ascii_lowercase().starts_with("nats-") {
-            return Err(Error::setting(
-                "key_header",
-                format!(
-                    "`{}` starts with `Nats-`, which NATS reserves; pick another name",
-                    self.key_header
-                ),
-            ));
+        if let Some(key_header) = &self.key_header {
+            if async_nats::HeaderName::try_from(key_header.as_str()).is_err()
+                || key_header.is_empty()
+            {
+                return Err(Error::setting(
+                    "key_header",
+                    format!(
+                        "`{key_header}` is not a valid header name (printable ASCII without ':' \
+                         or spaces)"
+                    ),
+                ));
+            }
+            if key_header.to_ascii_lowercase().starts_with("nats-") {
+                return Err(Error::setting(
+                    "key_header",
+                    format!(
+                        "`{key_header}` starts with `Nats-`, which NATS reserves; pick another name"
+                    ),
+                ));
+            }
         }
         if self.publish_timeout < Duration::from_millis(10) {
             return Err(Error::setting(
@@ -380,11 +382,11 @@ mod tests {
         );
         check(|c| c.stream = Some("a.b".into()), "stream `a.b`");
         check(
-            |c| c.key_header = "bad:name".into(),
+            |c| c.key_header = Some("bad:name".into()),
             "key_header `bad:name`",
         );
         check(
-            |c| c.key_header = "Nats-Key".into(),
+            |c| c.key_header = Some("Nats-Key".into()),
             "key_header `Nats-Key`",
         );
         check(

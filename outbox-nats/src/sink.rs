@@ -10,6 +10,7 @@ use async_nats::jetstream::message::PublishMessage;
 use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue, ServerAddr};
 use async_trait::async_trait;
 use bytes::Bytes;
+use outbox_core::envelope::{self, Envelope};
 use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
 use tokio::sync::OnceCell;
 use tokio::time::{Instant, timeout, timeout_at};
@@ -130,26 +131,22 @@ impl NatsSink {
             .subject_for(&message.topic)
             .map_err(|why| invalid_subject(&message.topic, &why))?;
         let mut map = HeaderMap::new();
-        for (name, value) in &message.headers {
+        for name in message.headers.keys() {
             if name.to_ascii_lowercase().starts_with("nats-") {
                 return Err(reserved_header(name));
             }
+        }
+        for (name, value) in envelope::application_headers(message) {
             map.insert(header_name(name)?, header_value(name, value)?);
         }
-        if let Some(trace) = &message.trace_context {
-            map.insert(
-                wire::TRACEPARENT,
-                header_value(wire::TRACEPARENT, &trace.traceparent)?,
-            );
-            if let Some(state) = &trace.tracestate {
-                map.insert(wire::TRACESTATE, header_value(wire::TRACESTATE, state)?);
-            }
+        let envelope = Envelope::of(message);
+        for (name, value) in envelope.fields() {
+            map.insert(name, header_value(name, &value)?);
         }
-        if let Some(key) = &message.key {
-            let name = header_name(&self.config.key_header)?;
-            map.insert(name, header_value(&self.config.key_header, key)?);
+        if let (Some(key), Some(key_header)) = (&message.key, &self.config.key_header) {
+            map.insert(header_name(key_header)?, header_value(key_header, key)?);
         }
-        map.insert(wire::ID, message.id.to_string().as_str());
+        map.insert(wire::MSG_ID, envelope.id.as_str());
         if let Some(stream) = &self.config.stream {
             map.insert(wire::EXPECTED_STREAM, stream.as_str());
         }

@@ -4,9 +4,9 @@ use std::borrow::Cow;
 use std::sync::{Mutex, PoisonError};
 
 use async_trait::async_trait;
-use chrono::SecondsFormat;
 use deadpool_redis::redis::{self, AsyncConnectionConfig, Cmd, Pipeline, RedisResult, Script};
 use deadpool_redis::{Connection, Manager, Pool, Runtime};
+use outbox_core::envelope::{self, Envelope};
 use outbox_core::{
     Error, ErrorKind, Message, Outcome, Receipt, Result, Sink, SinkCapabilities, redact_url,
 };
@@ -219,32 +219,16 @@ impl RedisSink {
     }
 }
 
-/// The fields of the stream entry of `message`, in order (see [`wire`]).
+/// The fields of the stream entry of `message`, in order (see [`wire`]): the envelope, the
+/// payload, then the headers.
 fn entry(message: &Message) -> Vec<(Cow<'_, str>, Cow<'_, [u8]>)> {
+    let envelope = Envelope::of(message);
     let mut entry: Vec<(Cow<'_, str>, Cow<'_, [u8]>)> =
-        Vec::with_capacity(8 + message.headers.len());
-    entry.push((wire::ID.into(), message.id.to_string().into_bytes().into()));
-    entry.push((wire::TOPIC.into(), message.topic.as_bytes().into()));
-    if let Some(key) = &message.key {
-        entry.push((wire::KEY.into(), key.as_bytes().into()));
+        Vec::with_capacity(envelope::NAMES.len() + 1 + message.headers.len());
+    for (name, value) in envelope.fields() {
+        entry.push((name.into(), value.into_owned().into_bytes().into()));
     }
     entry.push((wire::PAYLOAD.into(), message.payload.as_slice().into()));
-    if let Some(content_type) = message.content_type() {
-        entry.push((wire::CONTENT_TYPE.into(), content_type.as_bytes().into()));
-    }
-    let created_at = message
-        .created_at
-        .to_rfc3339_opts(SecondsFormat::Micros, true);
-    entry.push((wire::CREATED_AT.into(), created_at.into_bytes().into()));
-    if let Some(trace) = &message.trace_context {
-        entry.push((
-            wire::TRACEPARENT.into(),
-            trace.traceparent.as_bytes().into(),
-        ));
-        if let Some(state) = trace.tracestate.as_deref().filter(|s| !s.is_empty()) {
-            entry.push((wire::TRACESTATE.into(), state.as_bytes().into()));
-        }
-    }
     for (name, value) in &message.headers {
         let field = format!("{}{name}", wire::HEADER_PREFIX);
         entry.push((field.into(), value.as_bytes().into()));
@@ -377,22 +361,23 @@ mod tests {
             .map(|(k, v)| (k.into_owned(), v.into_owned()))
             .collect();
         let text = |name: &str| String::from_utf8(fields[name].clone()).unwrap();
-        assert_eq!(text("id"), message.id.to_string());
-        assert_eq!(text("topic"), "orders");
-        assert_eq!(text("key"), "o-1");
+        assert_eq!(text("outbox-envelope"), "1");
+        assert_eq!(text("outbox-id"), message.id.to_string());
+        assert_eq!(text("outbox-topic"), "orders");
+        assert_eq!(text("outbox-key"), "o-1");
         assert_eq!(fields["payload"], vec![0, 159, 146, 150]);
-        assert_eq!(text("content_type"), "application/octet-stream");
+        assert_eq!(text("content-type"), "application/octet-stream");
         assert_eq!(text("header:content-type"), "application/octet-stream");
         assert_eq!(text("header:x-tenant"), "t1");
         assert_eq!(text("tracestate"), "vendor=1");
         assert!(text("traceparent").starts_with("00-4bf9"));
-        let created = chrono::DateTime::parse_from_rfc3339(&text("created_at")).unwrap();
+        let created = chrono::DateTime::parse_from_rfc3339(&text("outbox-created-at")).unwrap();
         assert_eq!(
             created.timestamp_micros(),
             message.created_at.timestamp_micros()
         );
-        assert!(text("created_at").ends_with('Z'));
-        assert_eq!(fields.len(), 10);
+        assert!(text("outbox-created-at").ends_with('Z'));
+        assert_eq!(fields.len(), 11);
     }
 
     #[test]
@@ -402,6 +387,16 @@ mod tests {
             .into_iter()
             .map(|(k, _)| k.into_owned())
             .collect();
-        assert_eq!(names, ["id", "topic", "payload", "created_at"]);
+        assert_eq!(
+            names,
+            [
+                "outbox-envelope",
+                "outbox-id",
+                "outbox-topic",
+                "outbox-created-at",
+                "content-type",
+                "payload"
+            ]
+        );
     }
 }

@@ -69,6 +69,11 @@ pub struct Record {
     pub key: Option<String>,
     pub payload: Vec<u8>,
     pub headers: BTreeMap<String, String>,
+    /// The record's timestamp in milliseconds since the epoch, when it has one.
+    pub timestamp: Option<i64>,
+    /// Whether [`Record::timestamp`] is the producer's (`CreateTime`) rather than the
+    /// broker's (`LogAppendTime`).
+    pub create_time: bool,
 }
 
 impl Record {
@@ -162,6 +167,8 @@ fn record(m: &rdkafka::message::BorrowedMessage<'_>) -> Record {
             .map(|k| String::from_utf8(k.to_vec()).expect("UTF-8 key")),
         payload: m.payload().unwrap_or_default().to_vec(),
         headers,
+        timestamp: m.timestamp().to_millis(),
+        create_time: matches!(m.timestamp(), rdkafka::Timestamp::CreateTime(_)),
     }
 }
 

@@ -11,6 +11,7 @@
 
 #[cfg(feature = "amqp")]
 pub mod amqp;
+pub mod envelope;
 #[cfg(feature = "kafka")]
 pub mod kafka;
 #[cfg(feature = "nats")]

@@ -127,8 +127,8 @@ fn the_readme_quick_start_runs_as_written() {
             .recv_timeout(Duration::from_secs(30))
             .expect("the relay printed the enqueued message within 30 s");
         let message: serde_json::Value = serde_json::from_str(&line).expect("a JSON line");
-        assert_eq!(message["topic"], "orders", "{line}");
-        assert_eq!(message["key"], "o-1", "{line}");
+        assert_eq!(message["outbox-topic"], "orders", "{line}");
+        assert_eq!(message["outbox-key"], "o-1", "{line}");
         assert_eq!(message["payload"], r#"{"paid":true}"#, "{line}");
         stop(relay);
         relayed = true;
@@ -174,13 +174,13 @@ fn delivered(path: &Path) -> Vec<(String, usize, String)> {
         .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
         .map(|m| {
             (
-                m["key"].as_str().unwrap_or_default().to_string(),
+                m["outbox-key"].as_str().unwrap_or_default().to_string(),
                 m["payload"]
                     .as_str()
                     .unwrap_or_default()
                     .parse()
                     .unwrap_or(usize::MAX),
-                m["id"].as_str().unwrap_or_default().to_string(),
+                m["outbox-id"].as_str().unwrap_or_default().to_string(),
             )
         })
         .collect()

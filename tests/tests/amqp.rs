@@ -17,6 +17,7 @@ use outbox_amqp::lapin::types::FieldTable;
 use outbox_amqp::{AmqpConfig, AmqpSink, Unroutable, wire};
 use outbox_core::{Message, NewMessage, Sink, Template, WorkerConfig};
 use outbox_test_support::amqp::{Broker, headers, text, url};
+use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::{Proxy, Service, host_port, through, unique_name};
 use outbox_tests::conformance::{Destination, Received, SinkHarness};
 use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
@@ -113,10 +114,15 @@ impl Fixture for Amqp {
     }
 }
 
+/// Through PostgreSQL and the relay: the envelope read back from the headers table by its
+/// documented names with plain lapin, the native properties filled as well (`message_id`,
+/// `content_type`, `timestamp`, `type`), and the message's own headers beside it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trip_delivers_every_message_once_with_exact_properties() {
     for (sent, got) in end_to_end::round_trip(&Amqp::new().await).await {
         let (id, p) = (sent.id, &got.native.properties);
+        let sent = Message::from(sent);
+        assert_envelope(&sent, "delivery", |name| got.headers.get(name).cloned());
         assert_eq!(p.delivery_mode(), &Some(2));
         assert_eq!(
             p.kind().as_ref().map(|t| t.as_str()),
@@ -124,29 +130,79 @@ async fn round_trip_delivers_every_message_once_with_exact_properties() {
         );
         assert_eq!(p.app_id().as_ref().map(|t| t.as_str()), Some("outbox"));
         assert_eq!(p.timestamp(), &Some(sent.created_at.timestamp() as u64));
-        let content_type = sent
-            .headers
-            .get("content-type")
-            .map_or(wire::DEFAULT_CONTENT_TYPE, String::as_str);
+        assert_eq!(
+            outbox_test_support::amqp::message_id(&got.native),
+            got.headers["outbox-id"],
+            "message_id is the envelope's id"
+        );
         assert_eq!(
             p.content_type().as_ref().map(|t| t.as_str()),
-            Some(content_type)
+            got.headers.get("content-type").map(String::as_str),
+            "content_type is the envelope's"
         );
         let mut headers = FieldTable::default();
         for (name, value) in &sent.headers {
             headers.insert(name.as_str().into(), text(value));
         }
-        if let Some(key) = &sent.key {
-            headers.insert(wire::KEY.into(), text(key));
-        }
-        if let Some(trace) = &sent.trace_context {
-            headers.insert(wire::TRACEPARENT.into(), text(&trace.traceparent));
-            if let Some(state) = &trace.tracestate {
-                headers.insert(wire::TRACESTATE.into(), text(state));
+        for name in outbox_test_support::envelope::NAMES {
+            if let Some(value) = got.headers.get(name) {
+                headers.insert(name.into(), text(value));
             }
         }
         assert_eq!(p.headers().as_ref(), Some(&headers), "headers of {id}");
     }
+}
+
+/// The sink alone, read with plain lapin: every envelope field of a full message and of a
+/// bare one by its documented name, with the native properties; an application header
+/// named like an envelope field does not change it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envelope_fields_are_read_by_their_documented_names() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Topic).await;
+    let queue = broker.queue(&exchange, "#").await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
+    let full: Message = NewMessage::new("orders", "{}")
+        .key("o-1")
+        .header("content-type", "application/json")
+        .header("outbox-id", "forged")
+        .header("x-tenant", "acme")
+        .trace_context(outbox_core::TraceContext {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: Some("rojo=00f067aa0ba902b7".into()),
+        })
+        .into();
+    let mut bare: Message = NewMessage::new("orders", vec![0xff]).into();
+    bare.headers.clear();
+    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
+    );
+    let got = broker.take(&queue, 2).await;
+    for (sent, delivery) in [&full, &bare].into_iter().zip(&got) {
+        let headers = headers(delivery);
+        assert_envelope(sent, "delivery", |name| headers.get(name).cloned());
+        let p = &delivery.properties;
+        assert_eq!(
+            p.message_id().as_ref().map(|t| t.to_string()),
+            Some(sent.id.to_string())
+        );
+        assert_eq!(
+            p.content_type().as_ref().map(|t| t.to_string()),
+            headers.get("content-type").cloned()
+        );
+        assert_eq!(p.timestamp(), &Some(sent.created_at.timestamp() as u64));
+    }
+    let first = headers(&got[0]);
+    assert_eq!(first["x-tenant"], "acme");
+    assert_eq!(first["outbox-id"], full.id.to_string(), "the envelope wins");
+    assert_eq!(
+        headers(&got[1]).len(),
+        5,
+        "a bare message has the five fields that are always there"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -19,6 +19,7 @@ use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
 use outbox_file::base64::Engine;
 use outbox_file::base64::engine::general_purpose::STANDARD;
 use outbox_file::{FileConfig, FileSink, StdoutConfig, StdoutSink, wire};
+use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::{Service, unique_name};
 use outbox_tests::TestOutbox;
 use outbox_tests::conformance::{Destination, Received, SinkHarness};
@@ -38,6 +39,9 @@ struct Line {
     payload: Vec<u8>,
     /// Where the line starts in what was written.
     offset: usize,
+    /// Every top-level field whose value is a string, by name, as a consumer's JSON parser
+    /// sees it.
+    fields: BTreeMap<String, String>,
 }
 
 /// Every line of `bytes`; panics on anything the layout does not allow.
@@ -78,14 +82,14 @@ fn parse(bytes: &[u8]) -> Vec<Line> {
                 (name.clone(), value.to_string())
             })
             .collect();
-        let created_at = text_of(wire::CREATED_AT).expect("created_at");
-        chrono::DateTime::parse_from_rfc3339(&created_at).expect("created_at is RFC 3339");
+        let created_at = text_of(wire::CREATED_AT).expect("outbox-created-at");
+        chrono::DateTime::parse_from_rfc3339(&created_at).expect("outbox-created-at is RFC 3339");
         lines.push(Line {
             id: text_of(wire::ID)
-                .expect("id")
+                .expect("outbox-id")
                 .parse()
-                .expect("id is a UUID"),
-            topic: text_of(wire::TOPIC).expect("topic"),
+                .expect("outbox-id is a UUID"),
+            topic: text_of(wire::TOPIC).expect("outbox-topic"),
             key: text_of(wire::KEY),
             headers,
             trace_context: end_to_end::trace_context(
@@ -94,6 +98,10 @@ fn parse(bytes: &[u8]) -> Vec<Line> {
             ),
             payload,
             offset: at,
+            fields: object
+                .iter()
+                .filter_map(|(name, value)| Some((name.clone(), value.as_str()?.to_string())))
+                .collect(),
         });
     }
     lines
@@ -302,7 +310,7 @@ mod stdout {
 /// with the offset of each as the receipt.
 #[async_trait]
 impl Fixture for Files {
-    type Native = ();
+    type Native = BTreeMap<String, String>;
     type Destination = String;
 
     /// The file sink reaches no server; the only one the scripts use is PostgreSQL.
@@ -316,14 +324,14 @@ impl Fixture for Files {
         Arc::new(file_sink(&self.path(name)))
     }
 
-    async fn read(&self, name: &String, count: usize) -> Vec<Arrived<()>> {
+    async fn read(&self, name: &String, count: usize) -> Vec<Arrived<BTreeMap<String, String>>> {
         let lines = self.lines(name);
         assert!(lines.len() >= count, "{} of {count} lines", lines.len());
         lines.into_iter().map(arrived).collect()
     }
 }
 
-fn arrived(line: Line) -> Arrived<()> {
+fn arrived(line: Line) -> Arrived<BTreeMap<String, String>> {
     Arrived {
         id: line.id,
         topic: line.topic,
@@ -332,13 +340,18 @@ fn arrived(line: Line) -> Arrived<()> {
         headers: line.headers,
         trace_context: line.trace_context,
         receipt: Some(line.offset.to_string()),
-        native: (),
+        native: line.fields,
     }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_appends_from_postgres_to_a_file_in_key_order() {
-    end_to_end::round_trip(&Files::new()).await;
+    for (message, got) in end_to_end::round_trip(&Files::new()).await {
+        // The envelope by its documented names, as any JSON parser reads the line.
+        assert_envelope(&Message::from(message), "line", |name| {
+            got.native.get(name).cloned()
+        });
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -461,6 +474,9 @@ async fn the_relay_writes_from_postgres_to_stdout_in_key_order() {
         assert_eq!(line.key, message.key);
         assert_eq!(line.headers, message.headers);
         assert_eq!(line.trace_context, message.trace_context);
+        assert_envelope(&Message::from(message.clone()), "line", |name| {
+            line.fields.get(name).cloned()
+        });
     }
     let position: HashMap<uuid::Uuid, usize> =
         lines.iter().enumerate().map(|(i, l)| (l.id, i)).collect();

@@ -10,10 +10,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::{NewMessage, Sink, Template};
+use outbox_core::{Message, NewMessage, Sink, Template};
 use outbox_kafka::rdkafka::mocking::MockCluster;
 use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use outbox_kafka::{KafkaConfig, KafkaSink, wire};
+use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::kafka::{
     Record, Tansu, consume, consume_until, create_topic, require_broker,
 };
@@ -132,19 +133,67 @@ impl Fixture for Kafka {
     }
 }
 
+/// Through PostgreSQL and the relay: the envelope read back from the record's headers by
+/// its documented names with a plain rdkafka consumer, and the native fields filled as
+/// well: the record key is the partition key, the timestamp (`CreateTime`) the created time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trip_through_postgres_and_the_relay() {
     for (message, got) in end_to_end::round_trip(&Kafka::new()).await {
-        let created = got
-            .native
-            .header(wire::CREATED_AT)
-            .expect("created-at header");
-        let created = chrono::DateTime::parse_from_rfc3339(created).expect("RFC 3339");
+        let message = Message::from(message);
+        let record = &got.native;
+        assert_envelope(&message, "record", |name| {
+            record.header(name).map(str::to_string)
+        });
+        assert_eq!(record.key, message.key, "record key of {}", message.id);
+        assert!(record.create_time, "CreateTime: {record:?}");
         assert_eq!(
-            created.timestamp_micros(),
-            message.created_at.timestamp_micros()
+            record.timestamp,
+            Some(message.created_at.timestamp_millis()),
+            "record timestamp of {}",
+            message.id
         );
     }
+}
+
+/// The sink alone, read with a plain rdkafka consumer: every envelope field of a full
+/// message and of a bare one by its documented name, with the native key and timestamp; an
+/// application header named like an envelope field is not sent, the envelope's value is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envelope_fields_are_read_by_their_documented_names() {
+    let brokers = require_broker();
+    let topic = unique_name("envelope");
+    create_topic(&brokers, &topic, 1).await;
+    let full: Message = NewMessage::new(&topic, "{}")
+        .key("o-1")
+        .header("content-type", "application/json")
+        .header("outbox-id", "forged")
+        .header("x-tenant", "acme")
+        .trace_context(outbox_core::TraceContext {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: Some("rojo=00f067aa0ba902b7".into()),
+        })
+        .into();
+    let mut bare: Message = NewMessage::new(&topic, vec![0xff]).into();
+    // An hour ago: the timestamp is the created time, not the send time.
+    bare.created_at -= chrono::Duration::hours(1);
+    let sink = sink(KafkaConfig::new(&brokers));
+    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
+    );
+    let records = consume(&brokers, &topic, 1, 2, Duration::from_secs(20)).await;
+    assert_eq!(records.len(), 2, "{records:?}");
+    for (sent, record) in [&full, &bare].into_iter().zip(&records) {
+        assert_envelope(sent, "record", |name| {
+            record.header(name).map(str::to_string)
+        });
+        assert_eq!(record.key, sent.key);
+        assert_eq!(record.timestamp, Some(sent.created_at.timestamp_millis()));
+    }
+    assert_eq!(records[0].header("x-tenant"), Some("acme"));
+    assert_eq!(records[1].headers.len(), 5, "{:?}", records[1].headers);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

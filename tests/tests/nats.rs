@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, SinkRegistry, WorkerConfig};
 use outbox_nats::async_nats::jetstream::{self, stream};
 use outbox_nats::{NatsConfig, NatsSink, wire};
+use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::nats::{connect, create_stream, headers, read, url};
 use outbox_test_support::{Service, through, unique_name};
 use outbox_tests::conformance::{Destination, Received, SinkHarness};
@@ -169,7 +170,64 @@ impl Fixture for Nats {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_relay_delivers_from_postgres_to_jetstream_in_key_order() {
-    end_to_end::round_trip(&Nats::new().await).await;
+    for (message, got) in end_to_end::round_trip(&Nats::new().await).await {
+        // The envelope by its documented names, as a plain async-nats consumer reads it, and
+        // JetStream's own id header filled as well.
+        assert_envelope(&Message::from(message.clone()), "message", |name| {
+            got.headers.get(name).cloned()
+        });
+        assert_eq!(
+            got.headers.get("Nats-Msg-Id"),
+            Some(&message.id.to_string())
+        );
+    }
+}
+
+/// The sink alone, read with a plain async-nats consumer: every envelope field of a full
+/// message and of a bare one by its documented name, `Nats-Msg-Id` filled as well; an
+/// application header named like an envelope field is not sent, the envelope's value is;
+/// `key_header` repeats the key under an older name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envelope_fields_are_read_by_their_documented_names() {
+    let nats = Nats::new().await;
+    let topic = unique_name("envelope");
+    nats.stream_for(&topic).await;
+    let full: Message = NewMessage::new(topic.as_str(), "{}")
+        .key("o-1")
+        .header("content-type", "application/json")
+        .header("outbox-id", "forged")
+        .header("x-tenant", "acme")
+        .trace_context(outbox_core::TraceContext {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: Some("rojo=00f067aa0ba902b7".into()),
+        })
+        .into();
+    let bare: Message = NewMessage::new(topic.as_str(), vec![0xff]).into();
+    let sink = NatsSink::new(NatsConfig {
+        key_header: Some("Outbox-Key".into()),
+        ..config(&url(), PREFIX)
+    })
+    .expect("valid configuration");
+    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
+    assert!(outcomes.iter().all(|o| matches!(o, Outcome::Delivered(_))));
+    let got = read(&nats.js, &topic, 2, Duration::from_secs(10)).await;
+    assert_eq!(got.len(), 2);
+    for (sent, m) in [&full, &bare].into_iter().zip(&got) {
+        let headers = headers(&m.message);
+        assert_envelope(sent, "message", |name| headers.get(name).cloned());
+        assert_eq!(headers.get("Nats-Msg-Id"), Some(&sent.id.to_string()));
+        assert_eq!(headers.get("Outbox-Key"), sent.key.as_ref());
+    }
+    let first = headers(&got[0].message);
+    assert_eq!(first["x-tenant"], "acme");
+    assert_eq!(first["outbox-id"], full.id.to_string(), "the envelope wins");
+    // The five that are always there, and Nats-Msg-Id.
+    assert_eq!(
+        headers(&got[1].message).len(),
+        6,
+        "{:?}",
+        headers(&got[1].message)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,6 +11,7 @@ use async_trait::async_trait;
 use outbox_core::{Message, NewMessage, Sink};
 use outbox_redis::redis::{self, AsyncCommands};
 use outbox_redis::{RedisConfig, RedisSink, wire};
+use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::redis::{Entry, client, delete_prefixed, text, xlen, xrange};
 use outbox_test_support::{Service, through, unique_name};
 use outbox_tests::TestOutbox;
@@ -139,22 +140,64 @@ impl Fixture for Redis {
     }
 }
 
+/// Through PostgreSQL and the relay, each entry holds the envelope under its documented
+/// field names (read with the plain redis client), the payload, and every header as
+/// `header:<name>`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_trip_through_postgres_and_the_relay() {
     for (message, got) in end_to_end::round_trip(&Redis { dedup: false }).await {
         let fields = &got.native.1;
         assert_eq!(got.headers, message.headers, "headers of {}", message.id);
-        assert_eq!(
-            optional(fields, wire::CONTENT_TYPE),
-            message.headers.get("content-type").cloned()
-        );
-        let created = chrono::DateTime::parse_from_rfc3339(&text(fields, wire::CREATED_AT))
-            .expect("RFC 3339");
-        assert_eq!(
-            created.timestamp_micros(),
-            message.created_at.timestamp_micros()
-        );
+        assert_envelope(&Message::from(message.clone()), "entry", |name| {
+            optional(fields, name)
+        });
+        let names: Vec<&str> = fields.keys().map(String::as_str).collect();
+        for name in names {
+            assert!(
+                name == "payload"
+                    || name.starts_with("header:")
+                    || outbox_test_support::envelope::NAMES.contains(&name),
+                "unexpected field {name} in {}",
+                message.id
+            );
+        }
     }
+}
+
+/// The sink alone: the entry's envelope read by its documented names with the plain redis
+/// client, for a message with every field and one with none of the optional ones; an
+/// application header named like an envelope field stays a `header:` field and does not
+/// change the envelope.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn envelope_fields_are_read_by_their_documented_names() {
+    let prefix = format!("{}:", unique_name("outbox_test"));
+    let _ = client().await;
+    let full: Message = NewMessage::new("orders", "{}")
+        .key("o-1")
+        .header("content-type", "application/json")
+        .header("outbox-id", "forged")
+        .trace_context(outbox_core::TraceContext {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: Some("rojo=00f067aa0ba902b7".into()),
+        })
+        .into();
+    let bare: Message = NewMessage::new("orders", vec![0xff]).into();
+    let sink = sink(RedisConfig::new(outbox_test_support::redis::url()).stream_prefix(&prefix));
+    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
+    assert!(
+        outcomes
+            .iter()
+            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
+    );
+    let entries = xrange(&format!("{prefix}orders")).await;
+    assert_eq!(entries.len(), 2);
+    for (sent, (_, fields)) in [&full, &bare].into_iter().zip(&entries) {
+        let raw: Vec<&str> = fields.keys().map(String::as_str).collect();
+        assert_envelope(sent, "entry", |name| optional(fields, name));
+        assert_eq!(fields["payload"], sent.payload, "{raw:?}");
+    }
+    assert_eq!(text(&entries[0].1, "header:outbox-id"), "forged");
+    delete_prefixed(&prefix).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
