@@ -8,6 +8,9 @@ pub use outbox_core::*;
 #[cfg(feature = "postgres")]
 pub use outbox_postgres as postgres;
 
+/// MySQL and MariaDB outbox storage (cargo feature `mysql`).
+#[cfg(feature = "mysql")]
+pub use outbox_mysql as mysql;
 /// SQLite outbox storage (cargo feature `sqlite`).
 #[cfg(feature = "sqlite")]
 pub use outbox_sqlite as sqlite;

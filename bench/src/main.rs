@@ -2,8 +2,8 @@
 //! is reported next to a baseline measured in the same run, as a ratio: the machines are
 //! shared and noisy, so absolute numbers mean little on their own.
 //!
-//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite]` (all when none
-//! named).
+//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite] [mysql]` (all
+//! when none named).
 //! Writes a table to the terminal, `target/bench/results.json`, and the generated part of
 //! BENCHMARKS.md with `bench/drain.svg`.
 
@@ -11,6 +11,7 @@ mod baselines;
 mod drain;
 mod enqueue;
 mod latency;
+mod mysql;
 mod report;
 mod setup;
 mod sqlite;
@@ -84,6 +85,9 @@ async fn main() {
         }
         if wanted("sqlite") {
             sqlite::run(scale, &mut report).await?;
+        }
+        if wanted("mysql") {
+            mysql::run(scale, &mut report).await?;
         }
         Ok(())
     }

@@ -382,7 +382,7 @@ async fn redis_range(stream: &str) -> Result<Vec<Vec<u8>>> {
             reply
                 .ids
                 .iter()
-                .map(|e| e.get("payload").unwrap_or_default()),
+                .map(|e| e.get(outbox_redis::wire::PAYLOAD).unwrap_or_default()),
         );
     }
 }

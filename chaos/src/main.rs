@@ -1,6 +1,6 @@
 //! `outbox-chaos`: several `outbox relay` processes on one outbox table while writers enqueue
 //! with plain SQL and faults are injected at random (seeded): kill -9 of a relay, its
-//! PostgreSQL sessions terminated, the broker link cut or stalled past the lease through a
+//! database sessions terminated (PostgreSQL or, with `--storage mysql`, MySQL), the broker link cut or stalled past the lease through a
 //! proxy, and (AMQP) a lagging consumer that makes RabbitMQ refuse publishes. Then it drains,
 //! reads back everything the broker received and fails on any loss, per-key order violation,
 //! rolled-back message delivered, dead letter, or more duplicates than the faults explain.
@@ -8,6 +8,7 @@
 
 mod brokers;
 mod check;
+mod database;
 mod relays;
 mod writers;
 
@@ -21,12 +22,11 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use outbox_core::redact_url;
 use outbox_test_support::{Proxy, Service, host_port, through};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
 use tokio_util::sync::CancellationToken;
 
 use brokers::{Broker, Kind};
 use check::Verdict;
+use database::{Database, Store};
 use relays::{Relays, Settings};
 use writers::{Counters, Ledger, Writer};
 
@@ -63,12 +63,24 @@ struct Args {
     /// Seed of the fault schedule and the writers' choices (random when not given).
     #[arg(long)]
     seed: Option<u64>,
-    /// The relay binary, built with `--features amqp,kafka,nats`.
+    /// The relay binary, built with `--features amqp,kafka,nats,mysql`.
     #[arg(long, default_value = "target/debug/outbox")]
     outbox: PathBuf,
-    /// The database of the outbox (a schema of the run's own is created and dropped).
+    /// The storage of the outbox.
+    #[arg(long, value_enum, default_value = "postgres")]
+    storage: Store,
+    /// The database of the outbox with `--storage postgres` (a schema of the run's own is
+    /// created and dropped).
     #[arg(long, env = Service::Postgres.env(), default_value = Service::Postgres.default_url())]
     postgres_url: String,
+    /// The database of the outbox with `--storage mysql` (tables of the run's own are created
+    /// and dropped).
+    #[arg(
+        long,
+        env = "OUTBOX_TEST_MYSQL_URL",
+        default_value = "mysql://root@127.0.0.1:3306/test"
+    )]
+    mysql_url: String,
     /// Relay processes on the one outbox table.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]
     relays: u8,
@@ -100,10 +112,13 @@ fn main() -> ExitCode {
         Err(error) => Err(format!("cannot start the runtime: {error}")),
     };
     let sink = format!("{:?}", args.sink).to_lowercase();
+    let storage = format!("{:?}", args.storage).to_lowercase();
     match outcome {
         Ok(true) => return ExitCode::SUCCESS,
-        Ok(false) => eprintln!("chaos: FAILED (sink {sink}, seed {seed})"),
-        Err(error) => eprintln!("chaos: error: {error} (sink {sink}, seed {seed})"),
+        Ok(false) => eprintln!("chaos: FAILED (sink {sink}, storage {storage}, seed {seed})"),
+        Err(error) => {
+            eprintln!("chaos: error: {error} (sink {sink}, storage {storage}, seed {seed})")
+        }
     }
     ExitCode::FAILURE
 }
@@ -135,7 +150,7 @@ impl Faults {
         ]
         .map(|n| n.load(Relaxed));
         format!(
-            "{k} kill -9, {t} pg-terminate ({s} sessions), {c} cuts, {st} stalls, {p} consumer pauses"
+            "{k} kill -9, {t} session kills ({s} sessions), {c} cuts, {st} stalls, {p} consumer pauses"
         )
     }
 }
@@ -144,7 +159,7 @@ impl Faults {
 struct Run {
     name: String,
     kind: Kind,
-    pool: PgPool,
+    db: Database,
     database: Proxy,
     link: Proxy,
     broker: Broker,
@@ -170,17 +185,15 @@ impl Run {
         // Unique per run even with a repeated seed: runs may overlap on the shared servers.
         let name = format!("chaos_{:016x}", fastrand::u64(..));
         let binary = std::fs::canonicalize(&args.outbox).ctx(format_args!(
-            "relay binary {} (build it with `cargo build --features amqp,kafka,nats`)",
+            "relay binary {} (build it with `cargo build --features amqp,kafka,nats,mysql`)",
             args.outbox.display()
         ))?;
-        let url = &args.postgres_url;
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .acquire_timeout(Duration::from_secs(10))
-            .connect(url)
-            .await
-            .ctx(format_args!("PostgreSQL at {}", redact_url(url)))?;
-        // Relays reach PostgreSQL through a proxy that is never cut: its connections' ports
+        let url = match args.storage {
+            Store::Postgres => &args.postgres_url,
+            Store::Mysql => &args.mysql_url,
+        };
+        let db = Database::connect(args.storage, url, &name).await?;
+        // Relays reach the database through a proxy that is never cut: its connections' ports
         // tell this run's relay sessions from those of other relays on the shared server.
         let database = Proxy::try_start(&host_port(url)).await.ctx("proxy")?;
         let relay_url = through(url, &database.addr());
@@ -207,12 +220,14 @@ impl Run {
         let dir = std::env::temp_dir().join(&name);
         std::fs::create_dir_all(&dir).ctx(dir.display())?;
         let sink = broker.sink_table(&name, &link.addr(), SINK_TIMEOUT);
-        let config = relays::config(&relay_url, &name, &settings, &sink);
+        let config = relays::config(&relay_url, &db.storage_keys(), &settings, &sink);
         let config_file = dir.join("relay.toml");
         std::fs::write(&config_file, config).ctx(config_file.display())?;
         println!(
-            "chaos: sink {:?}, schema {name}, {} relays, lease {:?}, {} min; relay config and logs in {}",
+            "chaos: sink {:?}, storage {:?} ({}), {} relays, lease {:?}, {} min; relay config and logs in {}",
             args.sink,
+            args.storage,
+            redact_url(url),
             args.relays,
             settings.lease,
             args.minutes,
@@ -222,7 +237,7 @@ impl Run {
             relays: Relays::new(&binary, &config_file, &dir, args.relays.into()),
             name,
             kind: args.sink,
-            pool,
+            db,
             database,
             link,
             broker,
@@ -283,11 +298,7 @@ impl Run {
         rng: &mut fastrand::Rng,
         counters: &Arc<Counters>,
     ) -> Vec<tokio::task::JoinHandle<Ledger>> {
-        let insert: Arc<str> = format!(
-            r#"INSERT INTO "{}"."outbox" (id, topic, partition_key, payload) VALUES ($1, $2, $3, $4)"#,
-            self.name
-        )
-        .into();
+        let insert: Arc<str> = self.db.insert().into();
         let own = (0..2).map(|w| (format!("w{w}"), (0..8).map(move |k| format!("w{w}-k{k}"))));
         let own = own.map(|(name, keys)| (name, keys.collect::<Vec<_>>(), false));
         let shared = (0..2).map(|w| {
@@ -305,7 +316,7 @@ impl Run {
                 shared,
                 seed: rng.u64(..),
             };
-            let (pool, insert, stop) = (self.pool.clone(), insert.clone(), self.stop.clone());
+            let (pool, insert, stop) = (self.db.pool.clone(), insert.clone(), self.stop.clone());
             let task = writers::run(pool, insert, writer, counters.clone(), stop);
             tasks.push(tokio::spawn(task));
         }
@@ -314,13 +325,13 @@ impl Run {
 
     /// A line every 10 s: committed, still in the outbox, relayed, received (AMQP), faults.
     fn start_progress(&self, counters: &Arc<Counters>) -> tokio::task::JoinHandle<()> {
-        let (counters, faults, pool) = (counters.clone(), self.faults.clone(), self.pool.clone());
-        let (name, started) = (self.name.clone(), self.started);
+        let (counters, faults, db) = (counters.clone(), self.faults.clone(), self.db.clone());
+        let started = self.started;
         let receipts = self.broker.receipts();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(10)).await;
-                let pending = outbox_rows(&pool, &name).await.unwrap_or(-1);
+                let pending = db.outbox_rows().await.unwrap_or(-1);
                 let committed = counters.committed.load(Relaxed);
                 let received = match &receipts {
                     Some(r) => format!(", received {}", r.lock().map_or(0, |a| a.len())),
@@ -363,7 +374,7 @@ impl Run {
             }
             30..55 => {
                 let sessions = self.terminate_sessions().await?;
-                println!("[{t:>4}s] fault: pg_terminate_backend of {sessions} relay sessions");
+                println!("[{t:>4}s] fault: {sessions} relay database sessions terminated");
                 faults.sessions.fetch_add(sessions, Relaxed);
                 (&faults.terminations, sessions.min(relays))
             }
@@ -394,21 +405,9 @@ impl Run {
     /// Terminates the sessions of this run's relays only, those that came through our proxy:
     /// other relays on the shared server have the same application_name.
     async fn terminate_sessions(&self) -> Result<u64> {
-        let ports: Vec<i32> = self
-            .database
-            .server_ports()
-            .into_iter()
-            .map(i32::from)
-            .collect();
-        let terminated: i64 = sqlx::query_scalar(
-            "SELECT count(*) FILTER (WHERE pg_terminate_backend(pid)) FROM pg_stat_activity \
-             WHERE application_name = 'outbox-relay' AND client_port = ANY($1)",
-        )
-        .bind(ports)
-        .fetch_one(&self.pool)
-        .await
-        .ctx("pg_terminate_backend")?;
-        Ok(terminated as u64)
+        self.db
+            .terminate_sessions(&self.database.server_ports())
+            .await
     }
 
     /// Waits until the outbox table is empty or the deadline passes; returns the rows left.
@@ -416,7 +415,7 @@ impl Run {
         let deadline = Instant::now() + DRAIN_DEADLINE;
         loop {
             self.restart_exited()?;
-            let left = outbox_rows(&self.pool, &self.name).await?;
+            let left = self.db.outbox_rows().await?;
             if left == 0 || Instant::now() >= deadline {
                 let t = self.started.elapsed().as_secs();
                 println!("[{t:>4}s] drained: {left} rows left in the outbox");
@@ -428,40 +427,12 @@ impl Run {
 
     /// What the relays recorded for up to ten lost messages: the broker's receipt and when.
     async fn receipts(&self, lost: &[uuid::Uuid]) -> Result<Vec<String>> {
-        let lost = &lost[..lost.len().min(10)];
-        let query = format!(
-            r#"SELECT l.id || ': ' || coalesce('relayed with receipt ' || d.receipt || ' at '
-                   || d.delivered_at || ' after ' || d.attempts || ' failed attempts',
-                   'no delivery recorded')
-               FROM unnest($1::uuid[]) AS l(id)
-               LEFT JOIN "{}"."outbox_delivered" d ON d.id = l.id"#,
-            self.name
-        );
-        let rows = sqlx::query_scalar::<_, String>(&query)
-            .bind(lost)
-            .fetch_all(&self.pool);
-        rows.await.ctx("receipts of lost messages")
+        self.db.receipts(lost).await
     }
 
     /// The number of dead letters and up to five of their errors.
     async fn dead_letters(&self) -> Result<(i64, Vec<String>)> {
-        let table = format!(r#""{}"."outbox_dead_letters""#, self.name);
-        let count = format!("SELECT count(*) FROM {table}");
-        let count: i64 = sqlx::query_scalar(&count)
-            .fetch_one(&self.pool)
-            .await
-            .ctx("dead letters")?;
-        let errors = format!("SELECT partition_key || ': ' || last_error FROM {table} LIMIT 5");
-        let errors = sqlx::query_scalar::<_, Option<String>>(&errors).fetch_all(&self.pool);
-        Ok((
-            count,
-            errors
-                .await
-                .ctx("dead letters")?
-                .into_iter()
-                .flatten()
-                .collect(),
-        ))
+        self.db.dead_letters().await
     }
 
     /// For investigating a failure: `written.csv` (id, key, INSERT issued and COMMIT returned,
@@ -502,8 +473,9 @@ impl Run {
         let rolled_back = verdict.rolled_back_delivered.len();
         let t = self.started.elapsed().as_secs();
         println!(
-            "\nchaos report: sink {:?}, seed {seed}, {t} s, {} relays",
+            "\nchaos report: sink {:?}, storage {:?}, seed {seed}, {t} s, {} relays",
             self.kind,
+            self.db.store,
             self.relays.count()
         );
         let rows = [
@@ -593,25 +565,14 @@ impl Run {
         false
     }
 
-    /// Drops the schema and the broker's destination; removes the run's directory when told.
+    /// Drops the schema or tables and the broker's destination; removes the run's directory when told.
     async fn cleanup(&mut self, remove_dir: bool) {
         self.stop.cancel(); // the writers, if a failure left them running
         self.relays.stop(Duration::from_secs(5)).await;
         self.broker.cleanup(&self.name).await;
-        let drop = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.name);
-        if let Err(error) = sqlx::query(&drop).execute(&self.pool).await {
-            eprintln!("chaos: dropping schema {}: {error}", self.name);
-        }
+        self.db.cleanup().await;
         if remove_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
     }
-}
-
-async fn outbox_rows(pool: &PgPool, schema: &str) -> Result<i64> {
-    let count = format!(r#"SELECT count(*) FROM "{schema}"."outbox""#);
-    sqlx::query_scalar(&count)
-        .fetch_one(pool)
-        .await
-        .ctx("counting outbox rows")
 }

@@ -18,14 +18,15 @@ pub struct Settings {
 }
 
 /// The relay's configuration file (docs/configuration.md). Every relay process reads the
-/// same file: worker ids differ by process id. `sink` is the body of the `[sink]` table.
-pub fn config(postgres_url: &str, schema: &str, settings: &Settings, sink: &str) -> String {
+/// same file: worker ids differ by process id. `place` names the outbox table in the
+/// `[storage]` table (PostgreSQL: the run's schema; MySQL: the run's table); `sink` is the
+/// body of the `[sink]` table.
+pub fn config(url: &str, place: &str, settings: &Settings, sink: &str) -> String {
     format!(
         r#"# Written by outbox-chaos.
 [storage]
-url = "{postgres_url}"
-schema = "{schema}"
-table = "outbox"
+url = "{url}"
+{place}
 max_connections = 4
 connect_timeout = "2s"
 per_key_order = true

@@ -1,11 +1,12 @@
-//! Writers: enqueue with plain SQL INSERTs (the table contract of docs/storage/postgres.md),
-//! as an application in any language would, and record what they did and when.
+//! Writers: enqueue with plain SQL INSERTs (the table contract of docs/storage/postgres.md
+//! and docs/storage/mysql.md), as an application in any language would, and record what they
+//! did and when.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use sqlx::PgPool;
+use sqlx::AnyPool;
 use tokio_util::sync::CancellationToken;
 use uuid::Uuid;
 
@@ -90,7 +91,7 @@ impl Plan {
 
 /// Runs transactions until `stop`, then returns what it wrote.
 pub async fn run(
-    pool: PgPool,
+    pool: AnyPool,
     insert: Arc<str>,
     writer: Writer,
     counters: Arc<Counters>,
@@ -129,7 +130,7 @@ enum Outcome {
 }
 
 async fn transaction(
-    pool: &PgPool,
+    pool: &AnyPool,
     insert: &str,
     writer: &str,
     sequence: &mut u64,
@@ -151,9 +152,9 @@ async fn transaction(
         let payload = format!("{id} {key} {writer}#{sequence}");
         let began = Instant::now();
         let result = sqlx::query(insert)
-            .bind(id)
+            .bind(id.to_string())
             .bind(TOPIC)
-            .bind(&key)
+            .bind(key.clone())
             .bind(payload.into_bytes())
             .execute(&mut *tx)
             .await;

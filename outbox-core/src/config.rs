@@ -165,7 +165,10 @@ impl<'de> SeqAccess<'de> for LenientSeq {
         &mut self,
         seed: S,
     ) -> Result<Option<S::Value>, Self::Error> {
-        self.0.next().map(|item| seed.deserialize(Lenient(item))).transpose()
+        self.0
+            .next()
+            .map(|item| seed.deserialize(Lenient(item)))
+            .transpose()
     }
 }
 
@@ -347,8 +350,8 @@ mod tests {
     fn text_that_is_not_a_number_is_refused_under_its_key() {
         let error = from_value::<Inner>(serde_json::json!({"depth": "deep"})).unwrap_err();
         assert!(error.to_string().contains("depth"), "{error}");
-        let error = from_value::<Settings>(serde_json::json!({"batch": "1", "extra": 1}))
-            .unwrap_err();
+        let error =
+            from_value::<Settings>(serde_json::json!({"batch": "1", "extra": 1})).unwrap_err();
         assert!(error.to_string().contains("extra"), "{error}");
     }
 

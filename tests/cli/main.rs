@@ -12,6 +12,8 @@ const EXIT_CONFIG: i32 = 78;
 
 #[cfg(feature = "redis")]
 mod deployment;
+#[cfg(all(feature = "mysql", feature = "file"))]
+mod mysql;
 #[cfg(all(feature = "otlp", feature = "sqlite", feature = "file"))]
 mod otlp;
 #[cfg(all(feature = "nats", feature = "redis"))]

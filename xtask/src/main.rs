@@ -1,12 +1,14 @@
 //! `cargo xtask <task>`: the project's chores in one place.
 //!
 //! - `services`: make sure every server the tests need is up, starting (and, when missing,
-//!   installing) each one: PostgreSQL, Redis, RabbitMQ, NATS, and tansu as the Kafka broker.
+//!   installing) each one: PostgreSQL, MariaDB, Redis, RabbitMQ, NATS, and tansu as the Kafka
+//!   broker.
 //! - `test`: `services`, then the whole test suite against them.
 //! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
 //! - `container-build`: the Dockerfile's `cargo build` line, run here (docs/deployment.md).
-//! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]`: `services`, then the
-//!   relay binary with every sink (debug build), then the chaos run against it (docs/chaos.md).
+//! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|mysql] [--seed N]`:
+//!   `services`, then the relay binary with every sink (debug build), then the chaos run
+//!   against it (docs/chaos.md).
 
 #[cfg(test)]
 mod tidy;
@@ -28,7 +30,7 @@ fn main() -> ExitCode {
         Some("container-build") => container_build(),
         _ => Err(
             "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | container-build | \
-                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--seed N]>"
+                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|mysql] [--seed N]>"
                 .into(),
         ),
     };
@@ -60,6 +62,14 @@ const SERVICES: &[Service] = &[
         start: start_postgres,
         package: Some("postgresql"),
         program: "pg_ctlcluster",
+        startup: Duration::from_secs(30),
+    },
+    Service {
+        name: "MariaDB",
+        port: 3306,
+        start: start_mariadb,
+        package: Some("mariadb-server"),
+        program: "mariadbd",
         startup: Duration::from_secs(30),
     },
     Service {
@@ -126,7 +136,55 @@ fn services() -> Result {
         (service.start)()?;
         wait_for(service)?;
     }
-    prepare_postgres()
+    prepare_postgres()?;
+    prepare_mariadb()
+}
+
+/// The MySQL tests connect as `root` without a password to database `test` on 127.0.0.1
+/// (`OUTBOX_TEST_MYSQL_URL` overrides it, and then nothing is prepared). A fresh MariaDB
+/// has neither: as the system's root (MariaDB lets it in through the socket) this creates
+/// the database and `root@127.0.0.1` with no password, which suits a test machine only.
+fn prepare_mariadb() -> Result {
+    if std::env::var_os("OUTBOX_TEST_MYSQL_URL").is_some() {
+        return Ok(());
+    }
+    let probe = || {
+        Command::new("mariadb")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-u",
+                "root",
+                "--connect-timeout=5",
+                "-e",
+                "SELECT 1",
+                "test",
+            ])
+            .output()
+            .map_err(|e| format!("cannot run mariadb: {e}"))
+    };
+    if probe()?.status.success() {
+        return Ok(());
+    }
+    println!("xtask: creating MariaDB database `test` and user root@127.0.0.1 (test machine)");
+    run(Command::new("mariadb").args([
+        "-u",
+        "root",
+        "-e",
+        "CREATE DATABASE IF NOT EXISTS test; \
+         CREATE USER IF NOT EXISTS 'root'@'127.0.0.1' IDENTIFIED BY ''; \
+         GRANT ALL PRIVILEGES ON *.* TO 'root'@'127.0.0.1' WITH GRANT OPTION;",
+    ]))?;
+    let last = probe()?;
+    if last.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "MariaDB on 127.0.0.1:3306 still refuses root@test: {}; set OUTBOX_TEST_MYSQL_URL \
+             to a database the tests may use",
+            String::from_utf8_lossy(&last.stderr).trim()
+        ))
+    }
 }
 
 /// The tests connect as `postgres` without a password to database `test` on 127.0.0.1
@@ -283,6 +341,25 @@ fn start_postgres() -> Result {
     Ok(())
 }
 
+/// MariaDB as Debian installs it, its data directory made on the first start.
+fn start_mariadb() -> Result {
+    if !std::path::Path::new("/var/lib/mysql/mysql").is_dir() {
+        run(Command::new("mariadb-install-db").args(["--user=mysql", "--datadir=/var/lib/mysql"]))?;
+    }
+    std::fs::create_dir_all("/run/mysqld").ok();
+    run(Command::new("chown").args(["mysql:mysql", "/run/mysqld"]))?;
+    let log = std::fs::File::create(std::env::temp_dir().join("outbox-mariadb.log"))
+        .map_err(|e| format!("cannot create the MariaDB log: {e}"))?;
+    Command::new("setsid")
+        .args(["mariadbd-safe", "--bind-address=127.0.0.1", "--port=3306"])
+        .stdin(Stdio::null())
+        .stdout(log.try_clone().map_err(|e| e.to_string())?)
+        .stderr(log)
+        .spawn()
+        .map_err(|e| format!("cannot start MariaDB: {e}"))?;
+    Ok(())
+}
+
 fn start_redis() -> Result {
     std::fs::create_dir_all("/var/log/redis").ok();
     std::fs::create_dir_all("/var/lib/redis").ok();
@@ -426,7 +503,7 @@ fn chaos(extra: &[String]) -> Result {
         "--bin",
         "outbox",
         "--features",
-        "amqp,kafka,nats",
+        "amqp,kafka,nats,mysql",
     ]))?;
     let outbox = target.join("debug").join("outbox");
     run(cargo()

@@ -10,7 +10,11 @@ use outbox::{SinkRegistry, StorageRegistry};
 pub const DEFAULT_STORAGE: &str = "postgres";
 
 /// Every storage type: its `[storage]` name and what it stores in.
-pub const STORAGES: [(&str, &str); 2] = [("postgres", "PostgreSQL"), ("sqlite", "SQLite")];
+pub const STORAGES: [(&str, &str); 3] = [
+    ("postgres", "PostgreSQL"),
+    ("sqlite", "SQLite"),
+    ("mysql", "MySQL, MariaDB"),
+];
 
 /// Every sink type: its `[sink] type` name (also its cargo feature, but for those in
 /// [`SINK_FEATURES`]) and what it delivers to.
@@ -42,6 +46,8 @@ pub fn storages() -> StorageRegistry {
     outbox::postgres::register(&mut registry);
     #[cfg(feature = "sqlite")]
     outbox::sqlite::register(&mut registry);
+    #[cfg(feature = "mysql")]
+    outbox::mysql::register(&mut registry);
     for (name, _) in STORAGES {
         registry.note_missing(name, name);
     }

@@ -1,0 +1,271 @@
+//! Settings of the MySQL / MariaDB storage.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use outbox_core::{Error, Result, redact_url};
+use sqlx::mysql::MySqlConnectOptions;
+
+/// The default of [`MySqlConfig::max_per_key`].
+pub const DEFAULT_MAX_PER_KEY: usize = 8;
+
+/// The largest [`MySqlConfig::max_per_key`] accepted.
+const MAX_MAX_PER_KEY: usize = 10_000;
+
+/// Settings of the MySQL / MariaDB storage: the `[storage]` section of the relay's file and
+/// the Rust API alike. Every key but `url` has a default. `Debug` hides the password in the
+/// URL.
+#[derive(Clone, PartialEq, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MySqlConfig {
+    /// Connection URL, e.g. `mysql://user:password@127.0.0.1:3306/app` (`mariadb://` works
+    /// too).
+    pub url: String,
+    /// The database that holds the outbox tables; default: the one the URL names.
+    pub database: Option<String>,
+    /// Name of the outbox table (default `outbox`); the dead-letter and other tables are
+    /// named after it.
+    pub table: String,
+    /// Deliver messages that share a partition key in enqueue order (default on).
+    pub per_key_order: bool,
+    /// With per-key order, the most messages of one key in one claim (default 8): the
+    /// worker publishes a key's messages one round after another, so this bounds the rounds
+    /// per batch.
+    pub max_per_key: usize,
+    /// Keep delivered messages, with their receipt, for this long; `None` (the default)
+    /// deletes them on delivery.
+    #[serde(with = "humantime_serde")]
+    pub retention: Option<Duration>,
+    /// Connections the relay may open (default 4).
+    pub max_connections: u32,
+    /// How long to wait for a connection before the storage counts as unavailable
+    /// (default 5 s).
+    #[serde(with = "humantime_serde")]
+    pub connect_timeout: Duration,
+    /// How long a statement of the relay waits for a row lock another transaction holds
+    /// (the session's `innodb_lock_wait_timeout`, whole seconds, default 10 s).
+    #[serde(with = "humantime_serde")]
+    pub lock_wait_timeout: Duration,
+}
+
+impl std::fmt::Debug for MySqlConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlConfig")
+            .field("url", &redact_url(&self.url))
+            .field("database", &self.database)
+            .field("table", &self.table)
+            .field("per_key_order", &self.per_key_order)
+            .field("max_per_key", &self.max_per_key)
+            .field("retention", &self.retention)
+            .field("max_connections", &self.max_connections)
+            .field("connect_timeout", &self.connect_timeout)
+            .field("lock_wait_timeout", &self.lock_wait_timeout)
+            .finish()
+    }
+}
+
+impl Default for MySqlConfig {
+    /// The defaults, with no URL (which [`MySqlConfig::validate`] refuses).
+    fn default() -> Self {
+        MySqlConfig {
+            url: String::new(),
+            database: None,
+            table: "outbox".into(),
+            per_key_order: true,
+            max_per_key: DEFAULT_MAX_PER_KEY,
+            retention: None,
+            max_connections: 4,
+            connect_timeout: Duration::from_secs(5),
+            lock_wait_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl MySqlConfig {
+    /// Defaults for the database at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        MySqlConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Reads the settings from a configuration section (the relay's `[storage]` table
+    /// without `type`, as JSON) and validates them; errors are keyed by the setting.
+    pub fn from_value(value: serde_json::Value) -> Result<Self> {
+        let config: Self = outbox_core::config::from_value(value)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Sets the table name.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// The parsed URL; errors keyed `url`, the password hidden.
+    pub(crate) fn options(&self) -> Result<MySqlConnectOptions> {
+        if self.url.is_empty() {
+            return Err(Error::setting(
+                "url",
+                "is missing: give the MySQL URL, e.g. mysql://user:password@127.0.0.1:3306/app",
+            ));
+        }
+        if !(self.url.starts_with("mysql://") || self.url.starts_with("mariadb://")) {
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "`{}` is not a MySQL URL; expected mysql://user:password@host:port/database",
+                    redact_url(&self.url)
+                ),
+            ));
+        }
+        MySqlConnectOptions::from_str(&self.url).map_err(|e| {
+            Error::setting(
+                "url",
+                format!("`{}` cannot be parsed: {e}", redact_url(&self.url)),
+            )
+        })
+    }
+
+    /// The database of the outbox tables and the setting that names it.
+    pub(crate) fn database_name(&self) -> Result<(String, &'static str)> {
+        if let Some(database) = &self.database {
+            return Ok((database.clone(), "database"));
+        }
+        match self.options()?.get_database() {
+            Some(database) if !database.is_empty() => Ok((database.to_string(), "url")),
+            _ => Err(Error::setting(
+                "database",
+                "is missing: name the database in `url` (mysql://…:3306/app) or set `database`",
+            )),
+        }
+    }
+
+    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
+    /// section with [`Error::in_section`]). It does not connect.
+    pub fn validate(&self) -> Result<()> {
+        self.options()?;
+        let (database, key) = self.database_name()?;
+        crate::OutboxTable::new(&database, &self.table).map_err(|e| {
+            if e.message().starts_with("database ") && key == "url" {
+                Error::setting(
+                    "url",
+                    format!("names the database {}", &e.message()["database ".len()..]),
+                )
+            } else {
+                e
+            }
+        })?;
+        if self.max_connections < 1 {
+            return Err(Error::setting(
+                "max_connections",
+                "is 0; it must be at least 1",
+            ));
+        }
+        if !(1..=MAX_MAX_PER_KEY).contains(&self.max_per_key) {
+            return Err(Error::setting(
+                "max_per_key",
+                format!(
+                    "is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
+                    self.max_per_key
+                ),
+            ));
+        }
+        if self.retention.is_some_and(|r| r.is_zero()) {
+            return Err(Error::setting(
+                "retention",
+                "is 0; leave it unset to delete delivered rows, or give a duration",
+            ));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(Error::setting("connect_timeout", "is 0; give e.g. 5s"));
+        }
+        if !(1..=3600).contains(&self.lock_wait_timeout.as_secs()) {
+            return Err(Error::setting(
+                "lock_wait_timeout",
+                "must be between 1s and 1h (InnoDB counts it in whole seconds)",
+            ));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_keyed_errors() {
+        let url = "mysql://root:secret@127.0.0.1:3306/app";
+        let config = MySqlConfig::from_value(serde_json::json!({ "url": url })).unwrap();
+        assert_eq!(config, MySqlConfig::new(url));
+        assert_eq!(config.database_name().unwrap(), ("app".to_string(), "url"));
+        assert!(!format!("{config:?}").contains("secret"));
+        let config = MySqlConfig::from_value(serde_json::json!({
+            "url": "mariadb://u@h/x", "database": "events_db", "table": "events",
+            "per_key_order": false, "max_per_key": 2, "retention": "1h",
+            "max_connections": 2, "connect_timeout": "2s", "lock_wait_timeout": "3s"
+        }))
+        .unwrap();
+        assert_eq!(
+            config.database_name().unwrap(),
+            ("events_db".to_string(), "database")
+        );
+        assert_eq!(config.retention, Some(Duration::from_secs(3600)));
+        for (value, expected) in [
+            (serde_json::json!({}), "url is missing"),
+            (
+                serde_json::json!({ "url": "postgres://u:pw@h/db" }),
+                "url `postgres://u:***@h/db` is not a MySQL URL",
+            ),
+            (
+                serde_json::json!({ "url": "mysql://u@h" }),
+                "database is missing",
+            ),
+            (
+                serde_json::json!({ "url": "mysql://u@h/Bad-Db" }),
+                "url names the database `Bad-Db`",
+            ),
+            (
+                serde_json::json!({ "url": url, "database": "x;drop" }),
+                "database `x;drop`",
+            ),
+            (
+                serde_json::json!({ "url": url, "table": "Bad-Name" }),
+                "table `Bad-Name`",
+            ),
+            (
+                serde_json::json!({ "url": url, "max_per_key": 0 }),
+                "max_per_key is 0",
+            ),
+            (
+                serde_json::json!({ "url": url, "max_connections": 0 }),
+                "max_connections is 0",
+            ),
+            (
+                serde_json::json!({ "url": url, "retention": "0s" }),
+                "retention is 0",
+            ),
+            (
+                serde_json::json!({ "url": url, "lock_wait_timeout": "100ms" }),
+                "lock_wait_timeout must be",
+            ),
+            (
+                serde_json::json!({ "url": url, "path": "x" }),
+                "path: unknown field `path`",
+            ),
+        ] {
+            let error = MySqlConfig::from_value(value.clone())
+                .unwrap_err()
+                .in_section("storage");
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            assert!(
+                error.message().starts_with(&format!("storage.{expected}")),
+                "{value}: {error}"
+            );
+            assert!(!error.message().contains("secret"));
+        }
+    }
+}

@@ -1,0 +1,633 @@
+//! [`MySqlStorage`]: its lifecycle (connection pool, migrations) and the relay side, the
+//! [`Storage`] implementation: claims under fenced leases, settlements, queue figures and
+//! housekeeping. The operator's repairs are in `admin.rs`.
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::NaiveDateTime;
+use outbox_core::{
+    Claim, ClaimToken, Error, ErrorKind, QueueStats, Result, Settlement, Storage,
+    StorageCapabilities, redact_url,
+};
+use sqlx::mysql::{MySqlPool, MySqlRow};
+use sqlx::{MySql, Row, Transaction};
+use uuid::Uuid;
+
+use crate::error::{Origin, db_error};
+use crate::sql::{self, Statements};
+use crate::{MySqlConfig, OutboxTable, connection, rows};
+
+/// The longest delay or lease written (about 100 years): a `DATETIME` ends at year 9999.
+const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+
+/// Keys the sweep reads per statement, at most.
+const SWEEP_CHUNK: usize = 500;
+
+/// The MySQL / MariaDB [`Storage`]: claims under leases on the database's clock, fences
+/// every later write with the claim's token, keeps per-key order (ordered claims take a
+/// lock row of the table, so two relays never both see a key as free), and takes rows with
+/// `FOR UPDATE SKIP LOCKED` when per-key order is off. No wake-up: the relay polls.
+pub struct MySqlStorage {
+    config: MySqlConfig,
+    table: OutboxTable,
+    pool: MySqlPool,
+    origin: Origin,
+    /// Also used by the operator's repairs (`admin.rs`).
+    pub(crate) sql: Statements,
+    /// The partition key after which the next ordered claim starts its sweep.
+    cursor: std::sync::Mutex<Vec<u8>>,
+}
+
+impl std::fmt::Debug for MySqlStorage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MySqlStorage")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A delay or lease as the microseconds the statements add to the database's clock,
+/// saturating at [`MAX_DELAY`].
+pub(crate) fn micros(d: Duration) -> i64 {
+    i64::try_from(d.min(MAX_DELAY).as_micros()).unwrap_or(i64::MAX)
+}
+
+/// Keeps the first entry of each id: a list that names a message twice changes it once.
+fn first_of_each<T>(items: &[T], id: impl Fn(&T) -> Uuid) -> Vec<&T> {
+    let mut seen = HashSet::new();
+    items.iter().filter(|item| seen.insert(id(item))).collect()
+}
+
+/// Ids as the text the `id` columns hold.
+fn id_text(id: &Uuid) -> String {
+    id.hyphenated().to_string()
+}
+
+/// A write in progress: the transaction and, when it took the claim lock, the database's
+/// clock once the lock was held.
+pub(crate) struct Write {
+    pub(crate) tx: Transaction<'static, MySql>,
+    pub(crate) now: Option<NaiveDateTime>,
+}
+
+impl MySqlStorage {
+    /// A storage for `config`. Validates the configuration; connects lazily, so a database
+    /// that is down shows up as an `Unavailable` error from the first call, not here (use
+    /// [`connect`](MySqlStorage::connect) to check credentials and database at once).
+    pub fn new(config: MySqlConfig) -> Result<Self> {
+        config.validate()?;
+        let (database, database_key) = config.database_name()?;
+        let table = OutboxTable::new(&database, &config.table)?;
+        let sql = Statements::new(&table, &config);
+        let pool = connection::pool(&config)?;
+        let origin = Origin {
+            url: redact_url(&config.url),
+            database,
+            database_key,
+        };
+        Ok(MySqlStorage {
+            config,
+            table,
+            pool,
+            origin,
+            sql,
+            cursor: std::sync::Mutex::new(Vec::new()),
+        })
+    }
+
+    /// A storage for `config` that connects once at once: wrong credentials or a database
+    /// that does not exist are a `Config` error naming the setting here. A server that is
+    /// down is not (the relay starts and retries): that is logged.
+    pub async fn connect(config: MySqlConfig) -> Result<Self> {
+        let storage = Self::new(config)?;
+        match storage.check().await {
+            Ok(()) => Ok(storage),
+            Err(e) if e.kind() == ErrorKind::Config => Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "mysql: the database is not reachable yet; the relay will retry");
+                Ok(storage)
+            }
+        }
+    }
+
+    /// Connects and checks that the database of the outbox tables exists (it may differ
+    /// from the URL's).
+    async fn check(&self) -> Result<()> {
+        let what = "cannot connect";
+        let found: Option<Vec<u8>> = sqlx::query_scalar(sql::SCHEMA_EXISTS)
+            .bind(self.table.database())
+            .fetch_optional(&self.pool)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        if found.is_none() {
+            return Err(Error::setting(
+                self.origin.database_key,
+                format!(
+                    "names database `{}`, which does not exist on the server; create it \
+                     (CREATE DATABASE {}) or fix the setting",
+                    self.origin.database, self.origin.database
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// The outbox table this storage relays from.
+    pub fn table(&self) -> &OutboxTable {
+        &self.table
+    }
+
+    /// The relay's connection pool (READ COMMITTED sessions).
+    pub fn pool(&self) -> &MySqlPool {
+        &self.pool
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &MySqlConfig {
+        &self.config
+    }
+
+    /// Creates or upgrades the outbox tables (see [`OutboxTable::migrate`]).
+    pub async fn migrate(&self) -> Result<()> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| self.error("cannot connect", e))?;
+        self.table.migrate(&mut conn).await
+    }
+
+    /// Classifies an error; credentials and a missing database name their setting.
+    pub(crate) fn error(&self, context: &str, error: sqlx::Error) -> Error {
+        db_error(Some(&self.origin), context, error)
+    }
+
+    /// Begins a transaction; with `lock`, takes the claim lock first (a statement that
+    /// returns the database's clock once the lock is held).
+    pub(crate) async fn write(&self, what: &str, lock: Option<&str>) -> Result<Write> {
+        let mut tx = self.pool.begin().await.map_err(|e| self.error(what, e))?;
+        let Some(lock) = lock else {
+            return Ok(Write { tx, now: None });
+        };
+        match sqlx::query_scalar::<_, NaiveDateTime>(lock)
+            .fetch_optional(&mut *tx)
+            .await
+        {
+            Ok(Some(now)) => Ok(Write { tx, now: Some(now) }),
+            Ok(None) => {
+                let _ = tx.rollback().await;
+                Err(Error::config(format!(
+                    "mysql: {what}: {} has no row (run `outbox migrate`)",
+                    self.table.qualified("_claim_lock")
+                )))
+            }
+            Err(e) => {
+                let _ = tx.rollback().await;
+                Err(self.error(what, e))
+            }
+        }
+    }
+
+    /// The lock of a write that holds keys back: the shared claim lock with per-key order,
+    /// none without.
+    pub(crate) fn holding_back(&self) -> Option<&str> {
+        self.config
+            .per_key_order
+            .then_some(self.sql.lock_shared.as_str())
+    }
+
+    /// Ends a write: commits it when `result` is `Ok`, rolls it back when it is an error.
+    pub(crate) async fn finish<T>(&self, what: &str, write: Write, result: Result<T>) -> Result<T> {
+        match result {
+            Ok(value) => {
+                write.tx.commit().await.map_err(|e| self.error(what, e))?;
+                Ok(value)
+            }
+            Err(error) => {
+                if let Err(e) = write.tx.rollback().await {
+                    tracing::warn!(error = %e, "mysql: rolling back a failed write failed");
+                }
+                Err(error)
+            }
+        }
+    }
+
+    /// The rows an ordered claim may take, in sweep order (each key's in seq order). See docs/storage/mysql.md: the sweep visits the
+    /// keys after the cursor, then those up to it; a key is free when its first row is due
+    /// and it is not parked; of a free key it takes its first rows, at most `max_per_key`,
+    /// up to the first that is not due.
+    async fn sweep(
+        &self,
+        tx: &mut Transaction<'static, MySql>,
+        now: NaiveDateTime,
+        limit: usize,
+    ) -> std::result::Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
+        let cursor = self
+            .cursor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        let max_per_key = self.config.max_per_key;
+        // Enough keys for a batch if each gives `max_per_key`, twice over (some are held).
+        let chunk = (limit.div_ceil(max_per_key) * 2).clamp(32, SWEEP_CHUNK);
+        let mut taken: Vec<(i64, Vec<u8>)> = Vec::new();
+        let mut keys_taken = 0usize;
+        for wrapped in [false, true] {
+            let mut after: Option<Vec<u8>> = (!wrapped).then(|| cursor.clone());
+            loop {
+                if taken.len() >= limit {
+                    break;
+                }
+                let sweep = self.sql.sweep_keys(after.is_some(), wrapped);
+                let mut query = sqlx::query(&sweep).bind(now);
+                if let Some(after) = &after {
+                    query = query.bind(after.as_slice());
+                }
+                if wrapped {
+                    query = query.bind(cursor.as_slice());
+                }
+                let keys = query.bind(chunk as i64).fetch_all(&mut **tx).await?;
+                let mut free = Vec::new();
+                for row in &keys {
+                    let key: Vec<u8> = row.try_get(0)?;
+                    let head_due: i64 = row.try_get(1)?;
+                    let parked: i64 = row.try_get(2)?;
+                    if head_due != 0 && parked == 0 {
+                        free.push(key.clone());
+                    }
+                    after = Some(key);
+                }
+                let mut free = free.as_slice();
+                while !free.is_empty() && taken.len() < limit {
+                    // Ask for the keys the rows still wanted need at the rows per key seen
+                    // so far (`max_per_key` at first): reading 8 rows of 500 keys for a
+                    // batch of 500 cost more than the rest of the claim.
+                    let per_key = taken
+                        .len()
+                        .checked_div(keys_taken)
+                        .map_or(max_per_key, |n| n.max(1));
+                    let n = free.len().min((limit - taken.len()).div_ceil(per_key) + 1);
+                    let (group, rest) = free.split_at(n);
+                    free = rest;
+                    let first_rows = self.sql.first_rows(group.len(), max_per_key);
+                    let mut query = sqlx::query(&first_rows);
+                    for key in group {
+                        query = query.bind(now).bind(key.as_slice());
+                    }
+                    let mut by_key: HashMap<Vec<u8>, Vec<(i64, bool)>> = HashMap::new();
+                    for row in query.fetch_all(&mut **tx).await? {
+                        let due: Option<i64> = row.try_get(2)?;
+                        by_key
+                            .entry(row.try_get(1)?)
+                            .or_default()
+                            .push((row.try_get(0)?, due.unwrap_or(0) != 0));
+                    }
+                    for key in group {
+                        let Some(mut rows) = by_key.remove(key) else {
+                            continue;
+                        };
+                        rows.sort_unstable_by_key(|(seq, _)| *seq);
+                        keys_taken += 1;
+                        for (seq, due) in rows.into_iter().take(max_per_key) {
+                            if !due {
+                                break;
+                            }
+                            taken.push((seq, key.clone()));
+                        }
+                    }
+                }
+                if keys.len() < chunk {
+                    break;
+                }
+            }
+        }
+        Ok(taken)
+    }
+
+    /// Claims with per-key order: under the claim lock, the sweep, the rows without a key
+    /// taking turns with the keyed ones, then the UPDATE that takes them all.
+    async fn claim_ordered(
+        &self,
+        write: &mut Write,
+        limit: usize,
+    ) -> std::result::Result<(Vec<i64>, Option<Vec<u8>>), sqlx::Error> {
+        // Always set: the claim lock returns the clock (the epoch would claim nothing).
+        let now = write.now.unwrap_or_default();
+        let keyed = self.sweep(&mut write.tx, now, limit).await?;
+        let unkeyed: Vec<i64> = sqlx::query_scalar(&self.sql.unkeyed)
+            .bind(now)
+            .bind(limit as i64)
+            .fetch_all(&mut *write.tx)
+            .await?;
+        // Turns: the i-th row without a key, then the i-th keyed row. A cut at the limit
+        // drops only the last rows of the sweep, never a row ahead of one it keeps.
+        let mut picked = Vec::with_capacity(limit);
+        let mut last_key = None;
+        let mut keyed = keyed.into_iter();
+        let mut unkeyed = unkeyed.into_iter();
+        while picked.len() < limit {
+            let mut any = false;
+            if let Some(seq) = unkeyed.next() {
+                picked.push(seq);
+                any = true;
+            }
+            if picked.len() < limit
+                && let Some((seq, key)) = keyed.next()
+            {
+                picked.push(seq);
+                last_key = Some(key);
+                any = true;
+            }
+            if !any {
+                break;
+            }
+        }
+        Ok((picked, last_key))
+    }
+
+    /// Sets the claim's token and lease on the picked rows.
+    async fn mark(
+        &self,
+        write: &mut Write,
+        picked: &[i64],
+        token: &str,
+        worker_id: &str,
+        lease: Duration,
+    ) -> std::result::Result<(), sqlx::Error> {
+        if picked.is_empty() {
+            return Ok(());
+        }
+        let take = self.sql.take(picked.len());
+        let mut query = sqlx::query(&take)
+            .bind(token)
+            .bind(worker_id)
+            .bind(micros(lease));
+        for seq in picked {
+            query = query.bind(seq);
+        }
+        query.execute(&mut *write.tx).await?;
+        Ok(())
+    }
+
+    /// Takes the picked rows under the claim's token and reads them back.
+    async fn take(
+        &self,
+        write: &mut Write,
+        picked: &[i64],
+        token: &str,
+        worker_id: &str,
+        lease: Duration,
+    ) -> std::result::Result<Vec<MySqlRow>, sqlx::Error> {
+        if picked.is_empty() {
+            return Ok(Vec::new());
+        }
+        self.mark(write, picked, token, worker_id, lease).await?;
+        let claimed = self.sql.claimed(picked.len());
+        let mut query = sqlx::query(&claimed).bind(token);
+        for seq in picked {
+            query = query.bind(seq);
+        }
+        query.fetch_all(&mut *write.tx).await
+    }
+}
+
+#[async_trait]
+impl Storage for MySqlStorage {
+    async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        let what = "claim failed";
+        let token = ClaimToken(Uuid::now_v7());
+        let token_text = id_text(&token.0);
+        let limit = limit.max(1);
+        if self.config.per_key_order {
+            let mut write = self.write(what, Some(&self.sql.lock_for_claim)).await?;
+            let result = async {
+                let (picked, last_key) = self.claim_ordered(&mut write, limit).await?;
+                let rows = self
+                    .take(&mut write, &picked, &token_text, worker_id, lease)
+                    .await?;
+                Ok((rows, last_key))
+            }
+            .await
+            .map_err(|e| self.error(what, e));
+            let (rows, last_key) = self.finish(what, write, result).await?;
+            if let Some(key) = last_key {
+                *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = key;
+            }
+            let messages = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            Ok(Claim { token, messages })
+        } else {
+            let mut write = self.write(what, None).await?;
+            let result = async {
+                let rows = sqlx::query(&self.sql.unordered)
+                    .bind(limit as i64)
+                    .fetch_all(&mut *write.tx)
+                    .await?;
+                let picked = rows
+                    .iter()
+                    .map(|row| row.try_get::<i64, _>("seq"))
+                    .collect::<std::result::Result<Vec<_>, _>>()?;
+                self.mark(&mut write, &picked, &token_text, worker_id, lease)
+                    .await?;
+                Ok(rows)
+            }
+            .await
+            .map_err(|e| self.error(what, e));
+            let rows = self.finish(what, write, result).await?;
+            let messages = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            Ok(Claim { token, messages })
+        }
+    }
+
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        if settlement.is_empty() {
+            return Ok(0);
+        }
+        let what = "settling a batch failed";
+        let lock = if settlement.holds_back() {
+            self.holding_back()
+        } else {
+            None
+        };
+        let mut write = self.write(what, lock).await?;
+        let result = self
+            .settle_in(&mut write, token, settlement)
+            .await
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, result).await
+    }
+
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
+        if ids.is_empty() {
+            return Ok(0);
+        }
+        let what = "renewing a lease failed";
+        let mut write = self.write(what, self.holding_back()).await?;
+        let sql = self.sql.extend_lease(ids.len());
+        let mut query = sqlx::query(&sql)
+            .bind(micros(lease))
+            .bind(id_text(&token.0));
+        for id in ids {
+            query = query.bind(id_text(id));
+        }
+        let done = query
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, done).await
+    }
+
+    async fn health(&self) -> Result<()> {
+        sqlx::query(sql::PING)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.error("health check failed", e))?;
+        Ok(())
+    }
+
+    async fn stats(&self) -> Result<QueueStats> {
+        let row = sqlx::query(&self.sql.stats)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.error("cannot read queue figures", e))?;
+        rows::queue_stats(&row)
+    }
+
+    fn capabilities(&self) -> StorageCapabilities {
+        let per_key_order = self.config.per_key_order;
+        StorageCapabilities::new(per_key_order)
+            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
+    }
+
+    // `wait_for_work` keeps the default: MySQL has no LISTEN/NOTIFY, so the worker polls
+    // every `poll_interval`.
+
+    async fn maintain(&self) -> Result<()> {
+        let Some(retention) = self.config.retention else {
+            return Ok(());
+        };
+        let what = "cannot purge delivered rows";
+        let now: NaiveDateTime = sqlx::query_scalar(sql::NOW)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        let cutoff = now
+            .checked_sub_signed(
+                chrono::Duration::from_std(retention.min(MAX_DELAY))
+                    .unwrap_or(chrono::Duration::zero()),
+            )
+            .unwrap_or(NaiveDateTime::MIN);
+        let done = sqlx::query(&self.sql.purge_delivered)
+            .bind(cutoff)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.error(what, e))?;
+        if done.rows_affected() > 0 {
+            tracing::debug!(
+                rows = done.rows_affected(),
+                "purged delivered rows past retention"
+            );
+        }
+        Ok(())
+    }
+}
+
+impl MySqlStorage {
+    /// The statements of a settlement, in its transaction: dead letters (keys parked,
+    /// copied, deleted), retries, deliveries (kept with retention, deleted) and releases,
+    /// each only for rows still held under the token.
+    async fn settle_in(
+        &self,
+        write: &mut Write,
+        token: &ClaimToken,
+        s: &Settlement,
+    ) -> std::result::Result<u64, sqlx::Error> {
+        let token = id_text(&token.0);
+        let tx = &mut write.tx;
+        let mut changed = 0;
+        let dead = first_of_each(&s.dead, |d| d.id);
+        if !dead.is_empty() {
+            if self.config.per_key_order {
+                let park = self.sql.dead_park(dead.len());
+                let mut query = sqlx::query(&park).bind(token.as_str());
+                for d in &dead {
+                    query = query.bind(id_text(&d.id));
+                }
+                query.execute(&mut **tx).await?;
+            }
+            for d in &dead {
+                sqlx::query(&self.sql.dead_copy)
+                    .bind(d.error.as_str())
+                    .bind(id_text(&d.id))
+                    .bind(token.as_str())
+                    .execute(&mut **tx)
+                    .await?;
+            }
+            let delete = self.sql.delete_held(dead.len());
+            let mut query = sqlx::query(&delete).bind(token.as_str());
+            for d in &dead {
+                query = query.bind(id_text(&d.id));
+            }
+            changed += query.execute(&mut **tx).await?.rows_affected();
+        }
+        for retry in first_of_each(&s.retries, |r| r.id) {
+            changed += sqlx::query(&self.sql.retry)
+                .bind(retry.error.as_str())
+                .bind(micros(retry.delay))
+                .bind(id_text(&retry.id))
+                .bind(token.as_str())
+                .execute(&mut **tx)
+                .await?
+                .rows_affected();
+        }
+        let delivered = first_of_each(&s.delivered, |d| d.id);
+        if !delivered.is_empty() {
+            if let Some(keep) = &self.sql.delivered_keep {
+                for d in &delivered {
+                    sqlx::query(keep)
+                        .bind(d.receipt.0.as_str())
+                        .bind(id_text(&d.id))
+                        .bind(token.as_str())
+                        .execute(&mut **tx)
+                        .await?;
+                }
+            }
+            let delete = self.sql.delete_held(delivered.len());
+            let mut query = sqlx::query(&delete).bind(token.as_str());
+            for d in &delivered {
+                query = query.bind(id_text(&d.id));
+            }
+            changed += query.execute(&mut **tx).await?.rows_affected();
+        }
+        let released = first_of_each(&s.released, |id| *id);
+        if !released.is_empty() {
+            let release = self.sql.release(released.len());
+            let mut query = sqlx::query(&release).bind(token.as_str());
+            for id in &released {
+                query = query.bind(id_text(id));
+            }
+            changed += query.execute(&mut **tx).await?.rows_affected();
+        }
+        Ok(changed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn delays_saturate() {
+        assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
+        assert_eq!(micros(Duration::MAX), MAX_DELAY.as_micros() as i64);
+    }
+
+    #[test]
+    fn lists_name_each_message_once() {
+        let a = Uuid::now_v7();
+        let b = Uuid::now_v7();
+        assert_eq!(first_of_each(&[a, b, a], |id| *id), vec![&a, &b]);
+    }
+}

@@ -1,0 +1,395 @@
+//! The outbox table as a contract: its names, its migrations, and enqueueing into it from
+//! the caller's own transaction.
+
+use std::time::{Duration, Instant};
+
+use outbox_core::{Error, NewMessage, Result};
+use sqlx::{Executor, MySqlConnection, Row};
+
+use crate::error::db_error;
+
+/// Longest database or table name accepted (MySQL allows 64; the companions add up to 14).
+const MAX_NAME: usize = 40;
+
+/// Messages per INSERT of [`OutboxTable::enqueue_many`] (8 placeholders each, far below the
+/// 65,535 a prepared statement may have).
+const ROWS_PER_INSERT: usize = 500;
+
+/// How long a migrator waits for another one before giving up, in seconds.
+const MIGRATION_WAIT_SECS: u64 = 60;
+
+/// The columns an application writes, in the order of the INSERTs.
+pub(crate) const INSERT_COLUMNS: &str =
+    "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+
+/// The outbox table and its companions (`<table>_dead_letters`, `<table>_parked_keys`,
+/// `<table>_delivered`, `<table>_claim_lock`, `<table>_migrations`) in one MySQL or MariaDB
+/// database, with the SQL that writes into it. The names are validated, then quoted with
+/// backticks and qualified with the database; they are never spliced in unchecked.
+#[derive(Debug, Clone)]
+pub struct OutboxTable {
+    database: String,
+    table: String,
+    insert_one: String,
+    insert_chunk: String,
+}
+
+/// Checks that `name` is a plain lower-case identifier; the error is keyed `key`.
+fn validate_name(key: &str, name: &str) -> Result<()> {
+    let mut chars = name.chars();
+    let first_ok = chars
+        .next()
+        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
+    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if !first_ok || !rest_ok || name.len() > MAX_NAME {
+        return Err(Error::setting(
+            key,
+            format!(
+                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
+                 underscores, starting with a letter or underscore"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+impl OutboxTable {
+    /// The outbox table `table` in database `database`. Fails if a name is not a plain
+    /// identifier (errors keyed `database` and `table`).
+    pub fn new(database: &str, table: &str) -> Result<Self> {
+        validate_name("database", database)?;
+        validate_name("table", table)?;
+        let mut outbox = OutboxTable {
+            database: database.to_string(),
+            table: table.to_string(),
+            insert_one: String::new(),
+            insert_chunk: String::new(),
+        };
+        outbox.insert_one = outbox.insert(1);
+        outbox.insert_chunk = outbox.insert(ROWS_PER_INSERT);
+        Ok(outbox)
+    }
+
+    /// An INSERT of `rows` messages.
+    fn insert(&self, rows: usize) -> String {
+        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
+        format!(
+            "INSERT INTO {} ({INSERT_COLUMNS}) VALUES {values}",
+            self.qualified("")
+        )
+    }
+
+    /// The database name.
+    pub fn database(&self) -> &str {
+        &self.database
+    }
+
+    /// The outbox table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The quoted, qualified name of the outbox table (`` `db`.`outbox` ``), or of a
+    /// companion table when `suffix` is not empty (`"_dead_letters"`, ...).
+    pub fn qualified(&self, suffix: &str) -> String {
+        format!("`{}`.`{}{suffix}`", self.database, self.table)
+    }
+
+    /// Enqueues `message` on `conn`, normally the caller's open transaction (`&mut *tx`), so
+    /// the message commits or rolls back with the domain change.
+    pub async fn enqueue(&self, conn: &mut MySqlConnection, message: &NewMessage) -> Result<()> {
+        self.enqueue_many(conn, std::slice::from_ref(message)).await
+    }
+
+    /// Enqueues many messages, in the order given, 500 per statement.
+    pub async fn enqueue_many(
+        &self,
+        conn: &mut MySqlConnection,
+        messages: &[NewMessage],
+    ) -> Result<()> {
+        let mut rows = Vec::with_capacity(messages.len());
+        for message in messages {
+            rows.push(Columns::of(message)?);
+        }
+        for chunk in rows.chunks(ROWS_PER_INSERT) {
+            let sql = match chunk.len() {
+                1 => self.insert_one.clone(),
+                ROWS_PER_INSERT => self.insert_chunk.clone(),
+                n => self.insert(n),
+            };
+            let mut query = sqlx::query(&sql);
+            for row in chunk {
+                query = query
+                    .bind(row.id.as_str())
+                    .bind(row.topic)
+                    .bind(row.key)
+                    .bind(row.payload)
+                    .bind(row.headers.as_str())
+                    .bind(row.traceparent)
+                    .bind(row.tracestate)
+                    .bind(row.created_at);
+            }
+            conn.execute(query)
+                .await
+                .map_err(|e| db_error(None, "enqueue failed", e))?;
+        }
+        Ok(())
+    }
+
+    /// Creates or upgrades the tables. Safe to run repeatedly and from several processes at
+    /// once: migrators take turns on a named lock (`GET_LOCK`, one waits up to a minute for
+    /// another), versions are recorded in `<table>_migrations` and never run twice. MySQL
+    /// commits DDL at once, so a version is not atomic; every step of one can run again.
+    pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
+        let name = self.lock_name();
+        let started = Instant::now();
+        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+            .bind(&name)
+            .bind(MIGRATION_WAIT_SECS as i64)
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(fail)?;
+        if got != Some(1) {
+            return Err(Error::unavailable(format!(
+                "mysql: migration of {} waited {:?} for another migrator (lock `{name}`)",
+                self.qualified(""),
+                started
+                    .elapsed()
+                    .min(Duration::from_secs(MIGRATION_WAIT_SECS))
+            )));
+        }
+        let result = self.migrate_locked(conn).await;
+        if let Err(e) = sqlx::query("SELECT RELEASE_LOCK(?)")
+            .bind(&name)
+            .execute(&mut *conn)
+            .await
+        {
+            tracing::warn!(error = %e, "mysql: releasing the migration lock failed");
+        }
+        result
+    }
+
+    async fn migrate_locked(&self, conn: &mut MySqlConnection) -> Result<()> {
+        let versions = self.qualified("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
+             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB"
+        );
+        conn.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i64 = conn
+            .fetch_one(
+                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
+                    .as_str(),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let record =
+            format!("INSERT INTO {versions} (version, applied_at) VALUES (?, UTC_TIMESTAMP(6))");
+        for (version, steps) in (1i64..).zip(MIGRATIONS) {
+            if version <= applied {
+                continue;
+            }
+            tracing::info!(table = %self.qualified(""), version, "applying outbox migration");
+            for step in *steps {
+                conn.execute(self.render(step).as_str())
+                    .await
+                    .map_err(fail)?;
+            }
+            conn.execute(sqlx::query(&record).bind(version))
+                .await
+                .map_err(fail)?;
+        }
+        Ok(())
+    }
+
+    /// The name of the migration lock: `GET_LOCK` names are server-wide and at most 64
+    /// characters, so a hash of the qualified table stands for it.
+    fn lock_name(&self) -> String {
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in format!("{}.{}", self.database, self.table).bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        format!("outbox_migrate_{hash:016x}")
+    }
+
+    /// Fills a migration template's placeholders with validated, quoted names.
+    fn render(&self, template: &str) -> String {
+        template
+            .replace("{outbox}", &self.qualified(""))
+            .replace("{dead_letters}", &self.qualified("_dead_letters"))
+            .replace("{parked_keys}", &self.qualified("_parked_keys"))
+            .replace("{delivered}", &self.qualified("_delivered"))
+            .replace("{claim_lock}", &self.qualified("_claim_lock"))
+            .replace("{table}", &self.table)
+    }
+}
+
+/// Classifies an error of a migration statement.
+fn fail(error: sqlx::Error) -> Error {
+    db_error(None, "migration failed", error)
+}
+
+/// One message as the columns of the outbox table hold it.
+struct Columns<'a> {
+    id: String,
+    topic: &'a str,
+    key: Option<&'a str>,
+    payload: &'a [u8],
+    headers: String,
+    traceparent: Option<&'a str>,
+    tracestate: Option<&'a str>,
+    created_at: chrono::NaiveDateTime,
+}
+
+impl<'a> Columns<'a> {
+    fn of(m: &'a NewMessage) -> Result<Self> {
+        if m.topic.is_empty() {
+            return Err(Error::permanent(format!(
+                "message {} has an empty topic; every message needs a topic",
+                m.id
+            )));
+        }
+        let headers = serde_json::to_string(&m.headers)
+            .map_err(|e| Error::permanent(format!("message {}: headers: {e}", m.id)))?;
+        let (traceparent, tracestate) = match &m.trace_context {
+            Some(t) => (Some(t.traceparent.as_str()), t.tracestate.as_deref()),
+            None => (None, None),
+        };
+        Ok(Columns {
+            id: m.id.hyphenated().to_string(),
+            topic: &m.topic,
+            key: m.key.as_deref(),
+            payload: &m.payload,
+            headers,
+            traceparent,
+            tracestate,
+            // DATETIME holds no zone: the table's times are UTC.
+            created_at: m.created_at.naive_utc(),
+        })
+    }
+}
+
+/// Schema migrations, applied in order (version = position + 1), each a list of
+/// statements; never change the effect of one that has shipped, add another.
+///
+/// Times are `DATETIME(6)` in UTC (microseconds, no time zone conversion on read or write).
+/// `partition_key` is `VARBINARY`: keys compare byte for byte (no collation folds case or
+/// trailing spaces), which per-key order needs. Text columns use `utf8mb4_bin` for the same
+/// reason. The defaults are expressions (MySQL 8.0.13+, MariaDB 10.2+), so a plain INSERT
+/// gets an id, `{}` headers and the current UTC time.
+const MIGRATIONS: &[&[&str]] = &[&[
+    r"CREATE TABLE IF NOT EXISTS {outbox} (
+    seq           BIGINT NOT NULL AUTO_INCREMENT,
+    id            CHAR(36) NOT NULL DEFAULT (uuid()),
+    topic         VARCHAR(255) NOT NULL,
+    partition_key VARBINARY(255) NULL,
+    payload       LONGBLOB NOT NULL,
+    headers       JSON NOT NULL DEFAULT ('{}'),
+    traceparent   VARCHAR(255) NULL,
+    tracestate    TEXT NULL,
+    created_at    DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    attempts      INT NOT NULL DEFAULT 0,
+    available_at  DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    claim_token   CHAR(36) NULL,
+    claimed_by    VARCHAR(255) NULL,
+    last_error    TEXT NULL,
+    PRIMARY KEY (seq),
+    UNIQUE KEY `{table}_id` (id),
+    KEY `{table}_key_seq` (partition_key, seq),
+    CONSTRAINT `{table}_topic_not_empty` CHECK (topic <> ''),
+    CONSTRAINT `{table}_id_is_uuid`
+        CHECK (id REGEXP '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$')
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+    r"CREATE TABLE IF NOT EXISTS {dead_letters} (
+    seq              BIGINT NOT NULL,
+    id               CHAR(36) NOT NULL,
+    topic            VARCHAR(255) NOT NULL,
+    partition_key    VARBINARY(255) NULL,
+    payload          LONGBLOB NOT NULL,
+    headers          JSON NOT NULL,
+    traceparent      VARCHAR(255) NULL,
+    tracestate       TEXT NULL,
+    created_at       DATETIME(6) NOT NULL,
+    attempts         INT NOT NULL,
+    last_error       TEXT NOT NULL,
+    dead_lettered_at DATETIME(6) NOT NULL,
+    PRIMARY KEY (seq),
+    UNIQUE KEY `{table}_dead_letters_id` (id),
+    KEY `{table}_dead_letters_key` (partition_key, seq)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+    r"CREATE TABLE IF NOT EXISTS {parked_keys} (
+    partition_key  VARBINARY(255) NOT NULL PRIMARY KEY,
+    dead_letter_id CHAR(36) NOT NULL,
+    parked_at      DATETIME(6) NOT NULL
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+    r"CREATE TABLE IF NOT EXISTS {delivered} (
+    seq           BIGINT NOT NULL PRIMARY KEY,
+    id            CHAR(36) NOT NULL,
+    topic         VARCHAR(255) NOT NULL,
+    partition_key VARBINARY(255) NULL,
+    payload       LONGBLOB NOT NULL,
+    headers       JSON NOT NULL,
+    traceparent   VARCHAR(255) NULL,
+    tracestate    TEXT NULL,
+    created_at    DATETIME(6) NOT NULL,
+    attempts      INT NOT NULL,
+    receipt       TEXT NOT NULL,
+    delivered_at  DATETIME(6) NOT NULL,
+    KEY `{table}_delivered_at` (delivered_at)
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
+    // One row: ordered claims lock it exclusively, writes that hold a key back share it.
+    r"CREATE TABLE IF NOT EXISTS {claim_lock} (id TINYINT NOT NULL PRIMARY KEY) ENGINE=InnoDB",
+    r"INSERT IGNORE INTO {claim_lock} (id) VALUES (1)",
+]];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_validated_not_spliced() {
+        let table = OutboxTable::new("app", "outbox_2").unwrap();
+        assert_eq!(
+            table.qualified("_dead_letters"),
+            "`app`.`outbox_2_dead_letters`"
+        );
+        for bad in [
+            "",
+            "Outbox",
+            "a-b",
+            "x`; DROP TABLE y; --",
+            "1abc",
+            &"a".repeat(41),
+        ] {
+            let err = OutboxTable::new("app", bad).unwrap_err();
+            assert!(err.message().starts_with("table `"), "{err}");
+            let err = OutboxTable::new(bad, "outbox").unwrap_err();
+            assert!(err.message().starts_with("database `"), "{err}");
+        }
+    }
+
+    #[test]
+    fn migrations_leave_no_placeholder_and_lock_names_fit() {
+        let table = OutboxTable::new("shop", "events").unwrap();
+        for steps in MIGRATIONS {
+            for step in *steps {
+                let sql = table.render(step);
+                for placeholder in [
+                    "{outbox}",
+                    "{dead_letters}",
+                    "{parked_keys}",
+                    "{delivered}",
+                    "{claim_lock}",
+                    "{table}",
+                ] {
+                    assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");
+                }
+            }
+        }
+        let long = OutboxTable::new(&"d".repeat(40), &"t".repeat(40)).unwrap();
+        assert!(long.lock_name().len() <= 64);
+        assert_ne!(long.lock_name(), table.lock_name());
+    }
+}
