@@ -32,6 +32,10 @@ impl StorageAdmin for PgStorage {
         PgStorage::migrate(self).await
     }
 
+    async fn migration_sql(&self) -> Result<String> {
+        PgStorage::migration_sql(self).await
+    }
+
     async fn enqueue(&self, messages: &[NewMessage]) -> Result<()> {
         let fail = |e| db_error("enqueue failed", e);
         let mut tx = self.pool().begin().await.map_err(fail)?;

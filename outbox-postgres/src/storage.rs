@@ -105,6 +105,19 @@ impl PgStorage {
         result
     }
 
+    /// The SQL [`migrate`](Self::migrate) would run now, without running it (see
+    /// [`OutboxTable::migration_sql`]).
+    pub async fn migration_sql(&self) -> Result<String> {
+        let mut conn = self
+            .pool
+            .acquire()
+            .await
+            .map_err(|e| db_error("cannot connect", e))?;
+        self.table
+            .migration_sql(&mut conn, self.config.mode, self.config.shards)
+            .await
+    }
+
     /// Refuses, once, a table migrated for the other mode (a `Config` error naming
     /// `mode`). A table that does not exist yet is left to the statements' own errors.
     async fn check_mode(&self) -> Result<()> {

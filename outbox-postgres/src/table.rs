@@ -232,6 +232,91 @@ impl OutboxTable {
         Ok(())
     }
 
+    /// The script that [`migrate`](Self::migrate) (lease mode) or
+    /// [`migrate_log`](Self::migrate_log) would run on `conn` now, for a database
+    /// administrator to review and apply: the schema, then the steps after the version the
+    /// database has, each followed by the record of its version. Steps run in transactions,
+    /// but an index added to an outbox table that already exists is built `CONCURRENTLY`
+    /// between them (so writers are not blocked), as `migrate` does. Empty when up to date;
+    /// a table migrated for the other mode is refused. Reads only.
+    pub async fn migration_sql(
+        &self,
+        conn: &mut PgConnection,
+        mode: StorageMode,
+        shards: u32,
+    ) -> Result<String> {
+        self.refuse_other_mode(conn, mode).await?;
+        let versions = self.qualified("_migrations");
+        let recorded: bool = conn
+            .fetch_one(sqlx::query("SELECT to_regclass($1) IS NOT NULL").bind(&versions))
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let applied: i32 = if recorded {
+            conn.fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(fail)?
+        } else {
+            0
+        };
+        // (version, SQL, whether it must run outside a transaction)
+        let steps: Vec<(i32, String, bool)> = match mode {
+            StorageMode::Lease => (1..)
+                .zip(MIGRATIONS)
+                .filter(|(version, _)| *version > applied)
+                .map(|(version, step)| match step {
+                    Step::Index { name, definition } if applied >= 1 => {
+                        let sql = format!(
+                            "CREATE INDEX CONCURRENTLY IF NOT EXISTS {} ON {} {definition}",
+                            self.render(name),
+                            self.qualified("")
+                        );
+                        (version, sql, true)
+                    }
+                    _ => (version, self.step_sql(step), false),
+                })
+                .collect(),
+            StorageMode::Log => (LOG_FIRST_VERSION..)
+                .zip(LOG_MIGRATIONS)
+                .filter(|(version, _)| *version > applied)
+                .map(|(version, template)| {
+                    let sql = self
+                        .render(template)
+                        .replace("{shard_count}", &shards.to_string());
+                    (version, sql, false)
+                })
+                .collect(),
+        };
+        if steps.is_empty() {
+            return Ok(String::new());
+        }
+        let mut script = format!(
+            "CREATE SCHEMA IF NOT EXISTS \"{}\";\nCREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now());\n",
+            self.schema
+        );
+        let mut open = false;
+        for (version, sql, concurrently) in steps {
+            if concurrently && open {
+                script.push_str("COMMIT;\n");
+                open = false;
+            }
+            if !concurrently && !open {
+                script.push_str("BEGIN;\n");
+                open = true;
+            }
+            script.push_str(&format!(
+                "-- outbox migration {version} of {}\n{};\nINSERT INTO {versions} (version) VALUES ({version});\n",
+                self.qualified(""),
+                sql.trim().trim_end_matches(';')
+            ));
+        }
+        if open {
+            script.push_str("COMMIT;\n");
+        }
+        Ok(script)
+    }
+
     /// The mode the outbox table was migrated for, or `None` when it does not exist yet:
     /// only a log-mode table has the `xid` column.
     pub async fn mode(&self, conn: &mut PgConnection) -> Result<Option<StorageMode>> {

@@ -892,3 +892,76 @@ async fn enqueue_from_stdin_accounts_for_what_committed_when_a_later_batch_fails
     );
     drop_schema(&pool, &schema).await;
 }
+
+/// `migrate --print-sql` on PostgreSQL prints the steps the database lacks without running
+/// them; applied with psql, as a DBA would, they leave nothing for `migrate` to do. Three
+/// cases: a new lease-mode table, an upgrade (whose new index is built concurrently,
+/// outside the script's transactions), and a new log-mode table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_print_sql_gives_the_script_a_dba_applies_with_psql() {
+    let pool = pool().await;
+    let apply = |script: &str| {
+        let file = std::env::temp_dir().join(format!("{}.sql", unique_name("outbox_dba")));
+        std::fs::write(&file, script).expect("write the script");
+        let out = Command::new("psql")
+            .args(["-X", "-q", "-v", "ON_ERROR_STOP=1", "-f"])
+            .arg(&file)
+            .arg(postgres_url())
+            .output()
+            .expect("psql is installed with PostgreSQL");
+        let _ = std::fs::remove_file(&file);
+        assert!(
+            out.status.success(),
+            "psql: {}\n{script}",
+            text(&out.stderr)
+        );
+    };
+    for (mode, upgrade) in [("lease", false), ("lease", true), ("log", false)] {
+        let schema = unique_name("cli_dba");
+        let config = ConfigFile::new(&format!(
+            "{}mode = \"{mode}\"\n[sink]\ntype = \"stdout\"\n",
+            storage_section(&schema)
+        ));
+        if upgrade {
+            let table = outbox::postgres::OutboxTable::new(&schema, "outbox").expect("names");
+            let mut conn = pool.acquire().await.expect("connection");
+            table
+                .migrate_to(&mut conn, 1)
+                .await
+                .expect("an older release");
+        }
+        let printed = outbox(&config.path, &["migrate", "--print-sql"]);
+        let script = text(&printed.stdout);
+        assert!(printed.status.success(), "{}", text(&printed.stderr));
+        assert!(script.contains("outbox migration"), "{script}");
+        if upgrade {
+            assert!(
+                script.contains("CREATE INDEX CONCURRENTLY")
+                    && !script.contains("outbox migration 1 "),
+                "{script}"
+            );
+        }
+        // Printing changed nothing.
+        let versions = format!(
+            r#"SELECT count(*) FROM pg_tables WHERE schemaname = '{schema}' AND tablename = 'outbox_dead_letters'"#
+        );
+        assert_eq!(count(&pool, &versions).await, i64::from(upgrade), "{mode}");
+        apply(&script);
+        let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
+        assert!(again.contains("is up to date"), "{mode}: {again}");
+        let migrated = outbox(&config.path, &["migrate"]);
+        assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+        assert!(
+            !text(&migrated.stderr).contains("applying outbox migration"),
+            "{mode}: migrate found work left: {}",
+            text(&migrated.stderr)
+        );
+        let status = outbox(&config.path, &["status"]);
+        assert!(
+            text(&status.stdout).contains("pending 0"),
+            "{}",
+            text(&status.stderr)
+        );
+        drop_schema(&pool, &schema).await;
+    }
+}
