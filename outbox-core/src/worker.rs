@@ -64,6 +64,11 @@ pub struct WorkerConfig {
     /// messages are released unpublished (default 10 s).
     #[serde(with = "humantime_serde")]
     pub shutdown_timeout: Duration,
+    /// How many topics the counters name in their `topic` label (default 100): the first
+    /// ones a relay counts keep their own series, later ones are counted under `_other`, so
+    /// an unbounded set of topics cannot grow the series without bound. 0: no topic
+    /// breakdown (every count under `_all`).
+    pub metric_topics: usize,
 }
 
 impl Default for WorkerConfig {
@@ -85,6 +90,7 @@ impl WorkerConfig {
             max_attempts: 10,
             backoff: Backoff::default(),
             shutdown_timeout: Duration::from_secs(10),
+            metric_topics: 100,
         }
     }
 
@@ -135,6 +141,36 @@ pub struct Worker {
     config: WorkerConfig,
     storage: Arc<dyn Storage>,
     sink: Arc<dyn Sink>,
+    topic_labels: TopicLabels,
+}
+
+/// The values of the counters' `topic` label: the first `limit` topics seen are their own,
+/// the rest `_other` (or every one `_all` when `limit` is 0).
+#[derive(Debug)]
+struct TopicLabels {
+    limit: usize,
+    named: std::sync::Mutex<HashSet<String>>,
+}
+
+impl TopicLabels {
+    fn new(limit: usize) -> Self {
+        TopicLabels {
+            limit,
+            named: std::sync::Mutex::new(HashSet::new()),
+        }
+    }
+
+    fn label(&self, topic: &str) -> String {
+        if self.limit == 0 {
+            return "_all".into();
+        }
+        let mut named = self.named.lock().unwrap_or_else(|e| e.into_inner());
+        if named.contains(topic) || (named.len() < self.limit && named.insert(topic.to_string())) {
+            topic.to_string()
+        } else {
+            "_other".into()
+        }
+    }
 }
 
 /// What happened to one claimed batch.
@@ -151,7 +187,12 @@ struct Published {
 impl Published {
     /// Adds this batch's outcomes to the per-topic counters, one increment per topic, and
     /// each delivery's latency from its creation to its acknowledgement.
-    fn count(&self, worker: &str, topics: &HashMap<Uuid, (String, DateTime<Utc>)>) {
+    fn count(
+        &self,
+        worker: &str,
+        topics: &HashMap<Uuid, (String, DateTime<Utc>)>,
+        labels: &TopicLabels,
+    ) {
         let now = Utc::now();
         let latency = metrics::histogram!(names::DELIVERY_LATENCY_SECONDS, names::RELAY => worker.to_string());
         for delivery in &self.settlement.delivered {
@@ -162,7 +203,7 @@ impl Published {
                 );
             }
         }
-        let mut counts: HashMap<(&'static str, &str), u64> = HashMap::new();
+        let mut counts: HashMap<(&'static str, String), u64> = HashMap::new();
         let s = &self.settlement;
         let ids = [
             (
@@ -181,16 +222,16 @@ impl Published {
         for (name, ids) in &ids {
             for id in ids {
                 let topic = topics.get(id).map_or("", |(topic, _)| topic.as_str());
-                *counts.entry((name, topic)).or_default() += 1;
+                *counts.entry((name, labels.label(topic))).or_default() += 1;
             }
         }
         for ((name, topic), n) in counts {
-            metrics::counter!(name, names::RELAY => worker.to_string(), names::TOPIC => topic.to_string())
-                .increment(n);
             if name != names::DELIVERED_TOTAL {
-                metrics::counter!(names::FAILED_TOTAL, names::RELAY => worker.to_string(), names::TOPIC => topic.to_string())
+                metrics::counter!(names::FAILED_TOTAL, names::RELAY => worker.to_string(), names::TOPIC => topic.clone())
                     .increment(n);
             }
+            metrics::counter!(name, names::RELAY => worker.to_string(), names::TOPIC => topic)
+                .increment(n);
         }
     }
 }
@@ -228,6 +269,7 @@ impl Worker {
             }
         }
         Ok(Worker {
+            topic_labels: TopicLabels::new(config.metric_topics),
             config,
             storage,
             sink,
@@ -415,7 +457,7 @@ impl Worker {
             }
         };
         self.record(&token, &published).await?;
-        published.count(self.config.relay_label(), &topics);
+        published.count(self.config.relay_label(), &topics, &self.topic_labels);
         metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
             .record(started.elapsed().as_secs_f64());
         Ok(!published.sink_unavailable)

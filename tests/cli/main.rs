@@ -965,3 +965,78 @@ async fn migrate_print_sql_gives_the_script_a_dba_applies_with_psql() {
         drop_schema(&pool, &schema).await;
     }
 }
+
+/// Two relay processes of one configuration export the same label sets: a replica or a
+/// restart adds no series (Prometheus' `instance` tells the processes apart).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_relay_processes_export_the_same_label_sets() {
+    let pool = pool().await;
+    let schema = unique_name("cli_labels");
+    let name = unique_name("labels");
+    let config = ConfigFile::new(&format!(
+        "{}migrate = true\n{FAST_RELAY}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
+        storage_section(&schema)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let lines: String = (0..40)
+        .map(|i| {
+            format!(
+                "{{\"topic\":\"t{}\",\"key\":\"k{i}\",\"payload\":\"{i}\"}}\n",
+                i % 2
+            )
+        })
+        .collect();
+    assert!(
+        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines)
+            .status
+            .success()
+    );
+    let addrs = [free_port(), free_port()].map(|port| format!("127.0.0.1:{port}"));
+    let relays: Vec<RelayProcess> = addrs
+        .iter()
+        .map(|addr| {
+            let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
+                .arg("--config")
+                .arg(&config.path)
+                .arg("relay")
+                .env("OUTBOX_OBSERVABILITY__LISTEN", addr)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("start a relay");
+            RelayProcess(child)
+        })
+        .collect();
+    wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
+    // The label sets of the series every relay exports whatever it did (gauges of its
+    // sink and queue): `name{labels}` without the value.
+    let series = |addr: &str| -> std::collections::BTreeSet<String> {
+        let (_, metrics) = http_get(addr, "/metrics");
+        metrics
+            .lines()
+            .filter(|l| l.starts_with("outbox_sink_up") || l.starts_with("outbox_pending"))
+            .filter_map(|l| l.rsplit_once(' ').map(|(series, _)| series.to_string()))
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let (first, second) = loop {
+        for addr in &addrs {
+            wait_for_http(addr).await;
+        }
+        let (first, second) = (series(&addrs[0]), series(&addrs[1]));
+        if first.len() >= 2 && second.len() >= 2 || Instant::now() > deadline {
+            break (first, second);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(first, second, "the two processes export different series");
+    assert!(
+        first.contains("outbox_sink_up{relay=\"default\"}"),
+        "{first:?}"
+    );
+    for relay in relays {
+        assert_eq!(relay.terminate().0, Some(0));
+    }
+    drop_schema(&pool, &schema).await;
+}

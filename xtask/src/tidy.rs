@@ -212,6 +212,7 @@ fn metric_problems(root: &Path) -> Vec<String> {
             ));
         }
     }
+    problems.extend(label_problems(&names_file, &documented));
     let mut sources = Vec::new();
     collect_rust_files(root, &mut sources);
     for path in sources {
@@ -227,6 +228,61 @@ fn metric_problems(root: &Path) -> Vec<String> {
         }
     }
     problems
+}
+
+/// Each metric's labels, as `outbox_core::metrics` declares them in its doc comment
+/// (`/// Counter (relay, topic): …`), must be the labels docs/configuration.md lists in its
+/// row, so dashboards built from the docs match the series.
+fn label_problems(names_file: &str, documented: &str) -> Vec<String> {
+    let mut problems = Vec::new();
+    let mut declared: Option<Vec<String>> = None;
+    for line in names_file.lines().map(str::trim) {
+        if let Some(kind) = ["/// Counter (", "/// Gauge (", "/// Histogram ("]
+            .iter()
+            .find_map(|kind| line.strip_prefix(kind))
+        {
+            declared = kind.split_once(')').map(|(labels, _)| label_set(labels));
+            continue;
+        }
+        let Some((_, rest)) = line
+            .strip_prefix("pub const ")
+            .and_then(|rest| rest.split_once("= \"outbox_"))
+        else {
+            continue;
+        };
+        let Some((name, _)) = rest.split_once('"') else {
+            continue;
+        };
+        let Some(labels) = declared.take() else {
+            problems.push(format!(
+                "metric `outbox_{name}`: its doc comment in outbox-core/src/metrics.rs does not say its kind and labels (`/// Counter (relay, topic): …`)"
+            ));
+            continue;
+        };
+        let row = documented
+            .lines()
+            .find(|row| row.starts_with('|') && row.contains(&format!("`outbox_{name}`")));
+        let listed = row.and_then(|row| row.split('|').nth(2)).map(label_set);
+        if let Some(listed) = listed
+            && listed != labels
+        {
+            problems.push(format!(
+                "metric `outbox_{name}` has labels {labels:?} in outbox-core/src/metrics.rs but {listed:?} in docs/configuration.md"
+            ));
+        }
+    }
+    problems
+}
+
+/// `relay, topic` as a sorted list of label names.
+fn label_set(text: &str) -> Vec<String> {
+    let mut labels: Vec<String> = text
+        .split(',')
+        .map(|label| label.trim().to_string())
+        .filter(|label| !label.is_empty())
+        .collect();
+    labels.sort();
+    labels
 }
 
 fn collect_rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
@@ -294,12 +350,17 @@ mod tests {
             "# MQTT\n\n## Configuration\n\n## Guarantees\n",
         );
         write("docs/ARCHITECTURE.md", "features `cli`");
-        write("docs/configuration.md", "`outbox_sent_total`");
+        write(
+            "docs/configuration.md",
+            "| `outbox_sent_total` | relay, topic | sent |\n| `outbox_late_total` | relay | late |\n",
+        );
         write("README.md", "");
         write("src/bin/outbox/backends.rs", "");
         write(
             "outbox-core/src/metrics.rs",
-            "pub const SENT: &str = \"outbox_sent_total\";\npub const LOST: &str = \"outbox_lost_total\";\n",
+            "/// Counter (relay, topic): sent.\npub const SENT: &str = \"outbox_sent_total\";\n\
+             /// Counter (relay): lost.\npub const LOST: &str = \"outbox_lost_total\";\n\
+             /// Counter (relay, topic): late.\npub const LATE: &str = \"outbox_late_total\";\n",
         );
         write(
             "outbox-core/src/worker.rs",
@@ -318,6 +379,7 @@ mod tests {
             "docs/ARCHITECTURE.md does not name outbox-mqtt",
             "docs/ARCHITECTURE.md does not name the facade feature `mqtt`",
             "metric `outbox_lost_total` is not documented",
+            "metric `outbox_late_total` has labels [\"relay\", \"topic\"] in outbox-core/src/metrics.rs but [\"relay\"] in docs/configuration.md",
             "outbox-core/src/worker.rs records a metric under a string literal",
         ] {
             assert!(

@@ -614,3 +614,14 @@ fn a_sink_with_ordered_key_runs_needs_a_lease_for_one_round_only() {
     runs.0.set_ordered_key_runs(true);
     assert!(Worker::new(config, storage, Arc::new(runs)).is_ok());
 }
+
+#[test]
+fn the_topic_label_names_the_first_topics_and_counts_the_rest_as_other() {
+    let labels = TopicLabels::new(2);
+    assert_eq!(labels.label("a"), "a");
+    assert_eq!(labels.label("b"), "b");
+    assert_eq!(labels.label("c"), "_other");
+    assert_eq!(labels.label("a"), "a", "a named topic keeps its label");
+    assert_eq!(labels.label("d"), "_other");
+    assert_eq!(TopicLabels::new(0).label("a"), "_all");
+}
