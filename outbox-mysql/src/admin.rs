@@ -28,6 +28,15 @@ impl StorageAdmin for MySqlStorage {
         MySqlStorage::migrate(self).await
     }
 
+    async fn migration_sql(&self) -> Result<String> {
+        let mut conn = self
+            .pool()
+            .acquire()
+            .await
+            .map_err(|e| self.error("cannot connect", e))?;
+        self.table().migration_sql(&mut conn).await
+    }
+
     async fn enqueue(&self, messages: &[NewMessage]) -> Result<()> {
         let what = "enqueue failed";
         let mut tx = self.pool().begin().await.map_err(|e| self.error(what, e))?;

@@ -169,6 +169,61 @@ impl OutboxTable {
         result
     }
 
+    /// The script that [`migrate`](Self::migrate) would run on `conn` now, for a database
+    /// administrator to review and apply: the steps after the version the database has
+    /// (0 when it has no outbox tables), each followed by the record of its version. MySQL
+    /// commits each DDL statement on its own, as `migrate` does. Empty when up to date.
+    /// Reads only.
+    pub async fn migration_sql(&self, conn: &mut MySqlConnection) -> Result<String> {
+        let versions = self.qualified("_migrations");
+        let recorded: i64 = conn
+            .fetch_one(
+                sqlx::query(
+                    "SELECT COUNT(*) FROM information_schema.tables \
+                     WHERE table_schema = ? AND table_name = ?",
+                )
+                .bind(&self.database)
+                .bind(format!("{}_migrations", self.table)),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let applied: i64 = if recorded == 0 {
+            0
+        } else {
+            conn.fetch_one(
+                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
+                    .as_str(),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?
+        };
+        let pending: Vec<String> = (1i64..)
+            .zip(MIGRATIONS)
+            .filter(|(version, _)| *version > applied)
+            .map(|(version, steps)| {
+                let statements: String = steps
+                    .iter()
+                    .map(|step| format!("{};\n", self.render(step).trim().trim_end_matches(';')))
+                    .collect();
+                format!(
+                    "-- outbox migration {version} of {}\n{statements}\
+                     INSERT INTO {versions} (version, applied_at) VALUES ({version}, UTC_TIMESTAMP(6));\n",
+                    self.qualified("")
+                )
+            })
+            .collect();
+        if pending.is_empty() {
+            return Ok(String::new());
+        }
+        Ok(format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
+             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB;\n{}",
+            pending.concat()
+        ))
+    }
+
     async fn migrate_locked(&self, conn: &mut MySqlConnection) -> Result<()> {
         let versions = self.qualified("_migrations");
         let create = format!(

@@ -254,3 +254,57 @@ fn bad_mysql_settings_exit_with_the_configuration_code_and_name_the_setting() {
         assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
     }
 }
+
+/// `migrate --print-sql` on MariaDB prints the steps the database lacks without running them;
+/// applied with the `mariadb` client, as a DBA would, they leave nothing for `migrate`.
+#[test]
+fn migrate_print_sql_gives_the_script_a_dba_applies() {
+    let table = outbox_tests::unique_name("cli_dba");
+    let _tables = Tables(table.clone());
+    let config = ConfigFile::new(&format!(
+        "[storage]\ntype = \"mysql\"\nurl = \"{}\"\ntable = \"{table}\"\n[sink]\ntype = \"stdout\"\n",
+        mysql_url()
+    ));
+    let printed = outbox(&config.path, &["migrate", "--print-sql"]);
+    let script = text(&printed.stdout);
+    assert!(printed.status.success(), "{}", text(&printed.stderr));
+    assert!(script.contains("outbox migration 1 of"), "{script}");
+    // Printing changed nothing.
+    let status = outbox(&config.path, &["status"]);
+    assert!(!status.status.success(), "{}", text(&status.stdout));
+
+    let mut client = Command::new("mariadb")
+        .args(["-h", "127.0.0.1", "-P", "3306", "-u", "root", "test"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the mariadb client is installed with MariaDB");
+    client
+        .stdin
+        .take()
+        .expect("stdin")
+        .write_all(script.as_bytes())
+        .expect("send the script");
+    let applied = client.wait_with_output().expect("mariadb");
+    assert!(
+        applied.status.success(),
+        "mariadb: {}",
+        text(&applied.stderr)
+    );
+
+    let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
+    assert!(again.contains("is up to date"), "{again}");
+    let migrated = outbox(&config.path, &["migrate"]);
+    assert!(
+        !text(&migrated.stderr).contains("applying outbox migration"),
+        "migrate found work left: {}",
+        text(&migrated.stderr)
+    );
+    let status = outbox(&config.path, &["status"]);
+    assert!(
+        text(&status.stdout).contains("pending 0"),
+        "{}",
+        text(&status.stderr)
+    );
+}
