@@ -1,6 +1,7 @@
 //! Settings of the Redis Streams sink.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use outbox_core::{Error, Result, Template, redact_url};
@@ -15,9 +16,17 @@ pub const DEFAULT_MAX_PAYLOAD: usize = 512 * 1024 * 1024;
 #[serde(default, deny_unknown_fields)]
 pub struct RedisConfig {
     /// Connection URL: `redis://[user:password@]host:port[/db]`, or `rediss://...` for TLS
-    /// (the server certificate is checked against the system's root certificates). No
-    /// default.
+    /// (the server certificate is checked against the system's root certificates, or
+    /// against [`tls_ca_file`](Self::tls_ca_file)). No default.
     pub url: String,
+    /// With `rediss://`: a PEM file of the certificate authorities that sign the server's
+    /// certificate, trusted instead of the system's roots (default none).
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `rediss://`: a PEM client certificate for servers that ask for one
+    /// (`tls-auth-clients yes`), with [`tls_key_file`](Self::tls_key_file) (default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (default none).
+    pub tls_key_file: Option<PathBuf>,
     /// Connections the pool may open (default 2). A sink publishes on one connection, kept
     /// between batches until it fails; more are opened only when one sink is shared by
     /// several workers publishing at the same time.
@@ -59,6 +68,9 @@ impl Default for RedisConfig {
     fn default() -> Self {
         RedisConfig {
             url: String::new(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             pool_size: 2,
             publish_timeout: Duration::from_secs(5),
             stream_prefix: String::new(),
@@ -177,6 +189,32 @@ impl RedisConfig {
                     redact_url(&self.url),
                     error.detail().unwrap_or(error.category())
                 ),
+            ));
+        }
+        let tls_files = [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ];
+        for (key, file) in tls_files {
+            let Some(file) = file else { continue };
+            if !self.url.starts_with("rediss://") {
+                return Err(Error::setting(
+                    key,
+                    "needs a TLS connection: write the url as rediss://…",
+                ));
+            }
+            if let Err(e) = std::fs::metadata(file) {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
             ));
         }
         if self.pool_size == 0 {

@@ -60,6 +60,35 @@ impl std::fmt::Debug for RedisSink {
     }
 }
 
+/// The CA and client certificate files of `config`, read, when it names any.
+fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::TlsCertificates>> {
+    let read = |key: &str, file: &Option<std::path::PathBuf>| -> Result<Option<Vec<u8>>> {
+        file.as_ref()
+            .map(|path| {
+                std::fs::read(path).map_err(|e| {
+                    Error::setting(key, format!("`{}` cannot be read: {e}", path.display()))
+                })
+            })
+            .transpose()
+    };
+    let root_cert = read("tls_ca_file", &config.tls_ca_file)?;
+    let client_cert = read("tls_cert_file", &config.tls_cert_file)?;
+    let client_key = read("tls_key_file", &config.tls_key_file)?;
+    let client_tls = match (client_cert, client_key) {
+        (Some(client_cert), Some(client_key)) => Some(redis::ClientTlsConfig {
+            client_cert,
+            client_key,
+        }),
+        _ => None,
+    };
+    Ok(
+        (root_cert.is_some() || client_tls.is_some()).then_some(redis::TlsCertificates {
+            client_tls,
+            root_cert,
+        }),
+    )
+}
+
 impl RedisSink {
     /// A sink with validated settings. Connects lazily: call [`Sink::health`] to check the
     /// server at start-up.
@@ -73,8 +102,16 @@ impl RedisSink {
         let connection = AsyncConnectionConfig::new()
             .set_connection_timeout(timeout)
             .set_response_timeout(timeout);
-        let manager = Manager::new_with_config(config.url.as_str(), connection)
-            .map_err(|e| bad_url(&config.url, e))?;
+        let manager = match tls_certificates(&config)? {
+            // The client's TLS settings go into the connection info the pool connects with.
+            Some(certificates) => {
+                let client = redis::Client::build_with_tls(config.url.as_str(), certificates)
+                    .map_err(|e| bad_url(&config.url, e))?;
+                Manager::new_with_config(client.get_connection_info().clone(), connection)
+            }
+            None => Manager::new_with_config(config.url.as_str(), connection),
+        }
+        .map_err(|e| bad_url(&config.url, e))?;
         let pool = Pool::builder(manager)
             .max_size(config.pool_size)
             .runtime(Runtime::Tokio1)

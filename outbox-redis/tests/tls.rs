@@ -1,0 +1,186 @@
+//! TLS end to end: a Redis server of the test's own (`redis-server` with a TLS port only),
+//! certificates made at test time, a sink that trusts the test's CA through `tls_ca_file`
+//! and presents a client certificate. A sink that trusts another CA is refused.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use outbox_core::{Message, NewMessage, Outcome, Sink};
+use outbox_redis::{RedisConfig, RedisSink};
+use rcgen::{
+    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
+    KeyUsagePurpose,
+};
+
+/// A certificate authority and a certificate it signed, as PEM files in `dir`.
+struct Pki {
+    ca: PathBuf,
+    server_cert: PathBuf,
+    server_key: PathBuf,
+    client_cert: PathBuf,
+    client_key: PathBuf,
+}
+
+fn pki(dir: &Path, name: &str) -> Pki {
+    let write = |file: &str, text: String| {
+        let path = dir.join(format!("{name}-{file}"));
+        std::fs::write(&path, text).expect("write a PEM file");
+        path
+    };
+    let ca_key = KeyPair::generate().expect("key");
+    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
+    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    ca_params
+        .distinguished_name
+        .push(DnType::CommonName, format!("outbox test CA {name}"));
+    let ca = ca_params.self_signed(&ca_key).expect("CA");
+    let leaf = |names: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
+        let key = KeyPair::generate().expect("key");
+        let mut params = CertificateParams::new(names).expect("params");
+        params.extended_key_usages = vec![purpose];
+        let cert = params.signed_by(&key, &ca, &ca_key).expect("signed");
+        (cert.pem(), key.serialize_pem())
+    };
+    let (server_cert, server_key) = leaf(
+        vec!["127.0.0.1".into(), "localhost".into()],
+        ExtendedKeyUsagePurpose::ServerAuth,
+    );
+    let (client_cert, client_key) = leaf(
+        vec!["outbox-relay".into()],
+        ExtendedKeyUsagePurpose::ClientAuth,
+    );
+    Pki {
+        ca: write("ca.pem", ca.pem()),
+        server_cert: write("server.pem", server_cert),
+        server_key: write("server.key", server_key),
+        client_cert: write("client.pem", client_cert),
+        client_key: write("client.key", client_key),
+    }
+}
+
+/// `redis-server` listening with TLS only, client certificates required; stopped on drop.
+struct TlsRedis(Child, u16);
+
+impl TlsRedis {
+    fn start(pki: &Pki) -> TlsRedis {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                "0",
+                "--tls-port",
+                &port.to_string(),
+                "--bind",
+                "127.0.0.1",
+            ])
+            .args([
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--tls-auth-clients",
+                "yes",
+            ])
+            .arg("--tls-cert-file")
+            .arg(&pki.server_cert)
+            .arg("--tls-key-file")
+            .arg(&pki.server_key)
+            .arg("--tls-ca-cert-file")
+            .arg(&pki.ca)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server is installed (cargo xtask services installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-server with TLS did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        TlsRedis(child, port)
+    }
+}
+
+impl Drop for TlsRedis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn config(port: u16, trust: &Pki, client: &Pki) -> RedisConfig {
+    RedisConfig {
+        url: format!("rediss://127.0.0.1:{port}"),
+        tls_ca_file: Some(trust.ca.clone()),
+        tls_cert_file: Some(client.client_cert.clone()),
+        tls_key_file: Some(client.client_key.clone()),
+        publish_timeout: Duration::from_secs(3),
+        ..RedisConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
+    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_redis_tls"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ours = pki(&dir, "ours");
+    let theirs = pki(&dir, "theirs");
+    let server = TlsRedis::start(&ours);
+
+    let sink = RedisSink::new(config(server.1, &ours, &ours)).expect("sink");
+    sink.health().await.expect("a verified TLS connection");
+    let batch = vec![Message::from(
+        NewMessage::new("tls-orders", "paid").key("k"),
+    )];
+    let outcomes = sink.publish(&batch).await.expect("publish over TLS");
+    assert!(
+        matches!(outcomes.as_slice(), [Outcome::Delivered(_)]),
+        "{outcomes:?}"
+    );
+
+    // A sink that trusts another CA does not accept the server's certificate.
+    let wrong = RedisSink::new(config(server.1, &theirs, &ours)).expect("sink");
+    let error = wrong
+        .health()
+        .await
+        .expect_err("the server's certificate must be refused");
+    assert_eq!(error.kind(), outbox_core::ErrorKind::Unavailable, "{error}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn tls_files_need_a_tls_url_and_go_in_pairs() {
+    let plain = RedisConfig {
+        url: "redis://127.0.0.1:6379".into(),
+        tls_ca_file: Some("/etc/hostname".into()),
+        ..RedisConfig::default()
+    };
+    let error = plain.validate().expect_err("a CA file on a plain URL");
+    assert!(
+        error.to_string().contains("tls_ca_file") && error.to_string().contains("rediss://"),
+        "{error}"
+    );
+    let half = RedisConfig {
+        url: "rediss://127.0.0.1:6379".into(),
+        tls_cert_file: Some("/etc/hostname".into()),
+        ..RedisConfig::default()
+    };
+    let error = half.validate().expect_err("a certificate without its key");
+    assert!(error.to_string().contains("tls_key_file"), "{error}");
+    let missing = RedisConfig {
+        url: "rediss://127.0.0.1:6379".into(),
+        tls_ca_file: Some("/nowhere/ca.pem".into()),
+        ..RedisConfig::default()
+    };
+    let error = missing.validate().expect_err("a missing CA file");
+    assert!(error.to_string().contains("/nowhere/ca.pem"), "{error}");
+}
