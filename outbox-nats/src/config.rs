@@ -1,5 +1,6 @@
 //! Settings of the NATS JetStream sink.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use outbox_core::{Error, Result, Template, redact_url_token};
@@ -39,6 +40,14 @@ pub struct NatsConfig {
     pub max_pending_acks: usize,
     /// Token for token authentication; a secret, never logged.
     pub token: Option<String>,
+    /// A PEM file of the certificate authorities that sign the server's certificate, trusted
+    /// besides the system's roots; setting it requires TLS (default none).
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate for servers that verify clients, with
+    /// [`tls_key_file`](Self::tls_key_file); requires TLS (default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (default none).
+    pub tls_key_file: Option<PathBuf>,
     /// The client's name as the server shows it in its connection list (default `outbox`).
     pub name: String,
 }
@@ -54,6 +63,9 @@ impl Default for NatsConfig {
             publish_timeout: Duration::from_secs(5),
             max_pending_acks: 5000,
             token: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             name: "outbox".into(),
         }
     }
@@ -215,6 +227,26 @@ impl NatsConfig {
             return Err(Error::setting(
                 "max_pending_acks",
                 "is 0; it must be at least 1",
+            ));
+        }
+        for (key, file) in [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ] {
+            if let Some(file) = file
+                && let Err(e) = std::fs::metadata(file)
+            {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
             ));
         }
         if self.token.as_ref().is_some_and(|t| t.is_empty()) {

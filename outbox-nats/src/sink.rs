@@ -84,6 +84,17 @@ impl NatsSink {
                     .connection_timeout(t)
                     .request_timeout(Some(t))
                     .max_reconnects(None);
+                // A private CA or a client certificate means TLS, whatever the URL's scheme.
+                if let Some(ca) = &self.config.tls_ca_file {
+                    options = options.add_root_certificates(ca.clone()).require_tls(true);
+                }
+                if let (Some(cert), Some(key)) =
+                    (&self.config.tls_cert_file, &self.config.tls_key_file)
+                {
+                    options = options
+                        .add_client_certificate(cert.clone(), key.clone())
+                        .require_tls(true);
+                }
                 // Credentials go to the client as options, never in the addresses it logs;
                 // the `token` setting wins over one written in the URL.
                 options = match (&self.config.token, &self.credentials) {

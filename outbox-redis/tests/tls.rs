@@ -3,63 +3,12 @@
 //! and presents a client certificate. A sink that trusts another CA is refused.
 
 use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_core::{Message, NewMessage, Outcome, Sink};
 use outbox_redis::{RedisConfig, RedisSink};
-use rcgen::{
-    BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
-    KeyUsagePurpose,
-};
-
-/// A certificate authority and a certificate it signed, as PEM files in `dir`.
-struct Pki {
-    ca: PathBuf,
-    server_cert: PathBuf,
-    server_key: PathBuf,
-    client_cert: PathBuf,
-    client_key: PathBuf,
-}
-
-fn pki(dir: &Path, name: &str) -> Pki {
-    let write = |file: &str, text: String| {
-        let path = dir.join(format!("{name}-{file}"));
-        std::fs::write(&path, text).expect("write a PEM file");
-        path
-    };
-    let ca_key = KeyPair::generate().expect("key");
-    let mut ca_params = CertificateParams::new(Vec::<String>::new()).expect("params");
-    ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
-    ca_params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    ca_params
-        .distinguished_name
-        .push(DnType::CommonName, format!("outbox test CA {name}"));
-    let ca = ca_params.self_signed(&ca_key).expect("CA");
-    let leaf = |names: Vec<String>, purpose: ExtendedKeyUsagePurpose| {
-        let key = KeyPair::generate().expect("key");
-        let mut params = CertificateParams::new(names).expect("params");
-        params.extended_key_usages = vec![purpose];
-        let cert = params.signed_by(&key, &ca, &ca_key).expect("signed");
-        (cert.pem(), key.serialize_pem())
-    };
-    let (server_cert, server_key) = leaf(
-        vec!["127.0.0.1".into(), "localhost".into()],
-        ExtendedKeyUsagePurpose::ServerAuth,
-    );
-    let (client_cert, client_key) = leaf(
-        vec!["outbox-relay".into()],
-        ExtendedKeyUsagePurpose::ClientAuth,
-    );
-    Pki {
-        ca: write("ca.pem", ca.pem()),
-        server_cert: write("server.pem", server_cert),
-        server_key: write("server.key", server_key),
-        client_cert: write("client.pem", client_cert),
-        client_key: write("client.key", client_key),
-    }
-}
+use outbox_test_support::tls::{Pki, pki};
 
 /// `redis-server` listening with TLS only, client certificates required; stopped on drop.
 struct TlsRedis(Child, u16);

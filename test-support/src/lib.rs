@@ -19,6 +19,8 @@ pub mod nats;
 mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "tls")]
+pub mod tls;
 
 use std::fmt::Display;
 use std::time::Duration;

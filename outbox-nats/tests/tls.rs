@@ -1,0 +1,134 @@
+//! TLS end to end: a NATS server of the test's own (`nats-server` with JetStream, TLS and
+//! client verification), certificates made at test time, a sink that trusts the test's CA
+//! through `tls_ca_file` and presents a client certificate. A sink that trusts another CA is
+//! refused.
+
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream;
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
+use outbox_nats::{NatsConfig, NatsSink};
+use outbox_test_support::tls::{Pki, pki};
+
+/// `nats-server` with JetStream, TLS and client certificates required; stopped on drop.
+struct TlsNats(Child, u16);
+
+impl TlsNats {
+    fn start(pki: &Pki, store: &std::path::Path) -> TlsNats {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let child = Command::new("nats-server")
+            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
+            .arg(store)
+            .args(["--tls", "--tlsverify", "--tlscert"])
+            .arg(&pki.server_cert)
+            .arg("--tlskey")
+            .arg(&pki.server_key)
+            .arg("--tlscacert")
+            .arg(&pki.ca)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server is installed (cargo xtask services installs it)");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "nats-server with TLS did not start"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        TlsNats(child, port)
+    }
+}
+
+impl Drop for TlsNats {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn config(port: u16, trust: &Pki, client: &Pki) -> NatsConfig {
+    NatsConfig {
+        url: format!("nats://127.0.0.1:{port}"),
+        tls_ca_file: Some(trust.ca.clone()),
+        tls_cert_file: Some(client.client_cert.clone()),
+        tls_key_file: Some(client.client_key.clone()),
+        publish_timeout: Duration::from_secs(3),
+        ..NatsConfig::default()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
+    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_nats_tls"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ours = pki(&dir, "ours");
+    let theirs = pki(&dir, "theirs");
+    let server = TlsNats::start(&ours, &dir.join("store"));
+
+    // The test's own client, over the same verified TLS, makes the stream.
+    let client = async_nats::ConnectOptions::new()
+        .add_root_certificates(ours.ca.clone())
+        .add_client_certificate(ours.client_cert.clone(), ours.client_key.clone())
+        .require_tls(true)
+        .connect(format!("nats://127.0.0.1:{}", server.1))
+        .await
+        .expect("the test's client connects over TLS");
+    let js = jetstream::new(client);
+    js.create_stream(jetstream::stream::Config {
+        name: "TLS".into(),
+        subjects: vec!["tls.>".into()],
+        storage: jetstream::stream::StorageType::Memory,
+        ..Default::default()
+    })
+    .await
+    .expect("stream");
+
+    let sink = NatsSink::new(config(server.1, &ours, &ours)).expect("sink");
+    sink.health().await.expect("a verified TLS connection");
+    let batch = vec![Message::from(
+        NewMessage::new("tls.orders", "paid").key("k"),
+    )];
+    let outcomes = sink.publish(&batch).await.expect("publish over TLS");
+    assert!(
+        matches!(outcomes.as_slice(), [Outcome::Delivered(_)]),
+        "{outcomes:?}"
+    );
+    let stream = js.get_stream("TLS").await.expect("the stream");
+    assert_eq!(stream.cached_info().state.messages, 1);
+
+    // A sink that trusts another CA does not accept the server's certificate.
+    let wrong = NatsSink::new(config(server.1, &theirs, &ours)).expect("sink");
+    let error = wrong
+        .health()
+        .await
+        .expect_err("the server's certificate must be refused");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    drop(server);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_client_certificate_needs_its_key_and_files_must_be_readable() {
+    let half = NatsConfig {
+        tls_cert_file: Some("/etc/hostname".into()),
+        ..NatsConfig::default()
+    };
+    let error = half.validate().expect_err("a certificate without its key");
+    assert!(error.to_string().contains("tls_key_file"), "{error}");
+    let missing = NatsConfig {
+        tls_ca_file: Some("/nowhere/ca.pem".into()),
+        ..NatsConfig::default()
+    };
+    let error = missing.validate().expect_err("a missing CA file");
+    assert!(
+        error.to_string().contains("tls_ca_file") && error.to_string().contains("/nowhere"),
+        "{error}"
+    );
+}
