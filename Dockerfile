@@ -13,8 +13,9 @@ RUN cargo build --release --locked --all-features --bin outbox
 RUN strip --strip-debug target/release/outbox
 
 FROM debian:bookworm-slim
-# CA roots for TLS to databases and brokers; nothing else is needed at run time.
-RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates \
+# CA roots for TLS to databases and brokers, and OpenSSL for Kafka's TLS (`kafka-ssl`, part
+# of --all-features); nothing else is needed at run time.
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates libssl3 \
     && rm -rf /var/lib/apt/lists/* \
     && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin outbox
 COPY --from=build /src/target/release/outbox /usr/local/bin/outbox

@@ -2,6 +2,7 @@
 //! API alike.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -90,6 +91,10 @@ impl Route {
 /// publish_timeout = "10s"
 /// reconnect_backoff = { initial = "100ms", max = "10s" }
 /// routes.audit = { exchange = "audit-log", routing_key = "{topic}.{key}" }
+/// # with an amqps:// url:
+/// # tls_ca_file = "/etc/outbox/rabbit-ca.pem"
+/// # tls_cert_file = "/etc/outbox/relay.pem"
+/// # tls_key_file = "/etc/outbox/relay.key"
 /// ```
 #[derive(Clone, PartialEq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
@@ -99,6 +104,16 @@ pub struct AmqpConfig {
     /// default when the path is missing).
     #[serde(alias = "uri")]
     pub url: String,
+    /// With `amqps://`: a PEM file of the certificate authorities that sign the broker's
+    /// certificate, trusted in addition to the system's root certificates (default none).
+    pub tls_ca_file: Option<PathBuf>,
+    /// With `amqps://`: a PEM client certificate for brokers that ask for one
+    /// (`ssl_options.verify = verify_peer`), with [`tls_key_file`](Self::tls_key_file)
+    /// (default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (PKCS#8, PKCS#1 or
+    /// SEC1, unencrypted; default none).
+    pub tls_key_file: Option<PathBuf>,
     /// Exchange template for topics not in `routes` (required; `""` is the broker's default
     /// exchange).
     pub exchange: Option<Template>,
@@ -140,6 +155,9 @@ impl Default for AmqpConfig {
     fn default() -> Self {
         AmqpConfig {
             url: String::new(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             exchange: None,
             routing_key: Template::topic(),
             routes: BTreeMap::new(),
@@ -164,6 +182,9 @@ impl std::fmt::Debug for AmqpConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AmqpConfig")
             .field("url", &redact_url(&self.url))
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("exchange", &self.exchange)
             .field("routing_key", &self.routing_key)
             .field("routes", &self.routes)
@@ -251,6 +272,7 @@ impl AmqpConfig {
             ));
         }
         self.parse_uri()?;
+        self.check_tls_files()?;
         let default = self.default_route()?;
         check_exchange("exchange", &default.exchange)?;
         check_routing_key("routing_key", &default.routing_key)?;
@@ -312,6 +334,37 @@ impl AmqpConfig {
         self.reconnect_backoff
             .validate()
             .map_err(|e| e.in_section("reconnect_backoff"))
+    }
+
+    /// The TLS files need an `amqps://` URL and must exist; a certificate needs its key.
+    fn check_tls_files(&self) -> Result<()> {
+        let tls_files = [
+            ("tls_ca_file", &self.tls_ca_file),
+            ("tls_cert_file", &self.tls_cert_file),
+            ("tls_key_file", &self.tls_key_file),
+        ];
+        for (key, file) in tls_files {
+            let Some(file) = file else { continue };
+            if !self.url.starts_with("amqps://") {
+                return Err(Error::setting(
+                    key,
+                    "needs a TLS connection: write the url as amqps://…",
+                ));
+            }
+            if let Err(e) = std::fs::metadata(file) {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
+            ));
+        }
+        Ok(())
     }
 
     /// The route of topics not in `routes`: `exchange` with `routing_key`.
@@ -665,6 +718,76 @@ mod tests {
             let message = error.in_section("sink").to_string();
             assert!(message.contains(key), "{key}: {message}");
         }
+    }
+
+    #[test]
+    fn tls_files_need_an_amqps_url_exist_and_go_in_pairs() {
+        // Any readable file passes validation; its content is checked when the sink is made.
+        let readable = || Some(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml"));
+        let tls = || AmqpConfig {
+            url: "amqps://guest:guest@127.0.0.1:5671/%2f".into(),
+            ..config()
+        };
+        AmqpConfig {
+            tls_ca_file: readable(),
+            tls_cert_file: readable(),
+            tls_key_file: readable(),
+            ..tls()
+        }
+        .validate()
+        .unwrap();
+        for key in ["tls_ca_file", "tls_cert_file", "tls_key_file"] {
+            let mut plain = config();
+            match key {
+                "tls_ca_file" => plain.tls_ca_file = readable(),
+                "tls_cert_file" => plain.tls_cert_file = readable(),
+                _ => plain.tls_key_file = readable(),
+            }
+            let message = error_of(plain);
+            assert!(
+                message.contains(&format!(
+                    "sink.{key} needs a TLS connection: write the url as amqps://"
+                )),
+                "{message}"
+            );
+        }
+        let message = error_of(AmqpConfig {
+            tls_cert_file: readable(),
+            ..tls()
+        });
+        assert!(
+            message.contains("sink.tls_cert_file and tls_key_file go together"),
+            "{message}"
+        );
+        let message = error_of(AmqpConfig {
+            tls_key_file: readable(),
+            ..tls()
+        });
+        assert!(message.contains("tls_key_file go together"), "{message}");
+        let message = error_of(AmqpConfig {
+            tls_ca_file: Some("/nowhere/ca.pem".into()),
+            ..tls()
+        });
+        assert!(
+            message.contains("sink.tls_ca_file `/nowhere/ca.pem` cannot be read"),
+            "{message}"
+        );
+        let config = AmqpConfig::from_value(serde_json::json!({
+            "url": "amqps://relay:pw@rabbit/%2f",
+            "exchange": "events",
+            "tls_ca_file": readable(),
+        }))
+        .unwrap();
+        assert_eq!(config.tls_ca_file, readable());
+        let error = AmqpConfig::from_value(serde_json::json!({
+            "url": "amqps://relay:pw@rabbit/%2f",
+            "exchange": "events",
+            "tls_ca": "/etc/ca.pem",
+        }))
+        .unwrap_err()
+        .in_section("sink")
+        .to_string();
+        assert!(error.contains("sink.tls_ca: unknown field"), "{error}");
     }
 
     #[test]

@@ -1,16 +1,21 @@
 //! The sink's link to the broker: one connection with one publishing channel in confirm
 //! mode, opened within `connect_timeout` and reopened on the next call after a loss, with
 //! `reconnect_backoff` between failed attempts. Exchanges are checked (or declared) once per
-//! connection.
+//! connection. With `amqps://`, the TLS files of the settings are read once, when the sink is
+//! made.
 
 use std::collections::HashSet;
+use std::path::Path;
 use std::time::Duration;
 
 use lapin::options::{ConfirmSelectOptions, ExchangeDeclareOptions};
+use lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use lapin::types::{FieldTable, ShortString};
 use lapin::uri::AMQPUri;
-use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+use lapin::{Channel, Connect, Connection, ConnectionProperties, ExchangeKind};
 use outbox_core::{Backoff, Error, Result, redact_url};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::{Mutex, MutexGuard};
 use tokio::time::{Instant, timeout};
 
@@ -24,6 +29,9 @@ use crate::error::{
 /// Opens, keeps and reopens the connection of one sink.
 pub(crate) struct Connector {
     uri: AMQPUri,
+    /// The CA and client certificate of `amqps://` connections (empty: the system's roots,
+    /// no client certificate).
+    tls: OwnedTLSConfig,
     /// The URI without its password, for logs and errors.
     url: String,
     connect_timeout: Duration,
@@ -65,6 +73,7 @@ impl Connector {
     pub(crate) fn new(config: &AmqpConfig) -> Result<Self> {
         Ok(Connector {
             uri: config.parse_uri()?,
+            tls: tls_config(config)?,
             url: redact_url(&config.url),
             connect_timeout: config.connect_timeout,
             reconnect_backoff: config.reconnect_backoff,
@@ -91,7 +100,12 @@ impl Connector {
         let open = async {
             let properties =
                 ConnectionProperties::default().with_connection_name("outbox relay".into());
-            let connection = Connection::connect_uri(self.uri.clone(), properties).await?;
+            let runtime = lapin::runtime::default_runtime()?;
+            let connection = self
+                .uri
+                .clone()
+                .connect_with_config(properties, self.tls.clone(), runtime)
+                .await?;
             let channel = connection.create_channel().await?;
             channel
                 .confirm_select(ConfirmSelectOptions::default())
@@ -216,4 +230,70 @@ impl Connector {
             }
         }
     }
+}
+
+/// The TLS settings of `config` (validated), its files read and checked: a file that cannot
+/// be read or holds no usable PEM is a configuration error naming it.
+fn tls_config(config: &AmqpConfig) -> Result<OwnedTLSConfig> {
+    let cert_chain = match &config.tls_ca_file {
+        Some(path) => Some(read_certificates("tls_ca_file", path)?),
+        None => None,
+    };
+    let identity = match (&config.tls_cert_file, &config.tls_key_file) {
+        (Some(cert), Some(key)) => Some(OwnedIdentity::PKCS8 {
+            pem: read_certificates("tls_cert_file", cert)?.into_bytes(),
+            key: read_key("tls_key_file", key)?,
+        }),
+        _ => None,
+    };
+    Ok(OwnedTLSConfig {
+        identity,
+        cert_chain,
+    })
+}
+
+/// The file at `path`, read; the error names the setting `key` and the file.
+fn read(key: &str, path: &Path) -> Result<Vec<u8>> {
+    std::fs::read(path)
+        .map_err(|e| Error::setting(key, format!("`{}` cannot be read: {e}", path.display())))
+}
+
+/// A PEM file of one or more certificates, as text.
+fn read_certificates(key: &str, path: &Path) -> Result<String> {
+    let bad = |reason: String| {
+        Error::setting(
+            key,
+            format!(
+                "`{}` {reason}; give a PEM file of certificates (-----BEGIN CERTIFICATE-----)",
+                path.display()
+            ),
+        )
+    };
+    let text =
+        String::from_utf8(read(key, path)?).map_err(|_| bad("is not a text file".to_string()))?;
+    let mut found = 0;
+    for certificate in CertificateDer::pem_slice_iter(text.as_bytes()) {
+        certificate.map_err(|e| bad(format!("is not valid PEM ({e})")))?;
+        found += 1;
+    }
+    if found == 0 {
+        return Err(bad("holds no certificate".to_string()));
+    }
+    Ok(text)
+}
+
+/// A PEM file of a private key, as bytes.
+fn read_key(key: &str, path: &Path) -> Result<Vec<u8>> {
+    let bytes = read(key, path)?;
+    if let Err(e) = PrivateKeyDer::from_pem_slice(&bytes) {
+        return Err(Error::setting(
+            key,
+            format!(
+                "`{}` holds no usable private key ({e}); give an unencrypted PEM key \
+                 (PKCS#8, PKCS#1 or SEC1)",
+                path.display()
+            ),
+        ));
+    }
+    Ok(bytes)
 }

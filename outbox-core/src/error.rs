@@ -20,6 +20,10 @@ pub enum ErrorKind {
     Permanent,
     /// The configuration is invalid. Fix it and start again.
     Config,
+    /// The storage's tables are missing or older than this release needs: run `outbox
+    /// migrate` (or apply `outbox migrate --print-sql`). A relay waits, retrying, until they
+    /// are there.
+    Schema,
 }
 
 impl ErrorKind {
@@ -36,6 +40,7 @@ impl fmt::Display for ErrorKind {
             ErrorKind::Temporary => "temporary",
             ErrorKind::Permanent => "permanent",
             ErrorKind::Config => "configuration",
+            ErrorKind::Schema => "schema",
         })
     }
 }
@@ -82,6 +87,11 @@ impl Error {
     /// Shorthand for [`ErrorKind::Config`].
     pub fn config(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Config, message)
+    }
+
+    /// Shorthand for [`ErrorKind::Schema`].
+    pub fn schema(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Schema, message)
     }
 
     /// A configuration error about the setting `key` (its path inside its own section, such

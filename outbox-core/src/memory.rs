@@ -331,6 +331,7 @@ impl Storage for MemoryStorage {
             in_flight: rows().filter(|r| !waiting(r)).count() as u64,
             dead_lettered: state.dead.len() as u64,
             parked_keys: state.parked.len() as u64,
+            measured_at: None,
         })
     }
 

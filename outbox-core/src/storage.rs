@@ -95,6 +95,9 @@ pub struct QueueStats {
     pub dead_lettered: u64,
     /// Partition keys held back because their head message was dead-lettered.
     pub parked_keys: u64,
+    /// When these figures were counted, on the storage's clock, if they may be older than
+    /// the call that returned them ([`Storage::shared_stats`]); `None` means just now.
+    pub measured_at: Option<DateTime<Utc>>,
 }
 
 /// What a storage guarantees, declared as data so the worker and the conformance suite can
@@ -171,8 +174,18 @@ pub trait Storage: Send + Sync {
     /// Checks that the storage answers.
     async fn health(&self) -> Result<()>;
 
-    /// Queue figures.
+    /// Queue figures, counted now.
     async fn stats(&self) -> Result<QueueStats>;
+
+    /// Queue figures that every relay on this storage shares: the first caller after
+    /// `max_age` has passed counts them ([`stats`](Storage::stats)) and stores them; the
+    /// others read what it stored, so many replicas cost one count per `max_age`, not one
+    /// each. A count that never finishes (its relay died) is taken over after `max_age`.
+    /// The default counts on every call, for storages that one process owns.
+    async fn shared_stats(&self, max_age: Duration) -> Result<QueueStats> {
+        let _ = max_age;
+        self.stats().await
+    }
 
     /// What this storage guarantees.
     fn capabilities(&self) -> StorageCapabilities;

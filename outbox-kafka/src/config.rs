@@ -2,6 +2,7 @@
 //! API alike.
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use outbox_core::{Error, Result, Template};
@@ -16,10 +17,24 @@ const OWNED_PROPERTIES: &[(&str, &str)] = &[
     ("delivery.timeout.ms", "publish_timeout"),
 ];
 
+/// Each `tls_*` key and the librdkafka property it sets.
+const TLS_PROPERTIES: [(&str, &str); 3] = [
+    ("tls_ca_file", "ssl.ca.location"),
+    ("tls_cert_file", "ssl.certificate.location"),
+    ("tls_key_file", "ssl.key.location"),
+];
+
+/// What to do about a build without TLS support.
+const BUILD_WITH_SSL: &str = "this build has no TLS for Kafka: rebuild with cargo feature `kafka-ssl` of the outbox facade (outbox-kafka's `ssl`), e.g. `cargo build --release --features kafka-ssl`";
+
 /// Settings of the Kafka sink: the `[sink]` table of the relay's configuration (with
 /// `type = "kafka"`; durations written as `"5s"` or `"500ms"`, unknown keys refused) and the
 /// Rust API alike. Every key but `bootstrap_servers` has a default. `Debug` hides the values
 /// of secret properties (`sasl.password`, `ssl.key.password`, ...).
+///
+/// TLS (`tls_ca_file`, `tls_cert_file` and `tls_key_file`, or `security.protocol` `ssl` or
+/// `sasl_ssl` in `properties`) needs the crate's `ssl` feature (the facade's `kafka-ssl`);
+/// without it such settings are refused by [`validate`](Self::validate).
 ///
 /// ```toml
 /// [sink]
@@ -57,6 +72,19 @@ pub struct KafkaConfig {
     /// Time-out of the health check's metadata request (default 5 s).
     #[serde(with = "humantime_serde")]
     pub health_timeout: Duration,
+    /// A PEM file of the certificate authorities that sign the brokers' certificates,
+    /// trusted instead of the system's roots (librdkafka's `ssl.ca.location`; default none).
+    /// Any `tls_*` key turns TLS on: `security.protocol` becomes `ssl` unless `properties`
+    /// set it to `sasl_ssl`.
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate for brokers that verify clients (`ssl.client.auth`), with
+    /// [`tls_key_file`](Self::tls_key_file) (librdkafka's `ssl.certificate.location`;
+    /// default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (librdkafka's
+    /// `ssl.key.location`; an encrypted key's passphrase goes in `properties` as
+    /// `ssl.key.password`; default none).
+    pub tls_key_file: Option<PathBuf>,
 }
 
 impl Default for KafkaConfig {
@@ -69,6 +97,9 @@ impl Default for KafkaConfig {
             properties: BTreeMap::new(),
             publish_timeout: Duration::from_secs(10),
             health_timeout: Duration::from_secs(5),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
         }
     }
 }
@@ -94,6 +125,9 @@ impl std::fmt::Debug for KafkaConfig {
             .field("properties", &properties)
             .field("publish_timeout", &self.publish_timeout)
             .field("health_timeout", &self.health_timeout)
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .finish()
     }
 }
@@ -257,7 +291,109 @@ impl KafkaConfig {
                 ));
             }
         }
+        self.check_tls(cfg!(feature = "ssl"))
+    }
+
+    /// The `tls_*` keys with their librdkafka property and their file, when set.
+    fn tls_files(&self) -> impl Iterator<Item = (&'static str, &'static str, &Path)> {
+        let files = [&self.tls_ca_file, &self.tls_cert_file, &self.tls_key_file];
+        TLS_PROPERTIES
+            .into_iter()
+            .zip(files)
+            .filter_map(|((key, property), file)| Some((key, property, file.as_deref()?)))
+    }
+
+    /// `security.protocol` from `properties`, in lower case.
+    fn security_protocol(&self) -> Option<String> {
+        let protocol = self.properties.get("security.protocol")?;
+        Some(protocol.trim().to_ascii_lowercase())
+    }
+
+    /// Checks the TLS settings, for a build with (`ssl_built`) or without TLS support.
+    fn check_tls(&self, ssl_built: bool) -> Result<()> {
+        let protocol = self.security_protocol();
+        let tls_protocol = matches!(protocol.as_deref(), Some("ssl" | "sasl_ssl"));
+        if !ssl_built {
+            if let Some((key, _, _)) = self.tls_files().next() {
+                return Err(Error::setting(
+                    key,
+                    format!("needs TLS, but {BUILD_WITH_SSL}"),
+                ));
+            }
+            if tls_protocol {
+                return Err(Error::setting(
+                    "properties.security.protocol",
+                    format!(
+                        "is {}, which needs TLS, but {BUILD_WITH_SSL}",
+                        protocol.unwrap_or_default()
+                    ),
+                ));
+            }
+            for name in ["sasl.mechanism", "sasl.mechanisms"] {
+                if let Some(mechanism) = self.properties.get(name)
+                    && mechanism.trim().to_ascii_uppercase().starts_with("SCRAM")
+                {
+                    return Err(Error::setting(
+                        format!("properties.{name}"),
+                        format!(
+                            "is {}, which needs OpenSSL, but {BUILD_WITH_SSL}",
+                            mechanism.trim()
+                        ),
+                    ));
+                }
+            }
+            if let Some(name) = self.properties.keys().find(|n| n.starts_with("ssl.")) {
+                return Err(Error::setting(
+                    format!("properties.{name}"),
+                    format!("is a TLS setting, but {BUILD_WITH_SSL}"),
+                ));
+            }
+        }
+        for (key, property, file) in self.tls_files() {
+            if self.properties.contains_key(property) {
+                return Err(Error::setting(
+                    key,
+                    format!("and properties.{property} both name the file; keep {key} only"),
+                ));
+            }
+            if let Some(other) = protocol.as_deref().filter(|_| !tls_protocol) {
+                return Err(Error::setting(
+                    key,
+                    format!(
+                        "needs TLS, but properties.security.protocol is {other}: set it to ssl (or sasl_ssl for SASL over TLS), or leave it out (the tls_* keys imply ssl)"
+                    ),
+                ));
+            }
+            if file.to_str().is_none() {
+                return Err(Error::setting(
+                    key,
+                    format!(
+                        "`{}` is not valid UTF-8, which librdkafka needs; rename the file",
+                        file.display()
+                    ),
+                ));
+            }
+            if let Err(e) = std::fs::metadata(file) {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
+            ));
+        }
         Ok(())
+    }
+
+    /// The `tls_*` key of the librdkafka property `name` that it sets, when it is set.
+    pub(crate) fn tls_key_of(&self, name: &str) -> Option<&'static str> {
+        self.tls_files()
+            .find(|(_, property, _)| *property == name)
+            .map(|(key, _, _)| key)
     }
 
     /// The Kafka topic for an outbox topic: its entry in [`topics`](Self::topics), or the
@@ -298,6 +434,14 @@ impl KafkaConfig {
                 "topic.metadata.propagation.max.ms",
                 (timeout_ms / 2).min(5_000).to_string(),
             );
+        let mut tls = false;
+        for (_, property, file) in self.tls_files() {
+            config.set(property, file.to_string_lossy());
+            tls = true;
+        }
+        if tls && self.security_protocol().is_none() {
+            config.set("security.protocol", "ssl");
+        }
         for (name, value) in &self.properties {
             config.set(name.trim(), value.trim());
         }
@@ -502,6 +646,157 @@ mod tests {
         let err = config.kafka_topic("bad topic").unwrap_err();
         assert_eq!(err.kind(), outbox_core::ErrorKind::Permanent);
         assert!(err.to_string().contains("`outbox.bad topic`"), "{err}");
+    }
+
+    /// A file that exists, for the TLS keys.
+    fn readable() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml")
+    }
+
+    /// The TLS settings' error for a build with or without TLS support, in `sink`.
+    fn tls_invalid(config: &KafkaConfig, ssl_built: bool) -> String {
+        let err = config
+            .check_tls(ssl_built)
+            .expect_err("TLS settings should be refused");
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+        err.in_section("sink").to_string()
+    }
+
+    #[test]
+    fn tls_files_turn_tls_on_and_sasl_ssl_stays() {
+        let config = KafkaConfig {
+            tls_ca_file: Some(readable()),
+            tls_cert_file: Some(readable()),
+            tls_key_file: Some(readable()),
+            ..KafkaConfig::new("k:9093")
+        };
+        config.check_tls(true).unwrap();
+        let client = config.client_config();
+        let path = readable().display().to_string();
+        assert_eq!(client.get("security.protocol"), Some("ssl"));
+        assert_eq!(client.get("ssl.ca.location"), Some(path.as_str()));
+        assert_eq!(client.get("ssl.certificate.location"), Some(path.as_str()));
+        assert_eq!(client.get("ssl.key.location"), Some(path.as_str()));
+        let sasl = config
+            .property("security.protocol", "SASL_SSL")
+            .property("sasl.mechanism", "SCRAM-SHA-512");
+        sasl.check_tls(true).unwrap();
+        assert_eq!(
+            sasl.client_config().get("security.protocol"),
+            Some("SASL_SSL")
+        );
+        // No TLS keys: nothing TLS is set.
+        let plain = KafkaConfig::new("k:9092").client_config();
+        assert_eq!(plain.get("security.protocol"), None);
+        assert_eq!(plain.get("ssl.ca.location"), None);
+    }
+
+    #[test]
+    fn tls_settings_are_checked() {
+        let ca_only = KafkaConfig {
+            tls_ca_file: Some(readable()),
+            ..KafkaConfig::new("k:9093")
+        };
+        ca_only.check_tls(true).unwrap();
+        let half = KafkaConfig {
+            tls_cert_file: Some(readable()),
+            ..KafkaConfig::new("k:9093")
+        };
+        assert!(
+            tls_invalid(&half, true).contains("sink.tls_cert_file and tls_key_file go together"),
+        );
+        let missing = KafkaConfig {
+            tls_ca_file: Some("/nowhere/ca.pem".into()),
+            ..KafkaConfig::new("k:9093")
+        };
+        assert!(
+            tls_invalid(&missing, true)
+                .contains("sink.tls_ca_file `/nowhere/ca.pem` cannot be read"),
+        );
+        let plaintext = ca_only.clone().property("security.protocol", "plaintext");
+        assert!(
+            tls_invalid(&plaintext, true).contains(
+                "sink.tls_ca_file needs TLS, but properties.security.protocol is plaintext: set it to ssl"
+            ),
+        );
+        let sasl_plaintext = ca_only
+            .clone()
+            .property("security.protocol", "SASL_PLAINTEXT");
+        assert!(tls_invalid(&sasl_plaintext, true).contains("is sasl_plaintext"));
+        let twice = ca_only
+            .clone()
+            .property("ssl.ca.location", "/etc/ssl/ca.pem");
+        assert!(
+            tls_invalid(&twice, true).contains(
+                "sink.tls_ca_file and properties.ssl.ca.location both name the file; keep tls_ca_file only"
+            ),
+        );
+        // The properties alone are librdkafka's to check.
+        KafkaConfig::new("k:9093")
+            .property("security.protocol", "ssl")
+            .property("ssl.ca.location", "/etc/ssl/ca.pem")
+            .check_tls(true)
+            .unwrap();
+    }
+
+    #[test]
+    fn tls_without_the_ssl_feature_says_how_to_build() {
+        let ca = KafkaConfig {
+            tls_ca_file: Some(readable()),
+            ..KafkaConfig::new("k:9093")
+        };
+        let error = tls_invalid(&ca, false);
+        assert!(
+            error.contains("sink.tls_ca_file needs TLS, but this build has no TLS for Kafka")
+                && error.contains("rebuild with cargo feature `kafka-ssl`"),
+            "{error}"
+        );
+        let sasl_ssl = KafkaConfig::new("k:9093").property("security.protocol", "SASL_SSL");
+        let error = tls_invalid(&sasl_ssl, false);
+        assert!(
+            error.contains("sink.properties.security.protocol is sasl_ssl, which needs TLS")
+                && error.contains("kafka-ssl"),
+            "{error}"
+        );
+        let scram = KafkaConfig::new("k:9093")
+            .property("security.protocol", "sasl_plaintext")
+            .property("sasl.mechanisms", "SCRAM-SHA-256");
+        assert!(
+            tls_invalid(&scram, false)
+                .contains("sink.properties.sasl.mechanisms is SCRAM-SHA-256, which needs OpenSSL")
+        );
+        let ssl_property = KafkaConfig::new("k:9093").property("ssl.ca.location", "/ca.pem");
+        assert!(
+            tls_invalid(&ssl_property, false)
+                .contains("sink.properties.ssl.ca.location is a TLS setting")
+        );
+        // SASL PLAIN without TLS needs no OpenSSL.
+        KafkaConfig::new("k:9092")
+            .property("security.protocol", "sasl_plaintext")
+            .property("sasl.mechanism", "PLAIN")
+            .check_tls(false)
+            .unwrap();
+        // validate() checks for the build it is in.
+        assert_eq!(ca.validate().is_ok(), cfg!(feature = "ssl"));
+    }
+
+    #[test]
+    fn reads_the_tls_keys_from_the_table() {
+        let path = readable().display().to_string();
+        let config = KafkaConfig::from_value(serde_json::json!({
+            "bootstrap_servers": "k:9093",
+            "tls_ca_file": path,
+            "tls_cert_file": path,
+            "tls_key_file": path,
+        }));
+        if cfg!(feature = "ssl") {
+            let config = config.unwrap();
+            assert_eq!(config.tls_ca_file, Some(readable()));
+            assert_eq!(config.tls_key_of("ssl.key.location"), Some("tls_key_file"));
+        } else {
+            let error = config.unwrap_err().in_section("sink").to_string();
+            assert!(error.contains("kafka-ssl"), "{error}");
+        }
     }
 
     #[test]

@@ -10,6 +10,8 @@ use std::time::Duration;
 use outbox_core::{Error, ErrorKind};
 use rdkafka::error::{KafkaError, RDKafkaErrorCode as Code};
 
+use crate::KafkaConfig;
+
 /// What kind of failure a librdkafka error code is for one message.
 pub(crate) fn kind_of(code: Code) -> ErrorKind {
     match code {
@@ -69,17 +71,34 @@ pub(crate) fn kind_of(code: Code) -> ErrorKind {
     }
 }
 
-/// The engine's error for a message that librdkafka did not deliver to `topic`.
-pub(crate) fn delivery_error(error: KafkaError, topic: &str, servers: &str) -> Error {
+/// `message`, then librdkafka's last broker error when there is one: why the brokers could
+/// not be reached (a refused TLS handshake, a failed SASL authentication, a refused
+/// connection), which librdkafka reports apart from the failed call.
+fn with_broker_error(message: String, broker_error: Option<&str>) -> String {
+    match broker_error {
+        Some(reason) => format!("{message}; librdkafka's last broker error: {reason}"),
+        None => message,
+    }
+}
+
+/// The engine's error for a message that librdkafka did not deliver to `topic`;
+/// `broker_error` is librdkafka's last broker error, told when the brokers are unavailable.
+pub(crate) fn delivery_error(
+    error: KafkaError,
+    topic: &str,
+    servers: &str,
+    broker_error: Option<&str>,
+) -> Error {
     let Some(code) = error.rdkafka_error_code() else {
         return Error::temporary(format!("Kafka topic `{topic}`: delivery failed"))
             .with_source(error);
     };
     let kind = kind_of(code);
     let message = match kind {
-        ErrorKind::Unavailable => {
-            format!("Kafka at {servers} did not take the message for topic `{topic}` ({code:?})")
-        }
+        ErrorKind::Unavailable => with_broker_error(
+            format!("Kafka at {servers} did not take the message for topic `{topic}` ({code:?})"),
+            broker_error,
+        ),
         ErrorKind::Permanent => {
             format!("Kafka refused the message for topic `{topic}` for good ({code:?})")
         }
@@ -97,9 +116,15 @@ pub(crate) fn illegal_topic(outbox_topic: &str, topic: &str, why: &str) -> Error
 }
 
 /// No delivery report within `waited`: unavailable (the producer is replaced).
-pub(crate) fn no_report(topic: &str, servers: &str, waited: Duration) -> Error {
-    Error::unavailable(format!(
-        "no delivery report from Kafka at {servers} within {waited:?} for topic `{topic}`"
+pub(crate) fn no_report(
+    topic: &str,
+    servers: &str,
+    waited: Duration,
+    broker_error: Option<&str>,
+) -> Error {
+    Error::unavailable(with_broker_error(
+        format!("no delivery report from Kafka at {servers} within {waited:?} for topic `{topic}`"),
+        broker_error,
     ))
 }
 
@@ -111,9 +136,15 @@ pub(crate) fn producer_closed(topic: &str) -> Error {
 }
 
 /// The health check's metadata request failed or took longer than `waited`: unavailable.
-pub(crate) fn health_failed(servers: &str, waited: Duration, code: Code) -> Error {
-    Error::unavailable(format!(
-        "Kafka at {servers} did not answer a metadata request within {waited:?}"
+pub(crate) fn health_failed(
+    servers: &str,
+    waited: Duration,
+    code: Code,
+    broker_error: Option<&str>,
+) -> Error {
+    Error::unavailable(with_broker_error(
+        format!("Kafka at {servers} did not answer a metadata request within {waited:?}"),
+        broker_error,
     ))
     .with_source(KafkaError::MetadataFetch(code))
 }
@@ -138,9 +169,10 @@ pub(crate) fn session_broken(code: Code) -> bool {
     )
 }
 
-/// The engine's error for librdkafka refusing the configuration, keyed by the property. The
-/// value is left out, as it may be a secret.
-pub(crate) fn config_error(error: KafkaError) -> Error {
+/// The engine's error for librdkafka refusing the configuration, keyed by the property (or
+/// by the `tls_*` key of `config` that set it, e.g. a CA file that is not PEM). The value is
+/// left out, as it may be a secret.
+pub(crate) fn config_error(error: KafkaError, config: &KafkaConfig) -> Error {
     match error {
         KafkaError::ClientConfig(_, description, name, _value) => {
             let description = if crate::config::is_secret_property(&name) {
@@ -148,15 +180,32 @@ pub(crate) fn config_error(error: KafkaError) -> Error {
             } else {
                 description
             };
-            Error::setting(
-                format!("properties.{name}"),
-                format!("is refused by librdkafka: {description}"),
-            )
+            let key = match config.tls_key_of(&name) {
+                Some(key) => key.to_string(),
+                None => format!("properties.{name}"),
+            };
+            Error::setting(key, format!("is refused by librdkafka: {description}"))
         }
-        KafkaError::ClientCreation(description) => Error::setting(
-            "properties",
-            format!("are refused by librdkafka: {description}"),
-        ),
+        KafkaError::ClientCreation(description) => {
+            // librdkafka loads the TLS files here and names the property of a bad one.
+            let tls_key = [
+                "ssl.ca.location",
+                "ssl.certificate.location",
+                "ssl.key.location",
+            ]
+            .into_iter()
+            .filter(|property| description.contains(property))
+            .find_map(|property| config.tls_key_of(property));
+            match tls_key {
+                Some(key) => {
+                    Error::setting(key, format!("is refused by librdkafka: {description}"))
+                }
+                None => Error::setting(
+                    "properties",
+                    format!("are refused by librdkafka: {description}"),
+                ),
+            }
+        }
         other => Error::config("could not create the Kafka producer").with_source(other),
     }
 }
@@ -187,6 +236,7 @@ mod tests {
             KafkaError::MessageProduction(Code::MessageSizeTooLarge),
             "orders",
             "k:9092",
+            Some("SSL handshake failed"),
         );
         assert_eq!(err.kind(), ErrorKind::Permanent);
         let text = err.to_string();
@@ -194,18 +244,26 @@ mod tests {
             text.contains("`orders`") && text.contains("MessageSizeTooLarge"),
             "{text}"
         );
+        // The broker error only explains an unavailable broker, not a refused message.
+        assert!(!text.contains("SSL"), "{text}");
         let err = delivery_error(
             KafkaError::MessageProduction(Code::MessageTimedOut),
             "o",
             "k:9092",
+            Some("SSL handshake failed"),
         );
-        assert!(err.to_string().contains("Kafka at k:9092"), "{err}");
+        let text = err.to_string();
+        assert!(
+            text.contains("Kafka at k:9092")
+                && text.contains("last broker error: SSL handshake failed"),
+            "{text}"
+        );
         assert_eq!(
             illegal_topic("a b", "a b", "no").kind(),
             ErrorKind::Permanent
         );
         assert_eq!(
-            no_report("o", "k:1", Duration::from_secs(1)).kind(),
+            no_report("o", "k:1", Duration::from_secs(1), None).kind(),
             ErrorKind::Unavailable
         );
         assert_eq!(producer_closed("o").kind(), ErrorKind::Unavailable);

@@ -1,15 +1,15 @@
 //! The Kafka sink: one idempotent producer, a batch produced at once.
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::envelope::{self, Envelope};
 use outbox_core::{Message, Outcome, Receipt, Result, Sink, SinkCapabilities};
-use rdkafka::ClientConfig;
 use rdkafka::error::{KafkaError, RDKafkaErrorCode};
 use rdkafka::message::{Header, OwnedHeaders};
 use rdkafka::producer::{DeliveryFuture, FutureProducer, FutureRecord, Producer};
+use rdkafka::{ClientConfig, ClientContext};
 use tokio::time::{Instant, sleep, timeout_at};
 
 use crate::KafkaConfig;
@@ -38,7 +38,40 @@ pub struct KafkaSink {
     client_config: ClientConfig,
     /// Replaced when librdkafka raises a fatal error (an idempotent producer cannot recover
     /// from one) or holds delivery reports past the deadline; a clone is used for each call.
-    producer: Mutex<FutureProducer>,
+    producer: Mutex<SinkProducer>,
+    /// librdkafka's last broker error since the last success, shared by the producers.
+    broker_error: BrokerError,
+}
+
+/// The producer, with the sink's context.
+type SinkProducer = FutureProducer<SinkContext>;
+
+/// librdkafka's last broker error (its reason), until a delivery or health check succeeds.
+type BrokerError = Arc<Mutex<Option<String>>>;
+
+/// The producers' context: logs librdkafka's errors as rdkafka's default context does, and
+/// keeps the last one, so that an unavailable publish or health check can say why the
+/// brokers could not be reached (a refused TLS handshake, a failed SASL authentication, a
+/// refused connection); librdkafka reports those apart from the calls that fail.
+struct SinkContext {
+    broker_error: BrokerError,
+}
+
+impl ClientContext for SinkContext {
+    fn error(&self, error: KafkaError, reason: &str) {
+        tracing::error!("librdkafka: {error}: {reason}");
+        // "All brokers are down" follows the error that says why: keep that one.
+        if error.rdkafka_error_code() != Some(RDKafkaErrorCode::AllBrokersDown) {
+            *lock(&self.broker_error) = Some(reason.to_string());
+        }
+    }
+}
+
+/// Locks `mutex`, also after a panic elsewhere (what it guards stays usable).
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
 }
 
 impl std::fmt::Debug for KafkaSink {
@@ -55,16 +88,21 @@ impl KafkaSink {
     pub fn new(config: KafkaConfig) -> Result<Self> {
         config.validate()?;
         let client_config = config.client_config();
-        let producer = create_producer(&client_config)?;
+        let broker_error = BrokerError::default();
+        let producer = create_producer(&config, &client_config, &broker_error)?;
         tracing::info!(
             bootstrap_servers = %config.bootstrap_servers,
             topic_template = %config.topic_template,
+            tls = client_config
+                .get("security.protocol")
+                .is_some_and(|p| p.to_ascii_lowercase().ends_with("ssl")),
             "Kafka sink ready"
         );
         Ok(KafkaSink {
             config,
             client_config,
             producer: Mutex::new(producer),
+            broker_error,
         })
     }
 
@@ -74,11 +112,8 @@ impl KafkaSink {
     }
 
     /// The producer in use, replaced first if it has raised a fatal error.
-    fn producer(&self) -> Result<FutureProducer> {
-        let mut current = self
-            .producer
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    fn producer(&self) -> Result<SinkProducer> {
+        let mut current = lock(&self.producer);
         if let Some((code, reason)) = current.client().fatal_error() {
             // An idempotent producer cannot recover from a fatal error (for example a
             // sequence gap the broker refused); a new one starts a new producer id.
@@ -90,17 +125,23 @@ impl KafkaSink {
 
     /// Puts a new producer in place of `current`. Dropping the old one purges whatever it
     /// still holds, so nothing the worker was told had failed is written later.
-    fn replace(&self, current: &mut FutureProducer) -> Result<()> {
-        let old = std::mem::replace(current, create_producer(&self.client_config)?);
+    fn replace(&self, current: &mut SinkProducer) -> Result<()> {
+        let new = create_producer(&self.config, &self.client_config, &self.broker_error)?;
+        let old = std::mem::replace(current, new);
         // Dropping purges and flushes for up to half a second: keep it off the runtime.
         drop(tokio::task::spawn_blocking(move || drop(old)));
         Ok(())
     }
 
+    /// librdkafka's last broker error since the last success, if any.
+    fn broker_error(&self) -> Option<String> {
+        lock(&self.broker_error).clone()
+    }
+
     /// Hands one message to librdkafka, waiting while its local queue is full.
     async fn enqueue(
         &self,
-        producer: &FutureProducer,
+        producer: &SinkProducer,
         message: &Message,
         topic: &str,
         queue_deadline: Instant,
@@ -124,7 +165,13 @@ impl KafkaSink {
                     sleep(QUEUE_FULL_WAIT).await;
                 }
                 Err((error, _)) => {
-                    return Err(delivery_error(error, topic, &self.config.bootstrap_servers));
+                    let broker_error = self.broker_error();
+                    return Err(delivery_error(
+                        error,
+                        topic,
+                        &self.config.bootstrap_servers,
+                        broker_error.as_deref(),
+                    ));
                 }
             }
         }
@@ -174,6 +221,7 @@ impl Sink for KafkaSink {
                             error,
                             &topic,
                             &self.config.bootstrap_servers,
+                            self.broker_error().as_deref(),
                         ))
                     }
                     Ok(Err(_canceled)) => Outcome::Failed(producer_closed(&topic)),
@@ -183,6 +231,7 @@ impl Sink for KafkaSink {
                             &topic,
                             &self.config.bootstrap_servers,
                             self.config.publish_timeout + REPORT_GRACE,
+                            self.broker_error().as_deref(),
                         ))
                     }
                 },
@@ -190,6 +239,10 @@ impl Sink for KafkaSink {
             outcomes.push(outcome);
         }
         drop(producer);
+        if outcomes.iter().any(|o| matches!(o, Outcome::Delivered(_))) {
+            // The brokers took messages: an earlier broker error no longer explains anything.
+            lock(&self.broker_error).take();
+        }
         let replaced = if let Some(why) = reset {
             // Overdue: librdkafka still holds messages the worker now takes as undelivered
             // (its idempotent producer can hold back a time-out while it cannot reach the
@@ -197,10 +250,7 @@ impl Sink for KafkaSink {
             // Refused id or epoch: this producer will be refused again (tansu does this
             // after a connection cut during an epoch bump); a new one gets a new id.
             tracing::warn!(reason = why, "replacing the Kafka producer");
-            let mut current = self
-                .producer
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            let mut current = lock(&self.producer);
             self.replace(&mut current)
         } else {
             // Replace a producer that failed fatally now, so the next call starts clean.
@@ -219,7 +269,18 @@ impl Sink for KafkaSink {
         let checked = tokio::task::spawn_blocking(move || request_metadata(&producer, timeout))
             .await
             .map_err(health_not_finished)?;
-        checked.map_err(|code| health_failed(&self.config.bootstrap_servers, timeout, code))
+        match checked {
+            Ok(()) => {
+                lock(&self.broker_error).take();
+                Ok(())
+            }
+            Err(code) => Err(health_failed(
+                &self.config.bootstrap_servers,
+                timeout,
+                code,
+                self.broker_error().as_deref(),
+            )),
+        }
     }
 
     fn capabilities(&self) -> SinkCapabilities {
@@ -237,8 +298,19 @@ impl Sink for KafkaSink {
     }
 }
 
-fn create_producer(config: &ClientConfig) -> Result<FutureProducer> {
-    config.create().map_err(config_error)
+/// A producer with `client_config` (made from `config`) that keeps its broker errors in
+/// `broker_error`.
+fn create_producer(
+    config: &KafkaConfig,
+    client_config: &ClientConfig,
+    broker_error: &BrokerError,
+) -> Result<SinkProducer> {
+    let context = SinkContext {
+        broker_error: broker_error.clone(),
+    };
+    client_config
+        .create_with_context(context)
+        .map_err(|error| config_error(error, config))
 }
 
 /// The Kafka headers of a message: its own, then the envelope (which wins over its own of
@@ -262,7 +334,7 @@ fn headers(message: &Message) -> OwnedHeaders {
 /// A metadata request for the brokers and the topics this producer already uses (not the
 /// whole cluster's topics, which can be large), within `timeout`.
 fn request_metadata(
-    producer: &FutureProducer,
+    producer: &SinkProducer,
     timeout: Duration,
 ) -> std::result::Result<(), RDKafkaErrorCode> {
     use rdkafka::bindings as rd;

@@ -1,10 +1,11 @@
 //! Settings of the MySQL / MariaDB storage.
 
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_core::{Error, Result, redact_url};
-use sqlx::mysql::MySqlConnectOptions;
+use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 
 /// The default of [`MySqlConfig::max_per_key`].
 pub const DEFAULT_MAX_PER_KEY: usize = 8;
@@ -19,8 +20,19 @@ const MAX_MAX_PER_KEY: usize = 10_000;
 #[serde(default, deny_unknown_fields)]
 pub struct MySqlConfig {
     /// Connection URL, e.g. `mysql://user:password@127.0.0.1:3306/app` (`mariadb://` works
-    /// too).
+    /// too). Its `ssl-mode` parameter (`DISABLED`, `PREFERRED`, the default, `REQUIRED`,
+    /// `VERIFY_CA`, `VERIFY_IDENTITY`) says whether and how TLS is used.
     pub url: String,
+    /// A PEM file of the certificate authorities that sign the server's certificate, trusted
+    /// besides the public roots built into the binary (default none). Any of the `tls_*`
+    /// files turns on a verified connection: without `ssl-mode` in the URL the connection is
+    /// `VERIFY_IDENTITY` (certificate chain and host name checked).
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate, for a user created `REQUIRE X509` (or `REQUIRE SUBJECT …`),
+    /// with [`tls_key_file`](Self::tls_key_file) (default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (default none).
+    pub tls_key_file: Option<PathBuf>,
     /// The database that holds the outbox tables; default: the one the URL names.
     pub database: Option<String>,
     /// Name of the outbox table (default `outbox`); the dead-letter and other tables are
@@ -52,6 +64,9 @@ impl std::fmt::Debug for MySqlConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MySqlConfig")
             .field("url", &redact_url(&self.url))
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("database", &self.database)
             .field("table", &self.table)
             .field("per_key_order", &self.per_key_order)
@@ -69,6 +84,9 @@ impl Default for MySqlConfig {
     fn default() -> Self {
         MySqlConfig {
             url: String::new(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             database: None,
             table: "outbox".into(),
             per_key_order: true,
@@ -104,7 +122,22 @@ impl MySqlConfig {
         self
     }
 
-    /// The parsed URL; errors keyed `url`, the password hidden.
+    /// Trusts the certificate authorities in `ca_file` (PEM) and presents the client
+    /// certificate `cert_file` with its key `key_file`; see [`tls_ca_file`](Self::tls_ca_file).
+    pub fn tls(
+        mut self,
+        ca_file: impl Into<PathBuf>,
+        cert_file: impl Into<PathBuf>,
+        key_file: impl Into<PathBuf>,
+    ) -> Self {
+        self.tls_ca_file = Some(ca_file.into());
+        self.tls_cert_file = Some(cert_file.into());
+        self.tls_key_file = Some(key_file.into());
+        self
+    }
+
+    /// The parsed URL with the TLS files applied; errors keyed by the setting, the password
+    /// hidden.
     pub(crate) fn options(&self) -> Result<MySqlConnectOptions> {
         if self.url.is_empty() {
             return Err(Error::setting(
@@ -121,12 +154,92 @@ impl MySqlConfig {
                 ),
             ));
         }
-        MySqlConnectOptions::from_str(&self.url).map_err(|e| {
+        let options = MySqlConnectOptions::from_str(&self.url).map_err(|e| {
             Error::setting(
                 "url",
                 format!("`{}` cannot be parsed: {e}", redact_url(&self.url)),
             )
-        })
+        })?;
+        self.with_tls_files(options)
+    }
+
+    /// Applies the `tls_*` files. They ask for a verified connection, so the URL's `ssl-mode`
+    /// must not let the connection go without TLS (`DISABLED`, `PREFERRED`) or without
+    /// checking the CA it names (`REQUIRED`); with no `ssl-mode` it becomes
+    /// `VERIFY_IDENTITY`.
+    fn with_tls_files(&self, mut options: MySqlConnectOptions) -> Result<MySqlConnectOptions> {
+        let files = [
+            ("tls_ca_file", &self.tls_ca_file, ["ssl-ca", "sslca"]),
+            (
+                "tls_cert_file",
+                &self.tls_cert_file,
+                ["ssl-cert", "sslcert"],
+            ),
+            ("tls_key_file", &self.tls_key_file, ["ssl-key", "sslkey"]),
+        ];
+        let Some(first) = files.iter().find(|f| f.1.is_some()).map(|f| f.0) else {
+            return Ok(options);
+        };
+        let params = query_keys(&self.url);
+        for (key, file, url_keys) in files {
+            let Some(file) = file else { continue };
+            if let Some(url_key) = url_keys.iter().find(|k| params.contains(k)) {
+                return Err(Error::setting(
+                    key,
+                    format!(
+                        "is set and the url has `{url_key}` too; give the file in one place \
+                         (drop `{url_key}` from the url)"
+                    ),
+                ));
+            }
+            if let Err(e) = std::fs::metadata(file) {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
+            ));
+        }
+        let mode_given = params.iter().any(|k| *k == "ssl-mode" || *k == "sslmode");
+        match options.get_ssl_mode() {
+            _ if !mode_given => options = options.ssl_mode(MySqlSslMode::VerifyIdentity),
+            mode @ (MySqlSslMode::Disabled | MySqlSslMode::Preferred) => {
+                let name = if matches!(mode, MySqlSslMode::Disabled) {
+                    "DISABLED"
+                } else {
+                    "PREFERRED"
+                };
+                return Err(Error::setting(
+                    first,
+                    format!(
+                        "needs TLS, but the url's ssl-mode={name} lets the connection go \
+                         without it; drop ssl-mode from the url (the TLS files then mean \
+                         VERIFY_IDENTITY) or write ssl-mode=VERIFY_IDENTITY"
+                    ),
+                ));
+            }
+            MySqlSslMode::Required if self.tls_ca_file.is_some() => {
+                return Err(Error::setting(
+                    "tls_ca_file",
+                    "would not be used: the url's ssl-mode=REQUIRED does not check the \
+                     server's certificate; drop ssl-mode from the url or write \
+                     ssl-mode=VERIFY_IDENTITY (or VERIFY_CA)",
+                ));
+            }
+            _ => {}
+        }
+        if let Some(file) = &self.tls_ca_file {
+            options = options.ssl_ca(file);
+        }
+        if let (Some(cert), Some(key)) = (&self.tls_cert_file, &self.tls_key_file) {
+            options = options.ssl_client_cert(cert).ssl_client_key(key);
+        }
+        Ok(options)
     }
 
     /// The database of the outbox tables and the setting that names it.
@@ -190,6 +303,18 @@ impl MySqlConfig {
         }
         Ok(())
     }
+}
+
+/// The names of the URL's query parameters (`ssl-mode`, `ssl-ca`, …), as written.
+fn query_keys(url: &str) -> Vec<&str> {
+    let Some((_, query)) = url.split_once('?') else {
+        return Vec::new();
+    };
+    let query = query.split('#').next().unwrap_or_default();
+    query
+        .split('&')
+        .map(|pair| pair.split('=').next().unwrap_or_default())
+        .collect()
 }
 
 #[cfg(test)]
@@ -267,5 +392,81 @@ mod tests {
             );
             assert!(!error.message().contains("secret"));
         }
+    }
+
+    #[test]
+    fn tls_files_ask_for_a_verified_connection() {
+        let readable = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+        let url = "mysql://app:secret@db:3306/app";
+        let tls = |url: &str| MySqlConfig::new(url).tls(readable, readable, readable);
+        // Without ssl-mode, TLS files mean VERIFY_IDENTITY; an explicit verifying mode stays.
+        let mode = |config: MySqlConfig| config.options().unwrap().get_ssl_mode();
+        assert!(matches!(mode(tls(url)), MySqlSslMode::VerifyIdentity));
+        assert!(matches!(
+            mode(tls(&format!("{url}?ssl-mode=VERIFY_CA"))),
+            MySqlSslMode::VerifyCa
+        ));
+        let client_only = MySqlConfig {
+            tls_cert_file: Some(readable.into()),
+            tls_key_file: Some(readable.into()),
+            ..MySqlConfig::new(format!("{url}?ssl-mode=required"))
+        };
+        assert!(matches!(mode(client_only), MySqlSslMode::Required));
+        // No TLS files: the URL decides alone, as before.
+        assert!(matches!(
+            mode(MySqlConfig::new(url)),
+            MySqlSslMode::Preferred
+        ));
+        for (config, expected) in [
+            (
+                tls(&format!("{url}?ssl-mode=DISABLED")),
+                "tls_ca_file needs TLS, but the url's ssl-mode=DISABLED",
+            ),
+            (
+                MySqlConfig {
+                    tls_cert_file: Some(readable.into()),
+                    tls_key_file: Some(readable.into()),
+                    ..MySqlConfig::new(format!("{url}?sslmode=preferred"))
+                },
+                "tls_cert_file needs TLS, but the url's ssl-mode=PREFERRED",
+            ),
+            (
+                tls(&format!("{url}?ssl-mode=REQUIRED")),
+                "tls_ca_file would not be used: the url's ssl-mode=REQUIRED",
+            ),
+            (
+                tls(&format!("{url}?ssl-mode=VERIFY_CA&ssl-ca=/etc/ca.pem")),
+                "tls_ca_file is set and the url has `ssl-ca` too",
+            ),
+            (
+                MySqlConfig {
+                    tls_key_file: None,
+                    ..tls(url)
+                },
+                "tls_cert_file and tls_key_file go together",
+            ),
+            (
+                MySqlConfig {
+                    tls_ca_file: Some("/nowhere/ca.pem".into()),
+                    ..MySqlConfig::new(url)
+                },
+                "tls_ca_file `/nowhere/ca.pem` cannot be read",
+            ),
+        ] {
+            let error = config.validate().unwrap_err().in_section("storage");
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            assert!(
+                error.message().starts_with(&format!("storage.{expected}")),
+                "{error}"
+            );
+            assert!(!error.message().contains("secret"), "{error}");
+        }
+        // The keys read from the relay's file.
+        let config = MySqlConfig::from_value(serde_json::json!({
+            "url": url, "tls_ca_file": readable, "tls_cert_file": readable,
+            "tls_key_file": readable
+        }))
+        .unwrap();
+        assert_eq!(config, tls(url));
     }
 }

@@ -18,12 +18,17 @@ pub(crate) enum Cause {
     Credentials,
     /// The database does not exist (1049).
     UnknownDatabase,
-    /// A missing table or column, or a missing grant: not migrated.
+    /// A missing table or column: not migrated, or by an older release.
     Schema,
+    /// A missing grant on a table or command.
+    Grants,
     /// A row breaks a constraint or a limit: bad data.
     Data,
     /// The client's settings (URL, TLS) are wrong.
     Setup,
+    /// The server takes only TLS connections (`require_secure_transport`) and this one has
+    /// none: MySQL 3159, MariaDB 4036.
+    TlsRequired,
     /// Anything else, worth trying again.
     Other,
 }
@@ -38,8 +43,11 @@ pub(crate) fn cause_of_number(number: u16) -> Cause {
         1213 => Cause::Deadlock,
         1044 | 1045 | 1698 | 1251 | 1862 | 1820 => Cause::Credentials,
         1049 => Cause::UnknownDatabase,
-        // no such table, unknown column, command or column denied (grants)
-        1146 | 1054 | 1142 | 1143 | 1227 | 1109 => Cause::Schema,
+        3159 | 4036 => Cause::TlsRequired,
+        // no such table, unknown column, unknown table in a multi-table delete
+        1146 | 1054 | 1109 => Cause::Schema,
+        // command, column or privilege denied
+        1142 | 1143 | 1227 => Cause::Grants,
         // duplicate key, column cannot be null, data too long, out of range, bad value,
         // CHECK constraint (MySQL 3819, MariaDB 4025), packet too large
         1062 | 1048 | 1406 | 1264 | 1366 | 1292 | 1265 | 3819 | 4025 | 3140 | 1153 | 1301 => {
@@ -77,7 +85,7 @@ pub(crate) struct Origin {
 
 /// Classifies a sqlx error: an unreachable server, a pool time-out or a lock held too long
 /// are `Unavailable` (the worker backs off and retries, charging nothing); wrong credentials,
-/// a missing database, missing tables or grants are `Config` (with what to fix, keyed by the
+/// a missing database, missing grants, a server that requires TLS are `Config` (with what to fix, keyed by the
 /// setting when `origin` is known); bad data is `Permanent`; deadlocks and anything else
 /// `Temporary`. Passwords never appear: only `origin.url`, redacted, is quoted.
 pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Error) -> Error {
@@ -93,7 +101,8 @@ pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Erro
                 "url",
                 format!(
                     "`{}`: the server refused the user or password, or the user may not use \
-                     database `{}` (mysql: {context})",
+                     database `{}`, or needs TLS or a client certificate (tls_ca_file, \
+                     tls_cert_file) (mysql: {context})",
                     o.url, o.database
                 ),
             ),
@@ -110,9 +119,12 @@ pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Erro
             ),
             None => Error::config(format!("mysql: {context}: unknown database")),
         },
-        Cause::Schema => Error::config(format!(
-            "mysql: {context} (are the outbox tables migrated (`outbox migrate`), and does the \
-             user have its grants?)"
+        Cause::Schema => Error::schema(format!(
+            "mysql: {context}: the outbox tables are missing or older than this release; run \
+             `outbox migrate` (or apply the SQL of `outbox migrate --print-sql`)"
+        )),
+        Cause::Grants => Error::config(format!(
+            "mysql: {context}: the user lacks a grant on the outbox tables"
         )),
         Cause::Data => Error::new(ErrorKind::Permanent, format!("mysql: {context}")),
         Cause::Setup => match origin {
@@ -121,6 +133,17 @@ pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Erro
                 format!("`{}` cannot be used (mysql: {context})", o.url),
             ),
             None => Error::config(format!("mysql: {context}")),
+        },
+        Cause::TlsRequired => match origin {
+            Some(o) => Error::setting(
+                "url",
+                format!(
+                    "`{}`: the server accepts only TLS connections; set tls_ca_file (or write \
+                     ssl-mode=VERIFY_IDENTITY in the url) (mysql: {context})",
+                    o.url
+                ),
+            ),
+            None => Error::config(format!("mysql: {context}: the server requires TLS")),
         },
         Cause::Other => Error::temporary(format!("mysql: {context}")),
     };
@@ -141,8 +164,10 @@ mod tests {
             (1045, Cause::Credentials),
             (1044, Cause::Credentials),
             (1049, Cause::UnknownDatabase),
+            (3159, Cause::TlsRequired),
+            (4036, Cause::TlsRequired),
             (1146, Cause::Schema),
-            (1142, Cause::Schema),
+            (1142, Cause::Grants),
             (1062, Cause::Data),
             (4025, Cause::Data),
             (3819, Cause::Data),

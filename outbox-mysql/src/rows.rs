@@ -84,6 +84,7 @@ pub(crate) fn queue_stats(row: &MySqlRow) -> Result<QueueStats> {
         in_flight: count(row, 2, fail)?,
         dead_lettered: count(row, 3, fail)?,
         parked_keys: count(row, 4, fail)?,
+        measured_at: None,
     })
 }
 

@@ -60,7 +60,13 @@ pub(crate) struct Statements {
     pub(crate) delivered_keep: Option<String>,
     /// `?` cut-off.
     pub(crate) purge_delivered: String,
+    /// The queue figures, then the database's clock (which `rows::queue_stats` skips).
     pub(crate) stats: String,
+    /// Takes this relay's turn to count the shared queue figures, if due: `?` interval (µs).
+    pub(crate) stats_turn: String,
+    /// `?` measured at, pending, oldest pending, in flight, dead-lettered, parked keys.
+    pub(crate) stats_store: String,
+    pub(crate) stats_read: String,
     pub(crate) topic_stats: String,
     pub(crate) parked_keys: String,
     /// `?` key.
@@ -72,6 +78,7 @@ impl Statements {
         let outbox = t.qualified("");
         let dead = t.qualified("_dead_letters");
         let parked = t.qualified("_parked_keys");
+        let shared = t.qualified("_stats");
         let delivered = t.qualified("_delivered");
         let lock = t.qualified("_claim_lock");
         let from_o = COPY_COLUMNS
@@ -122,8 +129,22 @@ impl Statements {
                         MIN(CASE WHEN {pending} THEN o.created_at END),
                         CAST(COALESCE(SUM({in_flight}), 0) AS SIGNED),
                         (SELECT COUNT(*) FROM {dead}),
-                        (SELECT COUNT(*) FROM {parked})
+                        (SELECT COUNT(*) FROM {parked}),
+                        MIN(n.now)
                  FROM {outbox} o CROSS JOIN (SELECT UTC_TIMESTAMP(6) AS now) n"
+            ),
+            stats_turn: format!(
+                "UPDATE {shared} SET refresh_after = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
+                 WHERE id = 1 AND refresh_after <= UTC_TIMESTAMP(6)"
+            ),
+            stats_store: format!(
+                "UPDATE {shared} SET measured_at = ?, pending = ?, oldest_pending = ?,
+                        in_flight = ?, dead_lettered = ?, parked_keys = ?
+                 WHERE id = 1"
+            ),
+            stats_read: format!(
+                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, measured_at
+                 FROM {shared} WHERE id = 1"
             ),
             topic_stats: format!(
                 "WITH live AS (

@@ -495,6 +495,55 @@ impl Storage for MySqlStorage {
         rows::queue_stats(&row)
     }
 
+    async fn shared_stats(&self, max_age: Duration) -> Result<QueueStats> {
+        let fail = |e| self.error("cannot read queue figures", e);
+        let turn = sqlx::query(&self.sql.stats_turn)
+            .bind(micros(max_age))
+            .execute(&self.pool)
+            .await;
+        let ours = match turn {
+            Ok(done) => done.rows_affected() > 0,
+            // Migrated by an older release (a DBA applies the new step later): count here.
+            Err(e) if no_such_table(&e) => return self.stats().await,
+            Err(e) => return Err(fail(e)),
+        };
+        if !ours {
+            let row = sqlx::query(&self.sql.stats_read)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(fail)?;
+            let measured_at: Option<NaiveDateTime> = row.try_get(5).map_err(fail)?;
+            if let Some(at) = measured_at {
+                return Ok(QueueStats {
+                    measured_at: Some(rows::utc(at)),
+                    ..rows::queue_stats(&row)?
+                });
+            }
+            // The first count has not finished yet.
+            return self.stats().await;
+        }
+        let row = sqlx::query(&self.sql.stats)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(fail)?;
+        let stats = rows::queue_stats(&row)?;
+        let measured_at: NaiveDateTime = row.try_get(5).map_err(fail)?;
+        sqlx::query(&self.sql.stats_store)
+            .bind(measured_at)
+            .bind(stats.pending as i64)
+            .bind(stats.oldest_pending.map(|t| t.naive_utc()))
+            .bind(stats.in_flight as i64)
+            .bind(stats.dead_lettered as i64)
+            .bind(stats.parked_keys as i64)
+            .execute(&self.pool)
+            .await
+            .map_err(|e| self.error("cannot store queue figures", e))?;
+        Ok(QueueStats {
+            measured_at: Some(rows::utc(measured_at)),
+            ..stats
+        })
+    }
+
     fn capabilities(&self) -> StorageCapabilities {
         let per_key_order = self.config.per_key_order;
         StorageCapabilities::new(per_key_order)
@@ -612,6 +661,11 @@ impl MySqlStorage {
         }
         Ok(changed)
     }
+}
+
+/// Whether `error` says a table does not exist (ER_NO_SUCH_TABLE).
+fn no_such_table(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S02"))
 }
 
 #[cfg(test)]

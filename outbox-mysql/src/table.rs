@@ -277,6 +277,7 @@ impl OutboxTable {
             .replace("{parked_keys}", &self.qualified("_parked_keys"))
             .replace("{delivered}", &self.qualified("_delivered"))
             .replace("{claim_lock}", &self.qualified("_claim_lock"))
+            .replace("{stats}", &self.qualified("_stats"))
             .replace("{table}", &self.table)
     }
 }
@@ -334,8 +335,9 @@ impl<'a> Columns<'a> {
 /// trailing spaces), which per-key order needs. Text columns use `utf8mb4_bin` for the same
 /// reason. The defaults are expressions (MySQL 8.0.13+, MariaDB 10.2+), so a plain INSERT
 /// gets an id, `{}` headers and the current UTC time.
-const MIGRATIONS: &[&[&str]] = &[&[
-    r"CREATE TABLE IF NOT EXISTS {outbox} (
+const MIGRATIONS: &[&[&str]] = &[
+    &[
+        r"CREATE TABLE IF NOT EXISTS {outbox} (
     seq           BIGINT NOT NULL AUTO_INCREMENT,
     id            CHAR(36) NOT NULL DEFAULT (uuid()),
     topic         VARCHAR(255) NOT NULL,
@@ -357,7 +359,7 @@ const MIGRATIONS: &[&[&str]] = &[&[
     CONSTRAINT `{table}_id_is_uuid`
         CHECK (id REGEXP '^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$')
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
-    r"CREATE TABLE IF NOT EXISTS {dead_letters} (
+        r"CREATE TABLE IF NOT EXISTS {dead_letters} (
     seq              BIGINT NOT NULL,
     id               CHAR(36) NOT NULL,
     topic            VARCHAR(255) NOT NULL,
@@ -374,12 +376,12 @@ const MIGRATIONS: &[&[&str]] = &[&[
     UNIQUE KEY `{table}_dead_letters_id` (id),
     KEY `{table}_dead_letters_key` (partition_key, seq)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
-    r"CREATE TABLE IF NOT EXISTS {parked_keys} (
+        r"CREATE TABLE IF NOT EXISTS {parked_keys} (
     partition_key  VARBINARY(255) NOT NULL PRIMARY KEY,
     dead_letter_id CHAR(36) NOT NULL,
     parked_at      DATETIME(6) NOT NULL
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
-    r"CREATE TABLE IF NOT EXISTS {delivered} (
+        r"CREATE TABLE IF NOT EXISTS {delivered} (
     seq           BIGINT NOT NULL PRIMARY KEY,
     id            CHAR(36) NOT NULL,
     topic         VARCHAR(255) NOT NULL,
@@ -394,10 +396,26 @@ const MIGRATIONS: &[&[&str]] = &[&[
     delivered_at  DATETIME(6) NOT NULL,
     KEY `{table}_delivered_at` (delivered_at)
 ) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin",
-    // One row: ordered claims lock it exclusively, writes that hold a key back share it.
-    r"CREATE TABLE IF NOT EXISTS {claim_lock} (id TINYINT NOT NULL PRIMARY KEY) ENGINE=InnoDB",
-    r"INSERT IGNORE INTO {claim_lock} (id) VALUES (1)",
-]];
+        // One row: ordered claims lock it exclusively, writes that hold a key back share it.
+        r"CREATE TABLE IF NOT EXISTS {claim_lock} (id TINYINT NOT NULL PRIMARY KEY) ENGINE=InnoDB",
+        r"INSERT IGNORE INTO {claim_lock} (id) VALUES (1)",
+    ],
+    &[
+        // The queue figures that relays share (`Storage::shared_stats`): the first relay past
+        // `refresh_after` counts them and stores them here, the others read them.
+        r"CREATE TABLE IF NOT EXISTS {stats} (
+    id             TINYINT NOT NULL PRIMARY KEY,
+    refresh_after  DATETIME(6) NOT NULL DEFAULT '1970-01-01 00:00:00',
+    measured_at    DATETIME(6) NULL,
+    pending        BIGINT NOT NULL DEFAULT 0,
+    oldest_pending DATETIME(6) NULL,
+    in_flight      BIGINT NOT NULL DEFAULT 0,
+    dead_lettered  BIGINT NOT NULL DEFAULT 0,
+    parked_keys    BIGINT NOT NULL DEFAULT 0
+) ENGINE=InnoDB",
+        r"INSERT IGNORE INTO {stats} (id) VALUES (1)",
+    ],
+];
 
 #[cfg(test)]
 mod tests {
@@ -437,6 +455,7 @@ mod tests {
                     "{parked_keys}",
                     "{delivered}",
                     "{claim_lock}",
+                    "{stats}",
                     "{table}",
                 ] {
                     assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");

@@ -1,6 +1,6 @@
 //! Settings of the NATS JetStream sink.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use outbox_core::{Error, Result, Template, redact_url_token};
@@ -8,7 +8,7 @@ use outbox_core::{Error, Result, Template, redact_url_token};
 /// Settings of the NATS JetStream sink: the `[sink]` table of the relay's configuration file
 /// (`type = "nats"`, durations written `"5s"` or `"500ms"`, unknown keys refused) and the
 /// Rust API alike. Every key has a default. `Debug` hides the password in the URL and the
-/// token.
+/// token, and shows only the paths of the credential files, never their contents.
 #[derive(Clone, PartialEq, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct NatsConfig {
@@ -40,6 +40,14 @@ pub struct NatsConfig {
     pub max_pending_acks: usize,
     /// Token for token authentication; a secret, never logged.
     pub token: Option<String>,
+    /// A NATS credentials file (`.creds`: a user JWT and its NKey seed, as `nsc generate
+    /// creds` writes it) for servers in operator (JWT) mode; read and checked when the sink
+    /// is built. Excludes every other way to authenticate (default none).
+    pub credentials_file: Option<PathBuf>,
+    /// A file holding a user's NKey seed (`SU…`, as `nk -gen user` writes it) for servers
+    /// that list users by NKey; read and checked when the sink is built. Excludes every
+    /// other way to authenticate (default none).
+    pub nkey_file: Option<PathBuf>,
     /// A PEM file of the certificate authorities that sign the server's certificate, trusted
     /// besides the system's roots; setting it requires TLS (default none).
     pub tls_ca_file: Option<PathBuf>,
@@ -63,6 +71,8 @@ impl Default for NatsConfig {
             publish_timeout: Duration::from_secs(5),
             max_pending_acks: 5000,
             token: None,
+            credentials_file: None,
+            nkey_file: None,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
@@ -82,17 +92,48 @@ impl std::fmt::Debug for NatsConfig {
             .field("publish_timeout", &self.publish_timeout)
             .field("max_pending_acks", &self.max_pending_acks)
             .field("token", &self.token.as_ref().map(|_| "***"))
+            .field(
+                "credentials_file",
+                &self.credentials_file.as_deref().map(shown_path),
+            )
+            .field("nkey_file", &self.nkey_file.as_deref().map(shown_path))
+            .field("tls_ca_file", &self.tls_ca_file.as_deref().map(shown_path))
+            .field(
+                "tls_cert_file",
+                &self.tls_cert_file.as_deref().map(shown_path),
+            )
+            .field(
+                "tls_key_file",
+                &self.tls_key_file.as_deref().map(shown_path),
+            )
             .field("name", &self.name)
             .finish()
     }
 }
 
-/// Credentials written in a server URL: a token (`nats://t0ken@host`) or a user and
-/// password (`nats://user:pw@host`). The first URL that carries some gives them.
+/// How the sink authenticates: a token or a user and password (from `token` or written in a
+/// server URL, `nats://t0ken@host`, `nats://user:pw@host`), or what `credentials_file` or
+/// `nkey_file` holds. Secrets all: no `Debug`, never logged.
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) enum Credentials {
     Token(String),
     UserPassword(String, String),
+    /// The text of a `.creds` file, checked to hold a user JWT and a valid NKey seed.
+    Creds(String),
+    /// A user's NKey seed, checked.
+    NkeySeed(String),
+}
+
+impl Credentials {
+    /// What the credentials are, for errors (never the secret itself).
+    fn kind(&self) -> &'static str {
+        match self {
+            Credentials::Token(_) => "a token",
+            Credentials::UserPassword(..) => "a user and password",
+            Credentials::Creds(_) => "a credentials file",
+            Credentials::NkeySeed(_) => "an NKey seed",
+        }
+    }
 }
 
 /// `url` without its user information, and the credentials that held.
@@ -112,6 +153,28 @@ fn take_credentials(url: &str) -> (String, Option<Credentials>) {
     };
     let bare = format!("{}{}", &url[..scheme_end + 3], &rest[at + 1..]);
     (bare, (!userinfo.is_empty()).then_some(credentials))
+}
+
+/// The error for a file setting that holds a file's contents rather than its path.
+const CONTENTS_NOT_PATH: &str = "holds what looks like a key or credentials themselves, not the \
+                                 path of a file; give the path (`{ file = \"…\" }` would read \
+                                 the file in)";
+
+/// Whether a file setting's "path" is rather the secret itself: `credentials_file = { file =
+/// "…" }` in the relay's configuration gives the file's text (a JWT, a seed, a PEM key), not
+/// its path. Such a value is never printed.
+fn is_a_secret(path: &Path) -> bool {
+    let text = path.to_string_lossy();
+    text.contains('\n') || text.contains("-----BEGIN") || nkeys::decode_seed(text.trim()).is_ok()
+}
+
+/// A file setting's path for `Debug`, or `***` when it is a secret (see [`is_a_secret`]).
+fn shown_path(path: &Path) -> String {
+    if is_a_secret(path) {
+        "***".into()
+    } else {
+        path.display().to_string()
+    }
 }
 
 /// The URL list with each password and token replaced by `***`, for logs and errors.
@@ -155,7 +218,7 @@ impl NatsConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
-        let (servers, _) = self.servers()?;
+        let (servers, in_url) = self.servers()?;
         if servers.is_empty() {
             return Err(Error::setting(
                 "url",
@@ -235,6 +298,11 @@ impl NatsConfig {
             ("tls_key_file", &self.tls_key_file),
         ] {
             if let Some(file) = file
+                && is_a_secret(file)
+            {
+                return Err(Error::setting(key, CONTENTS_NOT_PATH));
+            }
+            if let Some(file) = file
                 && let Err(e) = std::fs::metadata(file)
             {
                 return Err(Error::setting(
@@ -255,7 +323,90 @@ impl NatsConfig {
                 "is empty; leave it unset for no token",
             ));
         }
+        // A server takes one way to authenticate; two given would leave one silently unused.
+        if self.credentials_file.is_some() && self.nkey_file.is_some() {
+            return Err(Error::setting(
+                "credentials_file",
+                "and nkey_file are two ways to authenticate; give one of them (a .creds file \
+                 holds its own NKey seed)",
+            ));
+        }
+        for (key, file) in [
+            ("credentials_file", &self.credentials_file),
+            ("nkey_file", &self.nkey_file),
+        ] {
+            if file.is_none() {
+                continue;
+            }
+            if self.token.is_some() {
+                return Err(Error::setting(
+                    key,
+                    "and token are two ways to authenticate; give one of them",
+                ));
+            }
+            if let Some(in_url) = &in_url {
+                return Err(Error::setting(
+                    key,
+                    format!(
+                        "is set and url carries {} too; a server takes one way to \
+                         authenticate: remove it from url, or unset {key}",
+                        in_url.kind()
+                    ),
+                ));
+            }
+        }
+        self.file_credentials()?;
         Ok(())
+    }
+
+    /// The credentials of `credentials_file` or `nkey_file`, read and checked; a `Config`
+    /// error naming the key and the file when it cannot be read or does not hold them.
+    pub(crate) fn file_credentials(&self) -> Result<Option<Credentials>> {
+        let read = |key: &str, file: &PathBuf| {
+            if is_a_secret(file) {
+                return Err(Error::setting(key, CONTENTS_NOT_PATH));
+            }
+            std::fs::read_to_string(file).map_err(|e| {
+                Error::setting(key, format!("`{}` cannot be read: {e}", file.display()))
+            })
+        };
+        if let Some(file) = &self.credentials_file {
+            let creds = read("credentials_file", file)?;
+            // The client's own parser, so what passes here is what it will use.
+            if let Err(why) = async_nats::ConnectOptions::new().credentials(&creds) {
+                return Err(Error::setting(
+                    "credentials_file",
+                    format!(
+                        "`{}` is not a NATS credentials file ({why}); give the .creds file \
+                         that `nsc generate creds` writes: a user JWT and its NKey seed",
+                        file.display()
+                    ),
+                ));
+            }
+            return Ok(Some(Credentials::Creds(creds)));
+        }
+        if let Some(file) = &self.nkey_file {
+            let seed = read("nkey_file", file)?.trim().to_string();
+            let bad = |why: String| {
+                Error::setting(
+                    "nkey_file",
+                    format!(
+                        "`{}` does not hold a user's NKey seed ({why}); give a file with the \
+                         seed alone, starting `SU` (`nk -gen user`)",
+                        file.display()
+                    ),
+                )
+            };
+            let pair = nkeys::KeyPair::from_seed(&seed).map_err(|e| bad(e.to_string()))?;
+            if pair.key_pair_type() != nkeys::KeyPairType::User {
+                return Err(bad(format!(
+                    "it is the seed of a key of type {:?}, not User",
+                    pair.key_pair_type()
+                )));
+            }
+            return Ok(Some(Credentials::NkeySeed(seed)));
+        }
+        Ok(None)
     }
 
     /// The parsed server addresses, without the credentials a URL may carry (the client
@@ -383,6 +534,11 @@ mod tests {
             placeholder.starts_with("sink.subject: `{topc}` uses the unknown placeholder"),
             "{placeholder}"
         );
+        let creds = error(serde_json::json!({ "credentials_file": "/nowhere/app.creds" }));
+        assert!(
+            creds.starts_with("sink.credentials_file `/nowhere/app.creds` cannot be read"),
+            "{creds}"
+        );
         let zero = error(serde_json::json!({ "publish_timeout": "0s" }));
         assert!(zero.starts_with("sink.publish_timeout is 0ns"), "{zero}");
     }
@@ -438,6 +594,137 @@ mod tests {
             "relay[orders].sink.publish_timeout is 0ns; it must be at least 10ms (and shorter \
              than the worker's lease)"
         );
+    }
+
+    /// A `.creds` file as `nsc` writes it.
+    fn creds_text(jwt: &str, seed: &str) -> String {
+        format!(
+            "-----BEGIN NATS USER JWT-----\n{jwt}\n------END NATS USER JWT------\n\n\
+             ************************* IMPORTANT *************************\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        )
+    }
+
+    #[test]
+    fn credential_files_are_read_checked_and_exclusive() {
+        let dir = std::env::temp_dir().join(format!("outbox_nats_creds_{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let seed = nkeys::KeyPair::new_user().seed().unwrap();
+        let jwt = "eyJ0eXAiOiJKV1QifQ.eyJzZWNyZXQiOjF9.c2lnbmF0dXJl";
+        let creds = write("user.creds", &creds_text(jwt, &seed));
+        let nkey = write("user.nk", &format!("{seed}\n"));
+        let short_seed = &seed[..40];
+        let bad_seed = write("bad-seed.creds", &creds_text(jwt, short_seed));
+        let garbage = write("garbage", "not credentials\n");
+        let account = write("account.nk", &nkeys::KeyPair::new_account().seed().unwrap());
+        let with = |credentials_file: Option<&PathBuf>, nkey_file: Option<&PathBuf>| NatsConfig {
+            credentials_file: credentials_file.cloned(),
+            nkey_file: nkey_file.cloned(),
+            ..NatsConfig::default()
+        };
+        let refused = |config: NatsConfig, starts: &str| {
+            let error = config.validate().expect_err(starts);
+            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
+            let message = error.message().to_string();
+            assert!(message.starts_with(starts), "{starts}: {message}");
+            for secret in [seed.as_str(), short_seed, jwt, "pw", "t0k", "MIIpt"] {
+                assert!(!message.contains(secret), "{message}");
+            }
+            message
+        };
+
+        let config = with(Some(&creds), None);
+        config.validate().unwrap();
+        assert!(
+            config.file_credentials().unwrap() == Some(Credentials::Creds(creds_text(jwt, &seed)))
+        );
+        let debug = format!("{config:?}");
+        assert!(
+            debug.contains("user.creds") && !debug.contains(&seed) && !debug.contains(jwt),
+            "{debug}"
+        );
+        let config = with(None, Some(&nkey));
+        config.validate().unwrap();
+        assert!(config.file_credentials().unwrap() == Some(Credentials::NkeySeed(seed.clone())));
+
+        let missing = PathBuf::from("/nowhere/user.creds");
+        refused(
+            with(Some(&missing), None),
+            "credentials_file `/nowhere/user.creds` cannot be read",
+        );
+        let message = refused(with(Some(&garbage), None), "credentials_file `");
+        assert!(
+            message.contains("garbage` is not a NATS credentials file"),
+            "{message}"
+        );
+        let message = refused(with(Some(&bad_seed), None), "credentials_file `");
+        assert!(
+            message.contains("bad-seed.creds` is not a NATS credentials file"),
+            "{message}"
+        );
+        let message = refused(with(None, Some(&garbage)), "nkey_file `");
+        assert!(
+            message.contains("garbage` does not hold a user's NKey seed"),
+            "{message}"
+        );
+        let message = refused(with(None, Some(&account)), "nkey_file `");
+        assert!(message.contains("of type Account, not User"), "{message}");
+        let inline = PathBuf::from(creds_text(jwt, &seed));
+        refused(
+            with(Some(&inline), None),
+            "credentials_file holds what looks like a key or credentials",
+        );
+        let debug = format!("{:?}", with(Some(&inline), None));
+        assert!(!debug.contains(&seed) && !debug.contains(jwt), "{debug}");
+        let inline = PathBuf::from(&seed);
+        refused(
+            with(None, Some(&inline)),
+            "nkey_file holds what looks like a key or credentials",
+        );
+        assert!(!format!("{:?}", with(None, Some(&inline))).contains(&seed));
+        let pem = NatsConfig {
+            tls_cert_file: Some("/etc/hostname".into()),
+            tls_key_file: Some(
+                "-----BEGIN PRIVATE KEY-----\nMIIpt\n-----END PRIVATE KEY-----".into(),
+            ),
+            ..NatsConfig::default()
+        };
+        assert!(!format!("{pem:?}").contains("MIIpt"));
+        refused(
+            pem,
+            "tls_key_file holds what looks like a key or credentials",
+        );
+        refused(
+            with(Some(&creds), Some(&nkey)),
+            "credentials_file and nkey_file are two ways",
+        );
+        refused(
+            NatsConfig {
+                token: Some("t0k".into()),
+                ..with(Some(&creds), None)
+            },
+            "credentials_file and token are two ways",
+        );
+        refused(
+            NatsConfig {
+                url: "nats://app:pw@h:4222".into(),
+                ..with(None, Some(&nkey))
+            },
+            "nkey_file is set and url carries a user and password too",
+        );
+        refused(
+            NatsConfig {
+                url: "nats://h1:4222,nats://t0k@h2:4222".into(),
+                ..with(Some(&creds), None)
+            },
+            "credentials_file is set and url carries a token too",
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

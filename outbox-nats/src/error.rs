@@ -22,7 +22,8 @@ pub(crate) fn connect_error(servers: &str, error: ConnectError) -> Error {
         ConnectErrorKind::ServerParse => (ErrorKind::Config, " (check sink.url)"),
         ConnectErrorKind::Authentication | ConnectErrorKind::AuthorizationViolation => (
             ErrorKind::Unavailable,
-            " (check the credentials in sink.url or sink.token)",
+            " (check sink.credentials_file, sink.nkey_file, sink.token or the credentials \
+             in sink.url)",
         ),
         ConnectErrorKind::TimedOut => (ErrorKind::Unavailable, " within sink.publish_timeout"),
         _ => (ErrorKind::Unavailable, ""),

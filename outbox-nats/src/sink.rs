@@ -33,7 +33,8 @@ const GRACE: Duration = Duration::from_secs(1);
 pub struct NatsSink {
     config: NatsConfig,
     servers: Vec<ServerAddr>,
-    /// The credentials the URL carried, taken out of `servers`.
+    /// How to authenticate: what `credentials_file` or `nkey_file` holds, else `token`, else
+    /// the credentials the URL carried (taken out of `servers`). Secret: not in `Debug`.
     credentials: Option<Credentials>,
     /// The redacted server list, for logs and errors.
     shown: String,
@@ -59,7 +60,14 @@ impl NatsSink {
     /// is down shows up as an `Unavailable` error from the first call, not here.
     pub fn new(config: NatsConfig) -> Result<Self> {
         config.validate()?;
-        let (servers, credentials) = config.servers()?;
+        let (servers, in_url) = config.servers()?;
+        // Validation refused a file together with a token or credentials in the URL; the
+        // `token` setting wins over credentials in the URL.
+        let credentials = match (config.file_credentials()?, &config.token) {
+            (Some(from_file), _) => Some(from_file),
+            (None, Some(token)) => Some(Credentials::Token(token.clone())),
+            (None, None) => in_url,
+        };
         Ok(NatsSink {
             shown: redact_servers(&config.url),
             config,
@@ -95,16 +103,23 @@ impl NatsSink {
                         .add_client_certificate(cert.clone(), key.clone())
                         .require_tls(true);
                 }
-                // Credentials go to the client as options, never in the addresses it logs;
-                // the `token` setting wins over one written in the URL.
-                options = match (&self.config.token, &self.credentials) {
-                    (Some(token), _) | (None, Some(Credentials::Token(token))) => {
-                        options.token(token.clone())
-                    }
-                    (None, Some(Credentials::UserPassword(user, password))) => {
+                // Credentials go to the client as options, never in the addresses it logs.
+                options = match &self.credentials {
+                    Some(Credentials::Token(token)) => options.token(token.clone()),
+                    Some(Credentials::UserPassword(user, password)) => {
                         options.user_and_password(user.clone(), password.clone())
                     }
-                    (None, None) => options,
+                    // Parsed once already when the sink was built, so this does not fail.
+                    Some(Credentials::Creds(creds)) => {
+                        options.credentials(creds).map_err(|why| {
+                            outbox_core::Error::setting(
+                                "credentials_file",
+                                format!("is not a NATS credentials file ({why})"),
+                            )
+                        })?
+                    }
+                    Some(Credentials::NkeySeed(seed)) => options.nkey(seed.clone()),
+                    None => options,
                 };
                 // The client tries each server once, each within the time-out.
                 let all = t * self.servers.len() as u32 + GRACE;

@@ -1,5 +1,6 @@
 //! Settings of the PostgreSQL storage.
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use outbox_core::{Error, Result, redact_url};
@@ -45,8 +46,21 @@ impl StorageMode {
 #[derive(Clone, PartialEq, serde::Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct PostgresConfig {
-    /// Connection URL, e.g. `postgres://user:password@127.0.0.1:5432/app`.
+    /// Connection URL, e.g. `postgres://user:password@127.0.0.1:5432/app`. Its `sslmode`
+    /// parameter chooses TLS (`disable`, `allow`, `prefer`, `require`, `verify-ca`,
+    /// `verify-full`); without one, `verify-full` when a `tls_*` file is given, else
+    /// `PGSSLMODE` from the environment, else sqlx's default `prefer` (TLS when the server
+    /// offers it, certificate unchecked).
     pub url: String,
+    /// A PEM file of the certificate authorities that sign the server's certificate, trusted
+    /// besides the roots built into sqlx (default none). Without `sslmode` in the URL, the
+    /// connection is then `verify-full`: the certificate must name the URL's host.
+    pub tls_ca_file: Option<PathBuf>,
+    /// A PEM client certificate for servers that ask for one (`clientcert` or `cert` in
+    /// `pg_hba.conf`), with [`tls_key_file`](Self::tls_key_file) (default none).
+    pub tls_cert_file: Option<PathBuf>,
+    /// The PEM private key of [`tls_cert_file`](Self::tls_cert_file) (default none).
+    pub tls_key_file: Option<PathBuf>,
     /// How the table is run (default `lease`); see [`StorageMode`].
     pub mode: StorageMode,
     /// Log mode: the number of shards a new table is made with (default 16, 1 to 1024).
@@ -83,6 +97,9 @@ impl std::fmt::Debug for PostgresConfig {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PostgresConfig")
             .field("url", &redact_url(&self.url))
+            .field("tls_ca_file", &self.tls_ca_file)
+            .field("tls_cert_file", &self.tls_cert_file)
+            .field("tls_key_file", &self.tls_key_file)
             .field("mode", &self.mode)
             .field("shards", &self.shards)
             .field("schema", &self.schema)
@@ -102,6 +119,9 @@ impl Default for PostgresConfig {
     fn default() -> Self {
         PostgresConfig {
             url: String::new(),
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
             mode: StorageMode::Lease,
             shards: DEFAULT_SHARDS,
             schema: "outbox".into(),
@@ -158,6 +178,7 @@ impl PostgresConfig {
                 ),
             ));
         }
+        self.validate_tls()?;
         crate::OutboxTable::new(&self.schema, &self.table)?;
         let min = if self.wakeup { 2 } else { 1 };
         if self.max_connections < min {
@@ -191,5 +212,270 @@ impl PostgresConfig {
             ));
         }
         Ok(())
+    }
+
+    /// Whether any of the `tls_*` files is given.
+    pub(crate) fn has_tls_files(&self) -> bool {
+        self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_key_file.is_some()
+    }
+
+    /// The `sslmode` the URL names, lower-cased, if it names one.
+    pub(crate) fn url_ssl_mode(&self) -> Option<String> {
+        url_param(&self.url, &["sslmode", "ssl-mode"]).map(|mode| mode.to_ascii_lowercase())
+    }
+
+    /// The `sslmode` of the URL and the `tls_*` files: files that exist, a certificate with
+    /// its key, each given once, and a mode that uses them.
+    fn validate_tls(&self) -> Result<()> {
+        let mode = self.url_ssl_mode();
+        if let Some(mode) = &mode
+            && !SSL_MODES.contains(&mode.as_str())
+        {
+            return Err(Error::setting(
+                "url",
+                format!(
+                    "has sslmode={mode}; expected one of {}",
+                    SSL_MODES.join(", ")
+                ),
+            ));
+        }
+        // The names sqlx reads from the URL for the same files.
+        let files = [
+            (
+                "tls_ca_file",
+                &self.tls_ca_file,
+                &["sslrootcert", "ssl-root-cert", "ssl-ca"][..],
+            ),
+            (
+                "tls_cert_file",
+                &self.tls_cert_file,
+                &["sslcert", "ssl-cert"],
+            ),
+            ("tls_key_file", &self.tls_key_file, &["sslkey", "ssl-key"]),
+        ];
+        for (key, file, url_names) in files {
+            let Some(file) = file else { continue };
+            if let Some(name) = url_names
+                .iter()
+                .find(|name| url_param(&self.url, &[name]).is_some())
+            {
+                return Err(Error::setting(
+                    key,
+                    format!("is also given in the url as {name}; keep one of them"),
+                ));
+            }
+            if let Err(e) = std::fs::metadata(file) {
+                return Err(Error::setting(
+                    key,
+                    format!("`{}` cannot be read: {e}", file.display()),
+                ));
+            }
+        }
+        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
+            return Err(Error::setting(
+                "tls_cert_file",
+                "and tls_key_file go together: give both for a client certificate, or neither",
+            ));
+        }
+        let Some((key, _, _)) = files.iter().find(|(_, file, _)| file.is_some()) else {
+            return Ok(());
+        };
+        match mode.as_deref() {
+            None | Some("verify-full" | "verify-ca") => Ok(()),
+            // A client certificate over TLS whose server is not checked is the URL's choice.
+            Some("require") if self.tls_ca_file.is_none() => Ok(()),
+            // sqlx checks no certificate with `require`: the CA file would be ignored.
+            Some("require") => Err(Error::setting(
+                "tls_ca_file",
+                "is not used with sslmode=require, which checks no certificate: write \
+                 sslmode=verify-full (or verify-ca) in the url, or leave sslmode out for verify-full",
+            )),
+            Some(mode) => Err(Error::setting(
+                key,
+                format!(
+                    "needs TLS, but the url says sslmode={mode}, which does not insist on it: \
+                     leave sslmode out (TLS files then mean verify-full) or write sslmode=verify-full"
+                ),
+            )),
+        }
+    }
+}
+
+/// The `sslmode` values sqlx accepts.
+const SSL_MODES: [&str; 6] = [
+    "disable",
+    "allow",
+    "prefer",
+    "require",
+    "verify-ca",
+    "verify-full",
+];
+
+/// The value of the last query parameter of `url` named one of `names` (the last one wins,
+/// as in sqlx), not percent-decoded.
+fn url_param<'a>(url: &'a str, names: &[&str]) -> Option<&'a str> {
+    let (_, query) = url.split_once('?')?;
+    let query = query.split('#').next().unwrap_or(query);
+    query.split('&').rev().find_map(|pair| {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        names.contains(&name).then_some(value)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A file that exists wherever the tests run.
+    const FILE: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+
+    fn with_ca(url: &str) -> PostgresConfig {
+        PostgresConfig {
+            tls_ca_file: Some(FILE.into()),
+            ..PostgresConfig::new(url)
+        }
+    }
+
+    fn with_client_cert(url: &str) -> PostgresConfig {
+        PostgresConfig {
+            tls_cert_file: Some(FILE.into()),
+            tls_key_file: Some(FILE.into()),
+            ..PostgresConfig::new(url)
+        }
+    }
+
+    fn refused(config: PostgresConfig) -> String {
+        let error = config.validate().expect_err("refused");
+        assert_eq!(error.kind(), outbox_core::ErrorKind::Config, "{error}");
+        error.in_section("storage").to_string()
+    }
+
+    #[test]
+    fn tls_files_are_read_from_the_section() {
+        let config = PostgresConfig::from_value(serde_json::json!({
+            "url": "postgres://app@db.example.com/app",
+            "tls_ca_file": FILE,
+            "tls_cert_file": FILE,
+            "tls_key_file": FILE,
+        }))
+        .unwrap();
+        assert_eq!(config.tls_ca_file, Some(PathBuf::from(FILE)));
+        assert!(config.has_tls_files());
+        assert_eq!(config.url_ssl_mode(), None);
+        assert!(!PostgresConfig::new("postgres://app@db/app").has_tls_files());
+    }
+
+    #[test]
+    fn tls_files_go_with_the_modes_that_use_them() {
+        for mode in ["", "?sslmode=verify-full", "?sslmode=VERIFY-CA"] {
+            with_ca(&format!("postgres://app@db/app{mode}"))
+                .validate()
+                .unwrap();
+            with_client_cert(&format!("postgres://app@db/app{mode}"))
+                .validate()
+                .unwrap();
+        }
+        // A client certificate to a server the URL chooses not to check.
+        with_client_cert("postgres://app@db/app?sslmode=require")
+            .validate()
+            .unwrap();
+        let error = refused(with_ca("postgres://app@db/app?sslmode=require"));
+        assert!(
+            error.contains("storage.tls_ca_file") && error.contains("sslmode=require"),
+            "{error}"
+        );
+        for mode in ["disable", "allow", "prefer"] {
+            let error = refused(with_client_cert(&format!(
+                "postgres://app@db/app?application_name=x&sslmode={mode}"
+            )));
+            assert!(
+                error.contains("storage.tls_cert_file needs TLS")
+                    && error.contains(&format!("sslmode={mode}"))
+                    && error.contains("verify-full"),
+                "{error}"
+            );
+        }
+        // Without TLS files any mode is the URL's business.
+        PostgresConfig::new("postgres://app@db/app?sslmode=disable")
+            .validate()
+            .unwrap();
+    }
+
+    #[test]
+    fn an_unknown_sslmode_is_refused() {
+        let error = refused(PostgresConfig::new(
+            "postgres://app:hunter2@db/app?sslmode=verify",
+        ));
+        assert!(
+            error.contains("storage.url has sslmode=verify") && error.contains("verify-full"),
+            "{error}"
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+    }
+
+    #[test]
+    fn a_certificate_needs_its_key() {
+        let config = PostgresConfig {
+            tls_cert_file: Some(FILE.into()),
+            ..PostgresConfig::new("postgres://app@db/app")
+        };
+        let error = refused(config);
+        assert!(
+            error.contains("storage.tls_cert_file and tls_key_file go together"),
+            "{error}"
+        );
+        let config = PostgresConfig {
+            tls_key_file: Some(FILE.into()),
+            ..PostgresConfig::new("postgres://app@db/app")
+        };
+        assert!(refused(config).contains("tls_key_file"));
+    }
+
+    #[test]
+    fn a_missing_file_is_named() {
+        let config = PostgresConfig {
+            tls_ca_file: Some("/nowhere/ca.pem".into()),
+            ..PostgresConfig::new("postgres://app@db/app")
+        };
+        let error = refused(config);
+        assert!(
+            error.contains("storage.tls_ca_file `/nowhere/ca.pem` cannot be read"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn a_file_given_in_the_url_too_is_refused() {
+        let error = refused(with_ca(
+            "postgres://app@db/app?sslmode=verify-full&sslrootcert=/etc/ca.pem",
+        ));
+        assert!(
+            error.contains("storage.tls_ca_file is also given in the url as sslrootcert"),
+            "{error}"
+        );
+        let error = refused(with_client_cert("postgres://app@db/app?ssl-key=/k.pem"));
+        assert!(
+            error.contains("storage.tls_key_file is also given in the url as ssl-key"),
+            "{error}"
+        );
+    }
+
+    #[test]
+    fn debug_names_the_files_and_hides_the_password() {
+        let text = format!("{:?}", with_ca("postgres://app:hunter2@db/app"));
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(
+            text.contains("tls_ca_file") && text.contains(FILE),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn url_params_are_found_by_name() {
+        let url = "postgres://u@h/d?a=1&sslmode=require&b&sslmode=verify-ca#frag";
+        assert_eq!(url_param(url, &["sslmode"]), Some("verify-ca"));
+        assert_eq!(url_param(url, &["b"]), Some(""));
+        assert_eq!(url_param(url, &["c"]), None);
+        assert_eq!(url_param("postgres://u@h/d", &["sslmode"]), None);
     }
 }

@@ -2,7 +2,7 @@
 
 use outbox_core::{Error, Result};
 use sqlx::Executor;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgSslMode};
 
 use crate::PostgresConfig;
 use crate::sql::SESSION_SETTINGS;
@@ -16,7 +16,7 @@ pub(crate) fn pool(config: &PostgresConfig) -> Result<PgPool> {
             outbox_core::redact_url(&config.url)
         ))
     })?;
-    let options = options.application_name("outbox-relay");
+    let options = tls(options.application_name("outbox-relay"), config);
     Ok(PgPoolOptions::new()
         .max_connections(config.max_connections)
         .acquire_timeout(config.connect_timeout)
@@ -27,4 +27,21 @@ pub(crate) fn pool(config: &PostgresConfig) -> Result<PgPool> {
             })
         })
         .connect_lazy_with(options))
+}
+
+/// Applies the `tls_*` files of `config`. sqlx reads them at each new connection, so renewed
+/// files are used without a restart.
+fn tls(mut options: PgConnectOptions, config: &PostgresConfig) -> PgConnectOptions {
+    if let Some(ca) = &config.tls_ca_file {
+        options = options.ssl_root_cert(ca);
+    }
+    if let (Some(cert), Some(key)) = (&config.tls_cert_file, &config.tls_key_file) {
+        options = options.ssl_client_cert(cert).ssl_client_key(key);
+    }
+    // Files for TLS mean a checked server unless the URL says otherwise (sqlx's own default,
+    // `prefer`, checks nothing and may fall back to a plain connection).
+    if config.has_tls_files() && config.url_ssl_mode().is_none() {
+        options = options.ssl_mode(PgSslMode::VerifyFull);
+    }
+    options
 }

@@ -1493,6 +1493,7 @@ impl LogEngine {
             in_flight,
             dead_lettered: count(4)?,
             parked_keys: count(5)?,
+            measured_at: None,
         })
     }
 

@@ -63,6 +63,7 @@ pub(crate) fn queue_stats(row: &PgRow) -> Result<QueueStats> {
         in_flight: count(2)?,
         dead_lettered: count(3)?,
         parked_keys: count(4)?,
+        measured_at: None,
     })
 }
 

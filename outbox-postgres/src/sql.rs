@@ -45,6 +45,10 @@ pub(crate) struct Statements {
     pub(crate) settle_holding_back: String,
     pub(crate) extend_lease: String,
     pub(crate) stats: String,
+    /// Takes this relay's turn to count the shared queue figures, if they are due.
+    pub(crate) stats_turn: String,
+    pub(crate) stats_store: String,
+    pub(crate) stats_read: String,
     pub(crate) purge_delivered: String,
     // The operator's repairs (`admin.rs`).
     pub(crate) find_dead_letters: String,
@@ -114,6 +118,7 @@ impl Statements {
                 RETURNING 1)
              SELECT count(*) FROM done"
         );
+        let shared = t.qualified("_stats");
         let stats = format!(
             "SELECT count(*) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
                     min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
@@ -130,6 +135,19 @@ impl Statements {
             settle_holding_back: Self::settle(t, config, lock(true)),
             extend_lease,
             stats,
+            stats_turn: format!(
+                "UPDATE {shared} SET refresh_after = now() + $1 * interval '1 millisecond'
+                 WHERE refresh_after <= now()"
+            ),
+            stats_store: format!(
+                "UPDATE {shared} SET measured_at = now(), pending = $1, oldest_pending = $2,
+                        in_flight = $3, dead_lettered = $4, parked_keys = $5
+                 RETURNING measured_at"
+            ),
+            stats_read: format!(
+                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, measured_at
+                 FROM {shared}"
+            ),
             purge_delivered: format!(
                 "DELETE FROM {delivered} WHERE seq IN (
                     SELECT seq FROM {delivered} WHERE delivered_at < now() - $1 * interval '1 millisecond'

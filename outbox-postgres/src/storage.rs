@@ -324,6 +324,51 @@ impl Storage for PgStorage {
         rows::queue_stats(&row)
     }
 
+    async fn shared_stats(&self, max_age: Duration) -> Result<QueueStats> {
+        let turn = sqlx::query(&self.sql.stats_turn)
+            .bind(millis(max_age))
+            .execute(&self.pool)
+            .await;
+        let ours = match turn {
+            Ok(done) => done.rows_affected() > 0,
+            // Migrated by an older release (a DBA applies the new step later): count here.
+            Err(e) if undefined_table(&e) => return self.stats().await,
+            Err(e) => return Err(db_error("cannot read queue figures", e)),
+        };
+        if !ours {
+            let row = sqlx::query(&self.sql.stats_read)
+                .fetch_one(&self.pool)
+                .await
+                .map_err(|e| db_error("cannot read queue figures", e))?;
+            let measured_at: Option<chrono::DateTime<chrono::Utc>> = row
+                .try_get(5)
+                .map_err(|e| db_error("cannot read queue figures", e))?;
+            if measured_at.is_some() {
+                return Ok(QueueStats {
+                    measured_at,
+                    ..rows::queue_stats(&row)?
+                });
+            }
+            // The first count has not finished yet.
+            return self.stats().await;
+        }
+        let stats = self.stats().await?;
+        let measured_at: chrono::DateTime<chrono::Utc> = sqlx::query(&self.sql.stats_store)
+            .bind(stats.pending as i64)
+            .bind(stats.oldest_pending)
+            .bind(stats.in_flight as i64)
+            .bind(stats.dead_lettered as i64)
+            .bind(stats.parked_keys as i64)
+            .fetch_one(&self.pool)
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(|e| db_error("cannot store queue figures", e))?;
+        Ok(QueueStats {
+            measured_at: Some(measured_at),
+            ..stats
+        })
+    }
+
     fn capabilities(&self) -> StorageCapabilities {
         let per_key_order = self.config.per_key_order;
         StorageCapabilities::new(per_key_order)
@@ -358,4 +403,9 @@ impl Storage for PgStorage {
         }
         Ok(())
     }
+}
+
+/// Whether `error` says a table does not exist (SQLSTATE 42P01).
+fn undefined_table(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01"))
 }

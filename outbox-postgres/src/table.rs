@@ -562,6 +562,7 @@ impl OutboxTable {
             .replace("{shards}", &self.qualified("_shards"))
             .replace("{relays}", &self.qualified("_relays"))
             .replace("{held}", &self.qualified("_held"))
+            .replace("{stats}", &self.qualified("_stats"))
             .replace("{notify_fn}", &self.qualified("_notify"))
             .replace("{channel}", &self.channel())
             .replace("{table}", &self.table)
@@ -732,14 +733,33 @@ END
 $fn$;
 "#,
     ),
+    Step::Sql(SHARED_STATS),
 ];
+
+/// The queue figures that relays share (`Storage::shared_stats`): the first relay past
+/// `refresh_after` counts them and stores them here, the others read them, so replicas
+/// cost one count per interval instead of one each. The same in both modes.
+const SHARED_STATS: &str = r#"
+CREATE TABLE {stats} (
+    singleton      boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    refresh_after  timestamptz NOT NULL DEFAULT '-infinity',
+    measured_at    timestamptz,
+    pending        bigint NOT NULL DEFAULT 0,
+    oldest_pending timestamptz,
+    in_flight      bigint NOT NULL DEFAULT 0,
+    dead_lettered  bigint NOT NULL DEFAULT 0,
+    parked_keys    bigint NOT NULL DEFAULT 0
+);
+INSERT INTO {stats} DEFAULT VALUES;
+"#;
 
 /// Log-mode migrations are numbered from here, so a table's versions say its mode.
 const LOG_FIRST_VERSION: i32 = 1001;
 
 /// Log-mode migrations (version = [`LOG_FIRST_VERSION`] + position); never change one that
 /// has shipped, add another. `{shard_count}` is the configured number of shards.
-const LOG_MIGRATIONS: &[&str] = &[r#"
+const LOG_MIGRATIONS: &[&str] = &[
+    r#"
 -- Append-only: writers INSERT exactly as in lease mode; the defaults add what the relays
 -- need. `xid` is the writing transaction's id: relays read only below the oldest running
 -- transaction, in (xid, seq) order. The shard is fixed by the partition key (keyless rows
@@ -853,7 +873,9 @@ END
 $fn$;
 CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
     FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
-"#];
+"#,
+    SHARED_STATS,
+];
 
 #[cfg(test)]
 mod tests {
@@ -901,6 +923,7 @@ mod tests {
                 "{shards}",
                 "{relays}",
                 "{held}",
+                "{stats}",
             ] {
                 assert!(
                     !sql.contains(placeholder),
@@ -920,6 +943,7 @@ mod tests {
                 "{shards}",
                 "{relays}",
                 "{held}",
+                "{stats}",
                 "{shard_count}",
             ] {
                 assert!(
@@ -927,8 +951,11 @@ mod tests {
                     "{placeholder} left in a log migration"
                 );
             }
-            assert!(sql.contains(r#""app"."outbox_shards""#));
         }
+        assert!(
+            t.render(LOG_MIGRATIONS[0])
+                .contains(r#""app"."outbox_shards""#)
+        );
     }
 
     #[test]

@@ -63,8 +63,8 @@ pub(crate) fn cause(error: &sqlx::Error) -> Cause {
 }
 
 /// Classifies a sqlx error: a lock held too long or a failing disk is `Unavailable`; a file
-/// that cannot be opened, is not a database, is damaged or read-only, and missing tables
-/// are `Config` (with what to do); bad data is `Permanent`; anything else `Temporary`.
+/// that cannot be opened, is not a database, is damaged or read-only is `Config` (with what
+/// to do); missing tables are `Schema`; bad data is `Permanent`; anything else `Temporary`.
 /// `path` is the database file, when the caller knows it: a problem with the file is then a
 /// configuration error keyed `path`.
 pub(crate) fn db_error(path: Option<&Path>, context: &str, error: sqlx::Error) -> Error {
@@ -94,8 +94,9 @@ pub(crate) fn db_error(path: Option<&Path>, context: &str, error: sqlx::Error) -
             file("is read-only for the relay: it must be able to write the file and its directory")
         }
         Cause::Setup => file("cannot be used as the outbox database"),
-        Cause::Schema => Error::config(format!(
-            "sqlite: {context} (are the outbox tables migrated? run `outbox migrate`)"
+        Cause::Schema => Error::schema(format!(
+            "sqlite: {context}: the outbox tables are missing or older than this release; run \
+             `outbox migrate` (or apply the SQL of `outbox migrate --print-sql`)"
         )),
         Cause::Data => Error::new(ErrorKind::Permanent, format!("sqlite: {context}")),
         Cause::Other => Error::temporary(format!("sqlite: {context}")),

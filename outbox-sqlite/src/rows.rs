@@ -97,6 +97,7 @@ pub(crate) fn queue_stats(row: &SqliteRow) -> Result<QueueStats> {
         in_flight: count(row, 2, fail)?,
         dead_lettered: count(row, 3, fail)?,
         parked_keys: count(row, 4, fail)?,
+        measured_at: None,
     })
 }
 

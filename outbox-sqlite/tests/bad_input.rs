@@ -133,6 +133,6 @@ async fn a_database_without_the_tables_says_to_migrate() {
         .claim("w", 10, std::time::Duration::from_secs(30))
         .await
         .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
     assert!(error.message().contains("run `outbox migrate`"), "{error}");
 }

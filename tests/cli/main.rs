@@ -205,6 +205,49 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
     assert!(text(&missing.stderr).contains("/nonexistent/outbox.toml"));
 }
 
+/// Tables that were never migrated are reported as such, with what to run, by every command
+/// that reads them: not as a configuration error (the configuration is right).
+#[test]
+fn tables_never_migrated_are_reported_with_what_to_run() {
+    let schema = unique_name("cli_unmigrated");
+    let mut configs = vec![(
+        "postgres",
+        format!("{}[sink]\ntype = \"stdout\"\n", storage_section(&schema)),
+    )];
+    #[cfg(feature = "sqlite")]
+    {
+        let dir = std::env::temp_dir().join(&schema);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        configs.push((
+            "sqlite",
+            format!(
+                "[storage]\ntype = \"sqlite\"\npath = \"{}\"\nmigrate = false\n[sink]\ntype = \"stdout\"\n",
+                dir.join("app.db").display()
+            ),
+        ));
+    }
+    for (storage, contents) in configs {
+        let config = ConfigFile::new(&contents);
+        for command in [&["status"][..], &["dead-letters", "list"], &["check"]] {
+            let out = outbox(&config.path, command);
+            let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+            assert_eq!(
+                out.status.code(),
+                Some(1),
+                "{storage} {command:?}: a runtime failure, not a configuration error: {said}"
+            );
+            assert!(
+                said.contains("schema error") && said.contains("run `outbox migrate`"),
+                "{storage} {command:?}: {said}"
+            );
+            assert!(
+                !said.contains("configuration error"),
+                "{storage} {command:?}: {said}"
+            );
+        }
+    }
+}
+
 /// JSON lines for `outbox enqueue --stdin`: 30 messages over 3 keys, one binary payload.
 fn sample_lines() -> String {
     let mut lines: Vec<String> = (0..30)

@@ -108,6 +108,7 @@ macro_rules! storage_conformance_tests {
             storage_without_key_order_keys_do_not_block,
             storage_out_of_order_commits_lose_nothing,
             storage_stats_count_the_queue,
+            storage_shared_stats_count_once_per_interval,
             storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
             storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
             storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,

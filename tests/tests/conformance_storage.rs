@@ -35,6 +35,13 @@ impl StorageFixture for PgFixture {
         self.0.storage.clone()
     }
 
+    fn replica(&self) -> Option<Arc<dyn Storage>> {
+        let config = self.0.storage.config().clone();
+        Some(Arc::new(
+            outbox_postgres::PgStorage::new(config).expect("valid configuration"),
+        ))
+    }
+
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
         let table: &OutboxTable = &self.0.table;
         let mut tx = self.0.pool.begin().await.expect("begin");

@@ -202,6 +202,13 @@ impl StorageFixture for Fixture {
         self.outbox.storage.clone()
     }
 
+    fn replica(&self) -> Option<Arc<dyn Storage>> {
+        let config = self.outbox.storage.config().clone();
+        Some(Arc::new(
+            MySqlStorage::new(config).expect("valid configuration"),
+        ))
+    }
+
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
         let outbox = &self.outbox;
         let mut tx = outbox.pool.begin().await.expect("begin");
@@ -305,6 +312,7 @@ mod conformance {
         storage_without_key_order_keys_do_not_block,
         storage_out_of_order_commits_lose_nothing,
         storage_stats_count_the_queue,
+        storage_shared_stats_count_once_per_interval,
         storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
         storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
         storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
@@ -583,7 +591,7 @@ async fn bad_input_is_a_clear_error_naming_the_setting() {
         .claim("w", 10, Duration::from_secs(5))
         .await
         .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
     assert!(error.message().contains("outbox migrate"), "{error}");
 }
 

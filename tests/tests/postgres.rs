@@ -925,3 +925,41 @@ async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_lock() {
         "a 3 s lease had only {left_ms:.0} ms left right after the claim: it was counted from before the wait"
     );
 }
+
+#[tokio::test]
+async fn tables_never_migrated_are_a_schema_error_that_says_what_to_run() {
+    let config = PostgresConfig::new(postgres_url())
+        .table(outbox_tests::unique_name("never_migrated"), "outbox");
+    let storage = PgStorage::new(config).expect("valid configuration");
+    let claim = storage
+        .claim("w", 10, Duration::from_secs(5))
+        .await
+        .unwrap_err();
+    let stats = storage.stats().await.unwrap_err();
+    for error in [claim, stats] {
+        assert_eq!(error.kind(), ErrorKind::Schema, "{error}");
+        assert!(!error.is_retryable(), "{error}");
+        assert!(
+            error.to_string().contains("run `outbox migrate`"),
+            "{error}"
+        );
+    }
+}
+
+/// A table that an older release migrated (no `<table>_stats` yet, until a DBA applies the
+/// new step): each relay counts its queue figures itself, as before.
+#[tokio::test]
+async fn shared_stats_without_the_stats_table_count_here() {
+    let outbox = TestOutbox::new().await;
+    outbox.enqueue(&[NewMessage::new("t", b"x".to_vec())]).await;
+    sqlx::query(&format!("DROP TABLE {}", outbox.table.qualified("_stats")))
+        .execute(&outbox.pool)
+        .await
+        .unwrap();
+    let stats = outbox
+        .storage
+        .shared_stats(Duration::from_secs(5))
+        .await
+        .unwrap();
+    assert_eq!((stats.pending, stats.measured_at), (1, None), "{stats:?}");
+}

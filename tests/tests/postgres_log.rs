@@ -408,7 +408,9 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
         .await
         .unwrap()
         .expect("log mode");
-    assert_eq!((lag.waiting_rows, lag.blocker_pid), (0, None), "{lag:?}");
+    // Other tests' transactions may be running in the same database: only ours must be gone.
+    assert_eq!(lag.waiting_rows, 0, "{lag:?}");
+    assert_ne!(lag.blocker_pid, Some(blocker), "{lag:?}");
     relay.stop().await;
     assert!(started.elapsed() >= hold);
     assert_eq!(
@@ -1056,6 +1058,10 @@ mod conformance {
     impl StorageFixture for LogFixture {
         fn storage(&self) -> Arc<dyn Storage> {
             self.0.storage.clone()
+        }
+
+        fn replica(&self) -> Option<Arc<dyn Storage>> {
+            Some(self.0.another_relay())
         }
 
         async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {

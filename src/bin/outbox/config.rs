@@ -200,6 +200,15 @@ fn read_secret_files(table: &mut Table, at: &str) -> Result<(), ConfigError> {
         };
         match value {
             Value::Table(inner) if inner.len() == 1 && inner.contains_key("file") => {
+                // Settings ending in `_file` take a path and read the file themselves; the
+                // text of a key or credentials file in their place would be printed by the
+                // "cannot read" error of the setting.
+                if key.ends_with("_file") {
+                    return Err(err(format!(
+                        "{here} takes the path of its file, not `{{ file = … }}` (which reads \
+                         the file in): write {here} = \"/path/to/file\""
+                    )));
+                }
                 let Some(Value::String(path)) = inner.get("file") else {
                     return Err(err(format!(
                         "{here}.file must be the path of a file, as a string"
@@ -739,6 +748,23 @@ mod tests {
             error.starts_with("storage.url: cannot read the secret file `/nowhere/db_url`"),
             "{error}"
         );
+
+        // A setting that names a file takes its path: reading a key file in would put the
+        // key where a path belongs, and the setting's errors print paths.
+        let key = dir.join("client.key");
+        std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nsecret\n").unwrap();
+        let mut inline: Table = format!(
+            "[storage]\nurl = \"postgres://h/db\"\ntls_key_file = {{ file = \"{}\" }}\n",
+            key.display()
+        )
+        .parse()
+        .unwrap();
+        let error = read_secret_files(&mut inline, "").unwrap_err().0;
+        assert!(
+            error.starts_with("storage.tls_key_file takes the path of its file"),
+            "{error}"
+        );
+        assert!(!error.contains("secret"), "{error}");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

@@ -188,7 +188,8 @@ async fn wait_for_signal() {
 }
 
 /// Refreshes the queue gauges (labelled with the relay's name, as its worker's figures are) every
-/// few seconds and logs a summary now and then.
+/// few seconds and logs a summary now and then. The figures are shared by every replica of
+/// the storage (one of them counts per interval), so each replica exports the same values.
 async fn report_stats(
     name: String,
     label: String,
@@ -198,7 +199,8 @@ async fn report_stats(
 ) {
     let mut last_summary = tokio::time::Instant::now();
     loop {
-        match storage.stats().await {
+        // Shared: of all the replicas on this storage, one counts per interval.
+        match storage.shared_stats(STATS_EVERY).await {
             Ok(stats) => {
                 let age = stats
                     .oldest_pending

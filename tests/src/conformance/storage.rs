@@ -46,6 +46,11 @@ pub trait StorageFixture: Send + Sync {
     /// Moves the storage's clock ahead by `by`, as if that much time had passed: leases
     /// and retry delays run out sooner. (For a database: shift the stored times back.)
     async fn advance(&self, by: Duration);
+    /// Another relay's handle on the same storage (its own connections), for the checks of
+    /// what relays share. `None` for a storage that lives in one process.
+    fn replica(&self) -> Option<Arc<dyn Storage>> {
+        None
+    }
 }
 
 /// What a storage backend gives the suite.
@@ -657,6 +662,49 @@ pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
     );
 }
 
+/// `shared_stats`: within the interval every relay reads the figures one of them counted;
+/// after it, the next caller counts again. A storage that keeps the trait's default counts
+/// on every call and says nothing of when.
+pub async fn storage_shared_stats_count_once_per_interval(h: &dyn StorageHarness) {
+    let check = "shared stats";
+    // Long enough that the second read surely falls inside it on a loaded machine.
+    const INTERVAL: Duration = Duration::from_secs(2);
+    let f = h.fresh(false).await;
+    let storage = f.storage();
+    let other = f.replica().unwrap_or_else(|| storage.clone());
+    f.enqueue(&[msg("a"), msg("b")]).await;
+    let first = storage.shared_stats(INTERVAL).await.expect("shared_stats");
+    assert_eq!(
+        first.pending, 2,
+        "{check}: the first call counts: {first:?}"
+    );
+    f.enqueue(&[msg("c")]).await;
+    let read = other.shared_stats(INTERVAL).await.expect("shared_stats");
+    let Some(measured_at) = first.measured_at else {
+        assert_eq!(
+            (read.pending, read.measured_at),
+            (3, None),
+            "{check}: a storage that does not share counts on every call"
+        );
+        return;
+    };
+    assert_eq!(
+        (read.pending, read.measured_at),
+        (2, Some(measured_at)),
+        "{check}: within the interval, another relay reads the stored figures"
+    );
+    tokio::time::sleep(INTERVAL + Duration::from_millis(200)).await;
+    let later = other.shared_stats(INTERVAL).await.expect("shared_stats");
+    assert_eq!(
+        later.pending, 3,
+        "{check}: counted again after the interval"
+    );
+    assert!(
+        later.measured_at > Some(measured_at),
+        "{check}: a later count says when: {later:?} after {measured_at}"
+    );
+}
+
 fn retry(m: &outbox_core::Message, delay: Duration) -> Retry {
     Retry {
         id: m.id,
@@ -919,6 +967,7 @@ pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_without_key_order_keys_do_not_block(h).await;
     storage_out_of_order_commits_lose_nothing(h).await;
     storage_stats_count_the_queue(h).await;
+    storage_shared_stats_count_once_per_interval(h).await;
     storage_a_late_commit_does_not_let_later_messages_pass_a_retry(h).await;
     storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h).await;
     storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(h).await;
