@@ -29,6 +29,37 @@ pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T> {
     })
 }
 
+/// Checks the TLS files every backend takes under the same keys, `tls_ca_file`,
+/// `tls_cert_file` and `tls_key_file`: each one given can be read, and a client certificate
+/// comes with its key. Errors are `Config` errors keyed by the setting. A backend checks what
+/// is its own (the URL's scheme, a file also given in the URL) before calling this.
+pub fn check_tls_files(
+    ca: Option<&std::path::Path>,
+    cert: Option<&std::path::Path>,
+    key: Option<&std::path::Path>,
+) -> Result<()> {
+    for (setting, file) in [
+        ("tls_ca_file", ca),
+        ("tls_cert_file", cert),
+        ("tls_key_file", key),
+    ] {
+        let Some(file) = file else { continue };
+        if let Err(e) = std::fs::metadata(file) {
+            return Err(Error::setting(
+                setting,
+                format!("`{}` cannot be read: {e}", file.display()),
+            ));
+        }
+    }
+    if cert.is_some() != key.is_some() {
+        return Err(Error::setting(
+            "tls_cert_file",
+            "and tls_key_file go together: give both for a client certificate, or neither",
+        ));
+    }
+    Ok(())
+}
+
 /// A JSON value read as [`from_value`] reads it: a string is parsed where a number or a
 /// boolean is asked for; everything else as `serde_json` reads it.
 struct Lenient(serde_json::Value);

@@ -373,19 +373,12 @@ impl KafkaConfig {
                     ),
                 ));
             }
-            if let Err(e) = std::fs::metadata(file) {
-                return Err(Error::setting(
-                    key,
-                    format!("`{}` cannot be read: {e}", file.display()),
-                ));
-            }
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(Error::setting(
-                "tls_cert_file",
-                "and tls_key_file go together: give both for a client certificate, or neither",
-            ));
-        }
+        outbox_core::config::check_tls_files(
+            self.tls_ca_file.as_deref(),
+            self.tls_cert_file.as_deref(),
+            self.tls_key_file.as_deref(),
+        )?;
         Ok(())
     }
 

@@ -182,7 +182,9 @@ impl MySqlConfig {
         };
         let params = query_keys(&self.url);
         for (key, file, url_keys) in files {
-            let Some(file) = file else { continue };
+            if file.is_none() {
+                continue;
+            }
             if let Some(url_key) = url_keys.iter().find(|k| params.contains(k)) {
                 return Err(Error::setting(
                     key,
@@ -192,19 +194,12 @@ impl MySqlConfig {
                     ),
                 ));
             }
-            if let Err(e) = std::fs::metadata(file) {
-                return Err(Error::setting(
-                    key,
-                    format!("`{}` cannot be read: {e}", file.display()),
-                ));
-            }
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(Error::setting(
-                "tls_cert_file",
-                "and tls_key_file go together: give both for a client certificate, or neither",
-            ));
-        }
+        outbox_core::config::check_tls_files(
+            self.tls_ca_file.as_deref(),
+            self.tls_cert_file.as_deref(),
+            self.tls_key_file.as_deref(),
+        )?;
         let mode_given = params.iter().any(|k| *k == "ssl-mode" || *k == "sslmode");
         match options.get_ssl_mode() {
             _ if !mode_given => options = options.ssl_mode(MySqlSslMode::VerifyIdentity),

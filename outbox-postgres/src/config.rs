@@ -254,7 +254,9 @@ impl PostgresConfig {
             ("tls_key_file", &self.tls_key_file, &["sslkey", "ssl-key"]),
         ];
         for (key, file, url_names) in files {
-            let Some(file) = file else { continue };
+            if file.is_none() {
+                continue;
+            }
             if let Some(name) = url_names
                 .iter()
                 .find(|name| url_param(&self.url, &[name]).is_some())
@@ -264,19 +266,12 @@ impl PostgresConfig {
                     format!("is also given in the url as {name}; keep one of them"),
                 ));
             }
-            if let Err(e) = std::fs::metadata(file) {
-                return Err(Error::setting(
-                    key,
-                    format!("`{}` cannot be read: {e}", file.display()),
-                ));
-            }
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(Error::setting(
-                "tls_cert_file",
-                "and tls_key_file go together: give both for a client certificate, or neither",
-            ));
-        }
+        outbox_core::config::check_tls_files(
+            self.tls_ca_file.as_deref(),
+            self.tls_cert_file.as_deref(),
+            self.tls_key_file.as_deref(),
+        )?;
         let Some((key, _, _)) = files.iter().find(|(_, file, _)| file.is_some()) else {
             return Ok(());
         };
