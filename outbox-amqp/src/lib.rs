@@ -3,6 +3,7 @@
 
 mod config;
 mod connection;
+pub mod consumer;
 mod error;
 mod sink;
 pub mod wire;

@@ -12,12 +12,18 @@
 //! ([`application_headers`]). An application `content-type`, `traceparent` or `tracestate`
 //! header is the source of that envelope field when the message has no value of its own, so
 //! its value still arrives.
+//!
+//! The reading side is [`Received::from_headers`]: a consumer gives it the names and values
+//! its broker's client returns and gets the id to de-duplicate by, the topic, the key, the
+//! created time and the trace context back (each sink crate's `consumer` module does this
+//! for its broker's usual client).
 
 use std::borrow::Cow;
 
 use chrono::{DateTime, SecondsFormat, Utc};
+use uuid::Uuid;
 
-use crate::Message;
+use crate::{Error, Message, Result, TraceContext};
 
 /// The envelope version: [`VERSION_VALUE`] today. Fields may be added within a version
 /// (consumers ignore names they do not know); renaming or removing a field, or changing a
@@ -158,6 +164,135 @@ impl<'a> Envelope<'a> {
     }
 }
 
+/// A message's envelope as a consumer reads it back from a delivery: what identifies the
+/// message whatever the broker. The payload and the message's own headers are where the
+/// broker's client gives them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Received {
+    /// [`ID`]: the same on every delivery of the message; de-duplicate by it (an inbox).
+    pub id: Uuid,
+    /// [`TOPIC`]: the message's outbox topic.
+    pub topic: String,
+    /// [`KEY`], when the message has a partition key.
+    pub key: Option<String>,
+    /// [`CREATED_AT`], to the microsecond, when the delivery carries it.
+    pub created_at: Option<DateTime<Utc>>,
+    /// [`CONTENT_TYPE`], when the delivery carries it.
+    pub content_type: Option<String>,
+    /// [`TRACEPARENT`] and [`TRACESTATE`], when the message has a trace context: the parent
+    /// of the consumer's span.
+    pub trace: Option<TraceContext>,
+}
+
+impl Received {
+    /// Reads the envelope from a delivery's headers (or stream fields) as (name, value)
+    /// pairs, in any order; other names are ignored. Names match ignoring ASCII case (some
+    /// clients change it); a name given twice takes its last value, as Kafka's
+    /// `lastHeader` does.
+    ///
+    /// Every error is [`Permanent`](crate::ErrorKind::Permanent): redelivering the message
+    /// will not change it, so dead-letter or skip it rather than retry. A delivery without
+    /// [`ID`] is not an outbox message ("not an outbox message: no outbox-id header"), nor
+    /// is one whose [`ID`] is not a UUID. An outbox message is refused when its
+    /// [`VERSION`] is not [`VERSION_VALUE`] (a newer envelope: upgrade the consumer), when
+    /// it has no [`TOPIC`], when a value is not UTF-8, or when [`CREATED_AT`] is not an
+    /// RFC 3339 time.
+    pub fn from_headers<'a>(
+        headers: impl IntoIterator<Item = (&'a str, &'a [u8])>,
+    ) -> Result<Received> {
+        let mut found: [Option<&[u8]>; NAMES.len()] = [None; NAMES.len()];
+        for (name, value) in headers {
+            if let Some(at) = NAMES.iter().position(|n| n.eq_ignore_ascii_case(name)) {
+                found[at] = Some(value);
+            }
+        }
+        let field = |name: &str| {
+            NAMES
+                .iter()
+                .position(|n| *n == name)
+                .and_then(|at| found[at])
+        };
+
+        let Some(raw_id) = field(ID) else {
+            return Err(Error::permanent(
+                "not an outbox message: no outbox-id header",
+            ));
+        };
+        let id = std::str::from_utf8(raw_id)
+            .ok()
+            .and_then(|text| Uuid::parse_str(text).ok())
+            .ok_or_else(|| {
+                Error::permanent(format!(
+                    "not an outbox message: its outbox-id `{}` is not a UUID",
+                    shown(raw_id)
+                ))
+            })?;
+        let text = |name: &str| -> Result<Option<&str>> {
+            field(name)
+                .map(|value| {
+                    std::str::from_utf8(value).map_err(|_| {
+                        Error::permanent(format!(
+                            "outbox message {id}: its {name} `{}` is not UTF-8",
+                            shown(value)
+                        ))
+                    })
+                })
+                .transpose()
+        };
+
+        if let Some(version) = text(VERSION)?
+            && version != VERSION_VALUE
+        {
+            return Err(Error::permanent(format!(
+                "outbox message {id}: envelope version `{version}` is not known (this \
+                 consumer reads version {VERSION_VALUE}); upgrade the consumer"
+            )));
+        }
+        let topic = text(TOPIC)?
+            .ok_or_else(|| Error::permanent(format!("outbox message {id}: no {TOPIC} header")))?;
+        let created_at = text(CREATED_AT)?
+            .map(|value| {
+                DateTime::parse_from_rfc3339(value)
+                    .map(|t| t.with_timezone(&Utc))
+                    .map_err(|e| {
+                        Error::permanent(format!(
+                            "outbox message {id}: its {CREATED_AT} `{value}` is not an \
+                             RFC 3339 time ({e})"
+                        ))
+                    })
+            })
+            .transpose()?;
+        let trace = match text(TRACEPARENT)?.filter(|p| !p.is_empty()) {
+            Some(parent) => Some(TraceContext {
+                traceparent: parent.to_string(),
+                tracestate: text(TRACESTATE)?
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string),
+            }),
+            None => None,
+        };
+        Ok(Received {
+            id,
+            topic: topic.to_string(),
+            key: text(KEY)?.map(str::to_string),
+            created_at,
+            content_type: text(CONTENT_TYPE)?.map(str::to_string),
+            trace,
+        })
+    }
+}
+
+/// A value for an error message: its first 64 bytes, lossily as text.
+fn shown(value: &[u8]) -> String {
+    let cut = &value[..value.len().min(64)];
+    let text = String::from_utf8_lossy(cut);
+    if cut.len() < value.len() {
+        format!("{text}…")
+    } else {
+        text.into_owned()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use chrono::TimeZone;
@@ -281,5 +416,180 @@ mod tests {
             assert!(is_envelope_name(&name.to_ascii_uppercase()));
         }
         assert!(!is_envelope_name("x-tenant"));
+    }
+
+    /// The envelope of `message` as (name, bytes) pairs, as a broker hands them back.
+    fn wire(message: &Message) -> Vec<(String, Vec<u8>)> {
+        Envelope::of(message)
+            .fields()
+            .into_iter()
+            .map(|(n, v)| (n.to_string(), v.as_bytes().to_vec()))
+            .collect()
+    }
+
+    fn read(fields: &[(String, Vec<u8>)]) -> Result<Received> {
+        Received::from_headers(fields.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
+    }
+
+    fn read_pairs(pairs: &[(&str, &str)]) -> Result<Received> {
+        Received::from_headers(pairs.iter().map(|(n, v)| (*n, v.as_bytes())))
+    }
+
+    #[test]
+    fn every_field_written_is_read_back() {
+        let mut message: Message = NewMessage::json("orders", &[1])
+            .unwrap()
+            .key("o-1")
+            .trace_context(TraceContext {
+                traceparent: PARENT.into(),
+                tracestate: Some("rojo=1".into()),
+            })
+            .into();
+        message.created_at = Utc
+            .timestamp_opt(1_738_324_800, 123_456_789)
+            .single()
+            .unwrap();
+        let mut fields = wire(&message);
+        // Other headers and fields around the envelope are ignored.
+        fields.insert(0, ("x-tenant".into(), b"acme".to_vec()));
+        fields.push(("payload".into(), vec![0xff, 0x00]));
+        let received = read(&fields).unwrap();
+        assert_eq!(
+            received,
+            Received {
+                id: message.id,
+                topic: "orders".into(),
+                key: Some("o-1".into()),
+                created_at: Utc.timestamp_opt(1_738_324_800, 123_456_000).single(),
+                content_type: Some("application/json".into()),
+                trace: message.trace_context.clone(),
+            }
+        );
+    }
+
+    #[test]
+    fn a_bare_message_reads_without_its_optional_fields() {
+        let message: Message = NewMessage::new("t", Vec::new()).into();
+        let received = read(&wire(&message)).unwrap();
+        assert_eq!(received.id, message.id);
+        assert_eq!(received.topic, "t");
+        assert_eq!(received.key, None);
+        assert_eq!(received.trace, None);
+        assert_eq!(received.content_type.as_deref(), Some(DEFAULT_CONTENT_TYPE));
+        let created = received.created_at.unwrap();
+        assert_eq!(
+            created.timestamp_micros(),
+            message.created_at.timestamp_micros()
+        );
+    }
+
+    #[test]
+    fn names_match_ignoring_case_and_the_last_value_wins() {
+        let id = Uuid::now_v7();
+        let received = read_pairs(&[
+            ("Outbox-Id", "0194195c-7a00-7c3e-8b5e-3f0d3c8e2a11"),
+            ("OUTBOX-ID", &id.to_string()),
+            ("Outbox-Topic", "orders"),
+            ("Outbox-Key", "k"),
+            ("Content-Type", "text/plain"),
+            ("TraceParent", PARENT),
+            ("tracestate", ""),
+        ])
+        .unwrap();
+        assert_eq!(received.id, id);
+        assert_eq!(received.key.as_deref(), Some("k"));
+        assert_eq!(received.content_type.as_deref(), Some("text/plain"));
+        assert_eq!(received.created_at, None);
+        let trace = received.trace.unwrap();
+        assert_eq!(
+            (trace.traceparent.as_str(), trace.tracestate),
+            (PARENT, None)
+        );
+    }
+
+    #[test]
+    fn a_delivery_without_a_valid_id_is_not_an_outbox_message() {
+        let missing = read_pairs(&[("outbox-topic", "t"), ("outbox-idx", "1")]).unwrap_err();
+        assert_eq!(missing.kind(), crate::ErrorKind::Permanent);
+        assert_eq!(
+            missing.message(),
+            "not an outbox message: no outbox-id header"
+        );
+        assert!(!missing.is_retryable());
+        for bad in ["", "42", "forged"] {
+            let error = read_pairs(&[("outbox-id", bad), ("outbox-topic", "t")]).unwrap_err();
+            assert_eq!(error.kind(), crate::ErrorKind::Permanent, "{error}");
+            assert_eq!(
+                error.message(),
+                format!("not an outbox message: its outbox-id `{bad}` is not a UUID")
+            );
+        }
+        let bytes = [0xffu8; 100];
+        let error = Received::from_headers([("outbox-id", &bytes[..])]).unwrap_err();
+        assert_eq!(error.kind(), crate::ErrorKind::Permanent);
+        assert!(error.message().ends_with("…` is not a UUID"), "{error}");
+    }
+
+    #[test]
+    fn a_malformed_outbox_message_is_refused_for_good() {
+        let id = "0194195c-7a00-7c3e-8b5e-3f0d3c8e2a11";
+        let refused = |pairs: &[(&str, &str)]| {
+            let mut all = vec![("outbox-id", id), ("outbox-topic", "t")];
+            all.extend_from_slice(pairs);
+            let error = read_pairs(&all).unwrap_err();
+            assert_eq!(error.kind(), crate::ErrorKind::Permanent, "{error}");
+            assert!(
+                error
+                    .message()
+                    .starts_with(&format!("outbox message {id}: ")),
+                "{error}"
+            );
+            error.message().to_string()
+        };
+        let created = refused(&[("outbox-created-at", "yesterday")]);
+        assert!(
+            created.contains("outbox-created-at `yesterday` is not an RFC 3339 time"),
+            "{created}"
+        );
+        let version = refused(&[("outbox-envelope", "2")]);
+        assert!(
+            version.contains("envelope version `2` is not known"),
+            "{version}"
+        );
+        let error = read_pairs(&[("outbox-id", id)]).unwrap_err();
+        assert!(
+            error.message().ends_with("no outbox-topic header"),
+            "{error}"
+        );
+        let error = Received::from_headers([
+            ("outbox-id", id.as_bytes()),
+            ("outbox-topic", &[0xc3, 0x28][..]),
+        ])
+        .unwrap_err();
+        assert!(error.message().contains("outbox-topic"), "{error}");
+        assert!(error.message().ends_with("is not UTF-8"), "{error}");
+    }
+
+    #[test]
+    fn the_id_alone_is_enough_besides_the_topic() {
+        let id = "0194195c-7a00-7c3e-8b5e-3f0d3c8e2a11";
+        let received = read_pairs(&[("outbox-id", id), ("outbox-topic", "t")]).unwrap();
+        assert_eq!(received.id.to_string(), id);
+        assert_eq!(
+            (
+                received.key,
+                received.created_at,
+                received.content_type,
+                received.trace
+            ),
+            (None, None, None, None)
+        );
+        // A tracestate without a traceparent is no trace context.
+        let received = read_pairs(&[
+            ("outbox-id", id),
+            ("outbox-topic", "t"),
+            ("tracestate", "a=b"),
+        ]);
+        assert_eq!(received.unwrap().trace, None);
     }
 }

@@ -5,6 +5,7 @@ mod admin;
 mod config;
 mod connection;
 mod error;
+mod inbox;
 mod log;
 mod rows;
 mod sql;
@@ -30,6 +31,7 @@ pub fn register(registry: &mut outbox_core::StorageRegistry) {
     });
 }
 
+pub use inbox::Inbox;
 /// The sqlx this crate is built with, so an application enqueues through the same version.
 pub use sqlx;
 pub use storage::PgStorage;

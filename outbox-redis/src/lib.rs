@@ -2,6 +2,7 @@
 #![deny(missing_docs)]
 
 mod config;
+pub mod consumer;
 mod error;
 mod sink;
 pub mod wire;

@@ -5,6 +5,7 @@ mod admin;
 mod config;
 mod connection;
 mod error;
+mod inbox;
 mod rows;
 mod sql;
 mod storage;
@@ -28,6 +29,7 @@ pub fn register(registry: &mut outbox_core::StorageRegistry) {
     });
 }
 
+pub use inbox::Inbox;
 /// The sqlx this crate is built with, so an application enqueues through the same version.
 pub use sqlx;
 pub use storage::SqliteStorage;

@@ -380,7 +380,10 @@ async fn the_directory_going_away_is_an_outage() {
     // the file and of its directory: remove until the directory is gone.
     let removing = Instant::now();
     while let Err(e) = std::fs::remove_dir_all(&dir) {
-        assert!(removing.elapsed() < Duration::from_secs(5), "cannot remove {dir:?}: {e}");
+        assert!(
+            removing.elapsed() < Duration::from_secs(5),
+            "cannot remove {dir:?}: {e}"
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let started = Instant::now();

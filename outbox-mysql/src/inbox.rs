@@ -1,0 +1,404 @@
+//! The inbox: the message ids a consumer has processed, recorded in the consumer's own
+//! transaction, so a redelivered message is recognised and skipped.
+
+use std::time::Duration;
+
+use outbox_core::{Error, Result};
+use sqlx::mysql::MySqlDatabaseError;
+use sqlx::{Connection, Executor, MySqlConnection, Row};
+use uuid::Uuid;
+
+use crate::OutboxTable;
+use crate::error::{Cause, cause, db_error};
+
+/// Longest consumer name accepted, in bytes.
+const MAX_CONSUMER: usize = 255;
+
+/// Ages past this delete nothing: no record is that old, and the cut-off would fall outside
+/// the range of a DATETIME.
+const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// How long a migrator waits for another one before giving up, in seconds.
+const MIGRATION_WAIT_SECS: i64 = 60;
+
+/// ER_DUP_ENTRY: the (consumer, message_id) key is taken.
+const DUPLICATE_KEY: u16 = 1062;
+
+/// The columns an inbox table must have; a table without them is not an inbox.
+const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
+
+/// A consumer's inbox: the message ids it has processed, per consumer name, in the table
+/// `database.table` (and its versions in `<table>_migrations`). Inside the transaction that
+/// makes a message's business change, [`process`](Self::process) records the message id
+/// and says whether it is new; a redelivered message is a duplicate and its handler is
+/// skipped. The record commits or rolls back with the business change.
+///
+/// Names follow the outbox's rules ([`OutboxTable::new`]) and are validated, then quoted
+/// with backticks; they are never spliced in unchecked. Nothing here needs an async runtime
+/// of its own: the calls only run statements on the connection they are given.
+///
+/// ```no_run
+/// # async fn consume(pool: outbox_mysql::sqlx::MySqlPool, message_id: uuid::Uuid)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_mysql::{Inbox, sqlx};
+///
+/// let inbox = Inbox::new("app", "inbox")?; // once, at start-up, with `inbox.migrate`
+/// let mut tx = pool.begin().await?;
+/// if inbox.process(&mut tx, "billing", message_id).await? {
+///     // The handler: the business change, in the same transaction.
+///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 1")
+///         .execute(&mut *tx)
+///         .await?;
+/// }
+/// tx.commit().await?; // then acknowledge the delivery
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    database: String,
+    table: String,
+    insert: String,
+    purge: String,
+}
+
+impl Inbox {
+    /// The inbox table `table` in database `database`. Fails if a name is not a plain
+    /// identifier (the rules of [`OutboxTable::new`]; errors keyed `database` and `table`).
+    pub fn new(database: &str, table: &str) -> Result<Inbox> {
+        OutboxTable::new(database, table)?;
+        let inbox = format!("`{database}`.`{table}`");
+        Ok(Inbox {
+            database: database.to_string(),
+            table: table.to_string(),
+            // A plain INSERT whose duplicate-key error is the answer: INSERT IGNORE would
+            // also turn other errors (truncation, bad values) into warnings, and ON DUPLICATE
+            // KEY UPDATE counts a found row as affected under CLIENT_FOUND_ROWS, which sqlx
+            // sets. MySQL rolls back only the failed statement, not the transaction.
+            insert: format!(
+                "INSERT INTO {inbox} (consumer, message_id, processed_at) \
+                 VALUES (?, ?, UTC_TIMESTAMP(6))"
+            ),
+            purge: format!(
+                "DELETE FROM {inbox} WHERE processed_at < UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND \
+                 ORDER BY processed_at LIMIT ?"
+            ),
+        })
+    }
+
+    /// The database name.
+    pub fn database(&self) -> &str {
+        &self.database
+    }
+
+    /// The inbox table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The quoted, qualified name of the inbox table, or of its companion when `suffix` is
+    /// not empty (`"_migrations"`).
+    fn qualified(&self, suffix: &str) -> String {
+        format!("`{}`.`{}{suffix}`", self.database, self.table)
+    }
+
+    /// Creates or upgrades the inbox table. Safe to run repeatedly and from several
+    /// processes at once: migrators take turns on a named lock (`GET_LOCK`, one waits up to
+    /// a minute for another), and versions are recorded in `<table>_migrations` and never
+    /// run twice. Refuses a table of that name that is not an inbox (the outbox table,
+    /// say). MySQL commits each DDL statement at once, and with it any open transaction:
+    /// run it on a connection of its own.
+    pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
+        let name = self.lock_name();
+        let got: Option<i64> = conn
+            .fetch_one(
+                sqlx::query("SELECT GET_LOCK(?, ?)")
+                    .bind(&name)
+                    .bind(MIGRATION_WAIT_SECS),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        if got != Some(1) {
+            return Err(Error::unavailable(format!(
+                "mysql: migration of the inbox {} waited {MIGRATION_WAIT_SECS} s for another \
+                 migrator (lock `{name}`)",
+                self.qualified("")
+            )));
+        }
+        let result = self.migrate_locked(conn).await;
+        let released = conn
+            .execute(sqlx::query("SELECT RELEASE_LOCK(?)").bind(&name))
+            .await;
+        result?;
+        released.map_err(fail)?;
+        Ok(())
+    }
+
+    async fn migrate_locked(&self, conn: &mut MySqlConnection) -> Result<()> {
+        self.refuse_other_table(conn).await?;
+        let versions = self.qualified("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
+             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB"
+        );
+        conn.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i64 = conn
+            .fetch_one(
+                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
+                    .as_str(),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let record =
+            format!("INSERT INTO {versions} (version, applied_at) VALUES (?, UTC_TIMESTAMP(6))");
+        for (version, steps) in (1i64..).zip(MIGRATIONS) {
+            if version <= applied {
+                continue;
+            }
+            tracing::info!(table = %self.qualified(""), version, "applying inbox migration");
+            for step in *steps {
+                conn.execute(self.render(step).as_str())
+                    .await
+                    .map_err(fail)?;
+            }
+            conn.execute(sqlx::query(&record).bind(version))
+                .await
+                .map_err(fail)?;
+        }
+        Ok(())
+    }
+
+    /// A `Config` error when a table of the inbox's name exists without the inbox's columns.
+    async fn refuse_other_table(&self, conn: &mut MySqlConnection) -> Result<()> {
+        let (exists, found): (i64, i64) = conn
+            .fetch_one(
+                sqlx::query(
+                    "SELECT (SELECT COUNT(*) FROM information_schema.tables \
+                             WHERE table_schema = ? AND table_name = ?),
+                            (SELECT COUNT(*) FROM information_schema.columns \
+                             WHERE table_schema = ? AND table_name = ? \
+                             AND column_name IN (?, ?, ?))",
+                )
+                .bind(&self.database)
+                .bind(&self.table)
+                .bind(&self.database)
+                .bind(&self.table)
+                .bind(COLUMNS[0])
+                .bind(COLUMNS[1])
+                .bind(COLUMNS[2]),
+            )
+            .await
+            .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .map_err(fail)?;
+        if exists > 0 && found < COLUMNS.len() as i64 {
+            return Err(Error::setting(
+                "table",
+                format!(
+                    "`{}` names an existing table in database `{}` that is not an inbox (it \
+                     lacks the columns consumer, message_id and processed_at); give the inbox \
+                     a table of its own, not the outbox's or an application's",
+                    self.table, self.database
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
+    /// transaction (`&mut *tx`), the one that makes the message's business change. `true`:
+    /// the message is new, run the handler; `false`: a duplicate (already committed by an
+    /// earlier delivery, or earlier in this transaction), skip it. The record commits or
+    /// rolls back with the transaction, so a handler that fails leaves none behind and the
+    /// next delivery runs it again.
+    ///
+    /// Two transactions racing on the same id: the second waits (on the primary key's row
+    /// lock, up to `innodb_lock_wait_timeout`) until the first ends, then gets `false` if it
+    /// committed and `true` if it rolled back, at any isolation level. Three or more racing
+    /// with a rollback can deadlock; InnoDB then rolls one back (`Temporary`): let the
+    /// message be redelivered.
+    ///
+    /// Refused (`Config`) outside a transaction begun through sqlx, where the record would
+    /// commit at once, before the handler, and an empty or over-255-byte `consumer`.
+    pub async fn process(
+        &self,
+        conn: &mut MySqlConnection,
+        consumer: &str,
+        message_id: Uuid,
+    ) -> Result<bool> {
+        check_consumer(consumer)?;
+        if !conn.is_in_transaction() {
+            return Err(outside_transaction());
+        }
+        let id = message_id.hyphenated().to_string();
+        match conn
+            .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
+            .await
+        {
+            Ok(_) => Ok(true),
+            Err(e) if is_duplicate(&e) => Ok(false),
+            Err(e) => Err(self.error("recording a message in the inbox failed", e)),
+        }
+    }
+
+    /// Removes records processed more than `older_than` ago (by `processed_at`, on the
+    /// database clock), at most `limit` of them, oldest first; returns how many. Call it
+    /// again until it returns less than `limit`: small batches keep each statement's locks
+    /// short. Run it on a connection of its own (autocommit), not in a consumer's
+    /// transaction.
+    pub async fn purge(
+        &self,
+        conn: &mut MySqlConnection,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64> {
+        if limit == 0 || older_than > MAX_AGE {
+            return Ok(0);
+        }
+        let micros = i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX);
+        let done = conn
+            .execute(sqlx::query(&self.purge).bind(micros).bind(limit))
+            .await
+            .map_err(|e| self.error("purging the inbox failed", e))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Classifies an error of a statement on the inbox table: a missing table or column
+    /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
+    fn error(&self, context: &str, error: sqlx::Error) -> Error {
+        if cause(&error) == Cause::Schema {
+            return Error::schema(format!(
+                "mysql: {context}: the inbox table {} is missing or older than this release; \
+                 run Inbox::migrate",
+                self.qualified("")
+            ))
+            .with_source(error);
+        }
+        db_error(None, context, error)
+    }
+
+    /// The name of the migration lock: `GET_LOCK` names are server-wide and at most 64
+    /// characters, so a hash of the qualified table stands for it.
+    fn lock_name(&self) -> String {
+        // FNV-1a: stable across builds and platforms, unlike std's hasher.
+        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+        for byte in format!("{}.{}", self.database, self.table).bytes() {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        format!("outbox_inbox_migrate_{hash:016x}")
+    }
+
+    /// Fills a migration template's placeholders with validated, quoted names.
+    fn render(&self, template: &str) -> String {
+        template
+            .replace("{inbox}", &self.qualified(""))
+            .replace("{table}", &self.table)
+    }
+}
+
+/// Whether `error` is the duplicate-key error of the inbox's primary key.
+fn is_duplicate(error: &sqlx::Error) -> bool {
+    match error {
+        sqlx::Error::Database(db) => db
+            .try_downcast_ref::<MySqlDatabaseError>()
+            .is_some_and(|e| e.number() == DUPLICATE_KEY),
+        _ => false,
+    }
+}
+
+/// A `Config` error unless `consumer` is 1 to 255 bytes.
+fn check_consumer(consumer: &str) -> Result<()> {
+    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
+        return Err(Error::config(format!(
+            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
+             (one name per consumer, the same on every delivery)"
+        )));
+    }
+    Ok(())
+}
+
+/// The error of [`Inbox::process`] outside a transaction.
+fn outside_transaction() -> Error {
+    Error::config(
+        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
+         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
+         change; outside one it would commit at once, and a failing handler would lose the \
+         message",
+    )
+}
+
+/// Classifies an error of a migration statement.
+fn fail(error: sqlx::Error) -> Error {
+    db_error(None, "inbox migration failed", error)
+}
+
+/// Inbox migrations, applied in order (version = position + 1), each a list of statements;
+/// never change the effect of one that has shipped, add another. Times are `DATETIME(6)` in
+/// UTC, as the outbox's. `consumer` compares byte for byte (`utf8mb4_bin`): two names that
+/// differ only in case are two consumers. The key is 1,164 bytes at most, within InnoDB's
+/// 3,072 (DYNAMIC rows, the default since MySQL 5.7 and MariaDB 10.2).
+const MIGRATIONS: &[&[&str]] = &[&[r"CREATE TABLE IF NOT EXISTS {inbox} (
+    consumer     VARCHAR(255) NOT NULL,
+    message_id   CHAR(36) NOT NULL,
+    processed_at DATETIME(6) NOT NULL DEFAULT (UTC_TIMESTAMP(6)),
+    PRIMARY KEY (consumer, message_id),
+    KEY `{table}_processed_at` (processed_at),
+    CONSTRAINT `{table}_consumer_not_empty` CHECK (consumer <> '')
+) ENGINE=InnoDB DEFAULT CHARSET=utf8mb4 COLLATE=utf8mb4_bin"]];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_outbox_rules() {
+        assert!(Inbox::new("app", "inbox").is_ok());
+        let err = Inbox::new("app", "bad name").unwrap_err();
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+        assert!(err.to_string().contains("table `bad name`"), "{err}");
+        let err = Inbox::new("Bad", "inbox").unwrap_err();
+        assert!(err.to_string().contains("database `Bad`"), "{err}");
+        let err = Inbox::new("app", "x`; DROP TABLE y; --").unwrap_err();
+        assert!(err.to_string().contains("is not allowed"), "{err}");
+    }
+
+    #[test]
+    fn consumer_names_are_checked() {
+        assert!(check_consumer("billing").is_ok());
+        assert!(check_consumer(&"c".repeat(255)).is_ok());
+        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
+            let err = check_consumer(&bad).unwrap_err();
+            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
+        }
+    }
+
+    #[test]
+    fn migrations_fill_every_placeholder_and_the_lock_name_fits() {
+        let inbox = Inbox::new("app", "inbox").unwrap();
+        for steps in MIGRATIONS {
+            for step in *steps {
+                let sql = inbox.render(step);
+                assert!(
+                    !sql.contains("{inbox}") && !sql.contains("{table}"),
+                    "{sql}"
+                );
+            }
+        }
+        assert!(inbox.lock_name().len() <= 64);
+        assert_ne!(
+            inbox.lock_name(),
+            Inbox::new("app", "inbox2").unwrap().lock_name()
+        );
+    }
+
+    /// Compiles only if the calls can run in a spawned task.
+    #[allow(dead_code)]
+    fn calls_are_spawnable(inbox: Inbox, mut conn: MySqlConnection) {
+        drop(tokio::spawn(async move {
+            inbox.migrate(&mut conn).await?;
+            inbox.process(&mut conn, "c", Uuid::nil()).await?;
+            inbox.purge(&mut conn, Duration::ZERO, 1).await
+        }));
+    }
+}

@@ -1,0 +1,317 @@
+//! The inbox: the message ids a consumer has processed, recorded in the consumer's own
+//! transaction, so a redelivered message is recognised and skipped.
+
+use std::time::Duration;
+
+use outbox_core::{Error, Result};
+use sqlx::{Connection, Executor, Row, SqliteConnection};
+use uuid::Uuid;
+
+use crate::OutboxTable;
+use crate::error::{Cause, cause, db_error};
+use crate::table::NOW_MS;
+
+/// Longest consumer name accepted, in bytes.
+const MAX_CONSUMER: usize = 255;
+
+/// Ages past this delete nothing: no record is that old.
+const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// The columns an inbox table must have; a table without them is not an inbox.
+const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
+
+/// A consumer's inbox: the message ids it has processed, per consumer name, in the table
+/// `table` (and its versions in `<table>_migrations`). Inside the transaction that makes a
+/// message's business change, [`process`](Self::process) records the message id and says
+/// whether it is new; a redelivered message is a duplicate and its handler is skipped. The
+/// record commits or rolls back with the business change.
+///
+/// The name follows the outbox's rules ([`OutboxTable::new`]) and is validated, then quoted;
+/// it is never spliced in unchecked. Nothing here needs an async runtime of its own: the
+/// calls only run statements on the connection they are given.
+///
+/// ```no_run
+/// # async fn consume(pool: outbox_sqlite::sqlx::SqlitePool, message_id: uuid::Uuid)
+/// #     -> Result<(), Box<dyn std::error::Error>> {
+/// use outbox_sqlite::sqlx::{self, Connection};
+/// use outbox_sqlite::Inbox;
+///
+/// let inbox = Inbox::new("inbox")?; // once, at start-up, with `inbox.migrate`
+/// let mut conn = pool.acquire().await?;
+/// // IMMEDIATE: the write lock from the start, so the handler may read first.
+/// let mut tx = conn.begin_with("BEGIN IMMEDIATE").await?;
+/// if inbox.process(&mut tx, "billing", message_id).await? {
+///     // The handler: the business change, in the same transaction.
+///     sqlx::query("UPDATE accounts SET balance = balance - 10 WHERE id = 1")
+///         .execute(&mut *tx)
+///         .await?;
+/// }
+/// tx.commit().await?; // then acknowledge the delivery
+/// # Ok(()) }
+/// ```
+#[derive(Debug, Clone)]
+pub struct Inbox {
+    table: String,
+    insert: String,
+    purge: String,
+}
+
+impl Inbox {
+    /// The inbox table `table`. Fails if the name is not a plain identifier (the rules of
+    /// [`OutboxTable::new`]; errors keyed `table`).
+    pub fn new(table: &str) -> Result<Inbox> {
+        OutboxTable::new(table)?;
+        let inbox = format!(r#""{table}""#);
+        Ok(Inbox {
+            table: table.to_string(),
+            insert: format!(
+                "INSERT INTO {inbox} (consumer, message_id, processed_at) VALUES (?, ?, {NOW_MS}) \
+                 ON CONFLICT (consumer, message_id) DO NOTHING"
+            ),
+            purge: format!(
+                "DELETE FROM {inbox} WHERE rowid IN (
+                    SELECT rowid FROM {inbox} WHERE processed_at < {NOW_MS} - ? LIMIT ?)"
+            ),
+        })
+    }
+
+    /// The inbox table name.
+    pub fn table(&self) -> &str {
+        &self.table
+    }
+
+    /// The quoted name of the inbox table, or of its companion when `suffix` is not empty
+    /// (`"_migrations"`).
+    fn quoted(&self, suffix: &str) -> String {
+        format!(r#""{}{suffix}""#, self.table)
+    }
+
+    /// Creates or upgrades the inbox table. Safe to run repeatedly and from several
+    /// processes at once: a migration runs in one `BEGIN IMMEDIATE` transaction, so
+    /// migrators take turns on the database's write lock (one waits up to the connection's
+    /// `busy_timeout` for another, then fails `Unavailable`) and none applies a version
+    /// twice. Refuses a table of that name that is not an inbox (the outbox table, say).
+    /// Run it on a connection of its own, not inside a transaction.
+    pub async fn migrate(&self, conn: &mut SqliteConnection) -> Result<()> {
+        let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(fail)?;
+        self.refuse_other_table(&mut tx).await?;
+        let versions = self.quoted("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)"
+        );
+        tx.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i64 = tx
+            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        let record = format!("INSERT INTO {versions} (version, applied_at) VALUES (?, {NOW_MS})");
+        for (version, template) in (1i64..).zip(MIGRATIONS) {
+            if version <= applied {
+                continue;
+            }
+            tracing::info!(table = %self.table, version, "applying inbox migration");
+            tx.execute(self.render(template).as_str())
+                .await
+                .map_err(fail)?;
+            tx.execute(sqlx::query(&record).bind(version))
+                .await
+                .map_err(fail)?;
+        }
+        tx.commit().await.map_err(fail)
+    }
+
+    /// A `Config` error when a table of the inbox's name exists without the inbox's columns.
+    async fn refuse_other_table(&self, conn: &mut SqliteConnection) -> Result<()> {
+        let (exists, found): (i64, i64) = conn
+            .fetch_one(
+                sqlx::query(
+                    "SELECT (SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1),
+                            (SELECT count(*) FROM pragma_table_info(?1) WHERE name IN (?2, ?3, ?4))",
+                )
+                .bind(&self.table)
+                .bind(COLUMNS[0])
+                .bind(COLUMNS[1])
+                .bind(COLUMNS[2]),
+            )
+            .await
+            .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
+            .map_err(fail)?;
+        if exists > 0 && found < COLUMNS.len() as i64 {
+            return Err(Error::setting(
+                "table",
+                format!(
+                    "`{}` names an existing table that is not an inbox (it lacks the columns \
+                     consumer, message_id and processed_at); give the inbox a table of its \
+                     own, not the outbox's or an application's",
+                    self.table
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
+    /// transaction (`&mut *tx`), the one that makes the message's business change. `true`:
+    /// the message is new, run the handler; `false`: a duplicate (already committed by an
+    /// earlier delivery, or earlier in this transaction), skip it. The record commits or
+    /// rolls back with the transaction, so a handler that fails leaves none behind and the
+    /// next delivery runs it again.
+    ///
+    /// SQLite has one writer at a time: from this call to its end, the transaction holds
+    /// the database's write lock, and a racing transaction waits for it (up to
+    /// `busy_timeout`), then sees the record if it committed. A transaction that read
+    /// before its first write cannot wait that way and fails `Unavailable` (database is
+    /// locked) instead: begin consumer transactions with `BEGIN IMMEDIATE`
+    /// (`conn.begin_with("BEGIN IMMEDIATE")`).
+    ///
+    /// Refused (`Config`) outside a transaction begun through sqlx, where the record would
+    /// commit at once, before the handler, and an empty or over-255-byte `consumer`.
+    pub async fn process(
+        &self,
+        conn: &mut SqliteConnection,
+        consumer: &str,
+        message_id: Uuid,
+    ) -> Result<bool> {
+        check_consumer(consumer)?;
+        if !conn.is_in_transaction() {
+            return Err(outside_transaction());
+        }
+        let id = message_id.hyphenated().to_string();
+        let done = conn
+            .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
+            .await
+            .map_err(|e| self.error("recording a message in the inbox failed", e))?;
+        Ok(done.rows_affected() == 1)
+    }
+
+    /// Removes records processed more than `older_than` ago (by `processed_at`, on the
+    /// database clock), at most `limit` of them; returns how many. Call it again until it
+    /// returns less than `limit`: small batches keep each write-lock short. Run it on a
+    /// connection of its own, not in a consumer's transaction.
+    pub async fn purge(
+        &self,
+        conn: &mut SqliteConnection,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64> {
+        if limit == 0 || older_than > MAX_AGE {
+            return Ok(0);
+        }
+        let millis = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        let done = conn
+            .execute(sqlx::query(&self.purge).bind(millis).bind(i64::from(limit)))
+            .await
+            .map_err(|e| self.error("purging the inbox failed", e))?;
+        Ok(done.rows_affected())
+    }
+
+    /// Classifies an error of a statement on the inbox table: a missing table or column
+    /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
+    fn error(&self, context: &str, error: sqlx::Error) -> Error {
+        if cause(&error) == Cause::Schema {
+            return Error::schema(format!(
+                "sqlite: {context}: the inbox table {} is missing or older than this release; \
+                 run Inbox::migrate",
+                self.quoted("")
+            ))
+            .with_source(error);
+        }
+        db_error(None, context, error)
+    }
+
+    /// Fills a migration template's placeholders with validated, quoted names.
+    fn render(&self, template: &str) -> String {
+        template
+            .replace("{inbox}", &self.quoted(""))
+            .replace("{table}", &self.table)
+            .replace("{now_ms}", NOW_MS)
+    }
+}
+
+/// A `Config` error unless `consumer` is 1 to 255 bytes.
+fn check_consumer(consumer: &str) -> Result<()> {
+    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
+        return Err(Error::config(format!(
+            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
+             (one name per consumer, the same on every delivery)"
+        )));
+    }
+    Ok(())
+}
+
+/// The error of [`Inbox::process`] outside a transaction.
+fn outside_transaction() -> Error {
+    Error::config(
+        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
+         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
+         change; outside one it would commit at once, and a failing handler would lose the \
+         message",
+    )
+}
+
+/// Classifies an error of a migration statement.
+fn fail(error: sqlx::Error) -> Error {
+    db_error(None, "inbox migration failed", error)
+}
+
+/// Inbox migrations, applied in order (version = position + 1); never change the effect of
+/// one that has shipped, add another. `processed_at` is integer milliseconds since the Unix
+/// epoch, as the outbox's times. `IF NOT EXISTS`, so a table created by hand from
+/// docs/inbox.md is adopted.
+const MIGRATIONS: &[&str] = &[r#"
+CREATE TABLE IF NOT EXISTS {inbox} (
+    consumer     TEXT NOT NULL CHECK (typeof(consumer) = 'text' AND consumer <> ''),
+    message_id   TEXT NOT NULL CHECK (typeof(message_id) = 'text'),
+    processed_at INTEGER NOT NULL DEFAULT ({now_ms}),
+    PRIMARY KEY (consumer, message_id)
+);
+CREATE INDEX IF NOT EXISTS "{table}_processed_at" ON {inbox} (processed_at);
+"#];
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_outbox_rules() {
+        assert!(Inbox::new("inbox").is_ok());
+        let err = Inbox::new("bad name").unwrap_err();
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
+        assert!(err.to_string().contains("table `bad name`"), "{err}");
+        let err = Inbox::new("sqlite_x").unwrap_err();
+        assert!(err.to_string().contains("is not allowed"), "{err}");
+    }
+
+    #[test]
+    fn consumer_names_are_checked() {
+        assert!(check_consumer("billing").is_ok());
+        assert!(check_consumer(&"c".repeat(255)).is_ok());
+        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
+            let err = check_consumer(&bad).unwrap_err();
+            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
+        }
+    }
+
+    #[test]
+    fn migrations_fill_every_placeholder() {
+        let inbox = Inbox::new("inbox").unwrap();
+        for template in MIGRATIONS {
+            let sql = inbox.render(template);
+            for placeholder in ["{inbox}", "{table}", "{now_ms}"] {
+                assert!(!sql.contains(placeholder), "{sql}");
+            }
+        }
+    }
+
+    /// Compiles only if the calls can run in a spawned task.
+    #[allow(dead_code)]
+    fn calls_are_spawnable(inbox: Inbox, mut conn: SqliteConnection) {
+        drop(tokio::spawn(async move {
+            inbox.migrate(&mut conn).await?;
+            inbox.process(&mut conn, "c", Uuid::nil()).await?;
+            inbox.purge(&mut conn, Duration::ZERO, 1).await
+        }));
+    }
+}

@@ -1,0 +1,1194 @@
+//! The inbox of each storage against the real database: PostgreSQL and MariaDB on their
+//! standard ports (`OUTBOX_TEST_POSTGRES_URL`, `OUTBOX_TEST_MYSQL_URL` override them), SQLite
+//! in a temporary directory. The same checks run on all three (the `suite` module, through
+//! [`Store`]): a new id is processed once, a failed handler leaves no record, the business
+//! change and the record commit together, consumers are independent, two transactions
+//! racing on one id process it once, purge works in batches, migrations are repeatable and
+//! concurrent, and bad names and misuse are refused. PostgreSQL also runs a randomised model
+//! of deliveries, one after the other and concurrent. Every test has tables of its own, so
+//! they run in parallel; a server that is not running fails the tests with its address.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use outbox_core::{ErrorKind, Result};
+use outbox_tests::{postgres_url, unique_name};
+use uuid::Uuid;
+
+/// How long a racing transaction is watched to be sure it waits for the first one.
+const RACE_WAIT: Duration = Duration::from_millis(300);
+
+/// One storage's inbox, with a business table (`effects`) beside it that the handlers of
+/// the checks write into: one row per run of a handler, no unique key, so a handler that
+/// ran twice shows as two rows.
+trait Store: Sized {
+    /// A transaction on a connection of its own.
+    type Tx;
+
+    /// A fresh, migrated inbox and an empty business table.
+    async fn new() -> Self;
+    async fn begin(&self) -> Self::Tx;
+    async fn commit(tx: Self::Tx);
+    async fn rollback(tx: Self::Tx);
+    /// `Inbox::process` in `tx`.
+    async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool>;
+    /// `Inbox::process` on a connection outside any transaction.
+    async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool>;
+    /// The handler's business change: one row in `effects`.
+    async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid);
+    /// Committed runs of the handler for (consumer, id).
+    async fn effects(&self, consumer: &str, id: Uuid) -> i64;
+    /// Whether the inbox holds a committed record of (consumer, id).
+    async fn recorded(&self, consumer: &str, id: Uuid) -> bool;
+    /// Moves the record's `processed_at` back by `by`.
+    async fn backdate(&self, consumer: &str, id: Uuid, by: Duration);
+    async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64>;
+    /// Migrates the inbox table `table` (beside the fixture's) on a connection of its own.
+    async fn migrate(&self, table: &str) -> Result<()>;
+    /// The versions recorded in `<table>_migrations`.
+    async fn versions(&self, table: &str) -> i64;
+    /// `Inbox::process` in a transaction on the inbox `table`, which may not be migrated.
+    async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool>;
+    /// The name of the business table, for an inbox that must refuse it.
+    fn business_table(&self) -> String;
+    /// The inbox's constructor's error for the table name `table`, if any.
+    fn new_inbox(&self, table: &str) -> Result<()>;
+}
+
+/// Runs a fixture's clean-up to its end from a thread of its own (a `Drop` runs inside the
+/// test's runtime, which cannot block on another). Errors are ignored, as in any clean-up.
+/// Its statements give up on locks after 5 s: a test that failed mid-transaction leaves
+/// that transaction open (its rollback waits for the runtime this blocks), and the
+/// clean-up must not wait for it forever; the tables then stay behind, under unique names.
+fn clean_up<T>(work: impl Future<Output = Option<T>> + Send + 'static) {
+    let _ = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(work).map(drop)
+    })
+    .join();
+}
+
+/// The checks every storage runs.
+mod suite {
+    use super::*;
+
+    pub async fn a_new_id_is_processed_and_a_redelivery_skipped<S: Store>() {
+        let s = S::new().await;
+        let id = Uuid::now_v7();
+        let mut tx = s.begin().await;
+        assert!(s.process(&mut tx, "billing", id).await.expect("process"));
+        // Again in the same transaction: already recorded.
+        assert!(!s.process(&mut tx, "billing", id).await.expect("process"));
+        S::commit(tx).await;
+        for _ in 0..2 {
+            let mut tx = s.begin().await;
+            assert!(
+                !s.process(&mut tx, "billing", id).await.expect("process"),
+                "a redelivery after the commit must be a duplicate"
+            );
+            S::commit(tx).await;
+        }
+        let mut tx = s.begin().await;
+        assert!(
+            s.process(&mut tx, "billing", Uuid::now_v7())
+                .await
+                .expect("process"),
+            "another id is new"
+        );
+        S::rollback(tx).await;
+    }
+
+    pub async fn a_failed_handler_leaves_no_record<S: Store>() {
+        let s = S::new().await;
+        let id = Uuid::now_v7();
+        // The first delivery's handler fails: its transaction rolls back.
+        let mut tx = s.begin().await;
+        assert!(s.process(&mut tx, "billing", id).await.expect("process"));
+        s.record_effect(&mut tx, "billing", id).await;
+        S::rollback(tx).await;
+        assert!(!s.recorded("billing", id).await, "a rolled-back record");
+        // The next delivery runs the handler, which succeeds.
+        let mut tx = s.begin().await;
+        assert!(
+            s.process(&mut tx, "billing", id).await.expect("process"),
+            "the redelivery after a failed handler must run it again"
+        );
+        s.record_effect(&mut tx, "billing", id).await;
+        S::commit(tx).await;
+        assert_eq!(s.effects("billing", id).await, 1);
+        assert!(s.recorded("billing", id).await);
+    }
+
+    pub async fn the_business_change_and_the_record_commit_together<S: Store>() {
+        let s = S::new().await;
+        let (kept, dropped) = (Uuid::now_v7(), Uuid::now_v7());
+        let mut tx = s.begin().await;
+        assert!(s.process(&mut tx, "billing", kept).await.expect("process"));
+        s.record_effect(&mut tx, "billing", kept).await;
+        // Nothing is visible before the commit.
+        assert_eq!(s.effects("billing", kept).await, 0);
+        assert!(!s.recorded("billing", kept).await);
+        S::commit(tx).await;
+        assert_eq!(s.effects("billing", kept).await, 1);
+        assert!(s.recorded("billing", kept).await);
+
+        let mut tx = s.begin().await;
+        assert!(
+            s.process(&mut tx, "billing", dropped)
+                .await
+                .expect("process")
+        );
+        s.record_effect(&mut tx, "billing", dropped).await;
+        S::rollback(tx).await;
+        assert_eq!(s.effects("billing", dropped).await, 0);
+        assert!(!s.recorded("billing", dropped).await);
+    }
+
+    pub async fn consumers_are_independent<S: Store>() {
+        let s = S::new().await;
+        let id = Uuid::now_v7();
+        for consumer in ["billing", "shipping", "Billing"] {
+            let mut tx = s.begin().await;
+            assert!(
+                s.process(&mut tx, consumer, id).await.expect("process"),
+                "{consumer} has not seen the message"
+            );
+            S::commit(tx).await;
+        }
+        for consumer in ["billing", "shipping", "Billing"] {
+            let mut tx = s.begin().await;
+            assert!(!s.process(&mut tx, consumer, id).await.expect("process"));
+            S::commit(tx).await;
+        }
+        let longest = "c".repeat(255);
+        let mut tx = s.begin().await;
+        assert!(s.process(&mut tx, &longest, id).await.expect("255 bytes"));
+        S::commit(tx).await;
+        assert!(s.recorded(&longest, id).await);
+    }
+
+    /// Two transactions on the same (consumer, id): the second waits for the first, then
+    /// gets `false` if the first committed, `true` if it rolled back.
+    pub async fn racing_transactions_process_an_id_once<S: Store>() {
+        let s = S::new().await;
+        for first_commits in [true, false] {
+            let id = Uuid::now_v7();
+            let mut first = s.begin().await;
+            assert!(s.process(&mut first, "billing", id).await.expect("first"));
+            s.record_effect(&mut first, "billing", id).await;
+            let mut second = s.begin().await;
+            let second_done = AtomicBool::new(false);
+            let second_run = async {
+                let new = s.process(&mut second, "billing", id).await.expect("second");
+                second_done.store(true, Ordering::SeqCst);
+                if new {
+                    s.record_effect(&mut second, "billing", id).await;
+                }
+                new
+            };
+            let first_end = async {
+                tokio::time::sleep(RACE_WAIT).await;
+                assert!(
+                    !second_done.load(Ordering::SeqCst),
+                    "the second transaction must wait for the first"
+                );
+                if first_commits {
+                    S::commit(first).await;
+                } else {
+                    S::rollback(first).await;
+                }
+            };
+            let (second_new, ()) = tokio::join!(second_run, first_end);
+            S::commit(second).await;
+            assert_eq!(
+                second_new,
+                !first_commits,
+                "the second transaction after the first {}",
+                if first_commits {
+                    "committed"
+                } else {
+                    "rolled back"
+                }
+            );
+            assert_eq!(s.effects("billing", id).await, 1, "the handler ran once");
+            assert!(s.recorded("billing", id).await);
+        }
+    }
+
+    pub async fn purge_removes_old_records_in_batches<S: Store>() {
+        let s = S::new().await;
+        let old: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
+        let fresh: Vec<Uuid> = (0..2).map(|_| Uuid::now_v7()).collect();
+        let mut tx = s.begin().await;
+        for id in old.iter().chain(&fresh) {
+            assert!(s.process(&mut tx, "billing", *id).await.expect("process"));
+        }
+        S::commit(tx).await;
+        for id in &old {
+            s.backdate("billing", *id, Duration::from_secs(7200)).await;
+        }
+        let hour = Duration::from_secs(3600);
+        assert_eq!(s.purge(hour, 0).await.expect("purge"), 0, "limit 0");
+        assert_eq!(s.purge(Duration::MAX, 10).await.expect("purge"), 0);
+        let mut batches = Vec::new();
+        loop {
+            let n = s.purge(hour, 2).await.expect("purge");
+            batches.push(n);
+            if n < 2 {
+                break;
+            }
+        }
+        assert_eq!(batches, [2, 2, 1], "batches of at most `limit`");
+        for id in &old {
+            assert!(!s.recorded("billing", *id).await, "an old record survived");
+        }
+        for id in &fresh {
+            assert!(
+                s.recorded("billing", *id).await,
+                "a fresh record was purged"
+            );
+        }
+        // A purged id is new again: retention must outlast the broker's redelivery.
+        let mut tx = s.begin().await;
+        assert!(
+            s.process(&mut tx, "billing", old[0])
+                .await
+                .expect("process")
+        );
+        S::rollback(tx).await;
+        // SQLite's clock has milliseconds: let the fresh records be older than now.
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        assert_eq!(s.purge(Duration::ZERO, 10).await.expect("purge all"), 2);
+    }
+
+    pub async fn migrations_are_repeatable_and_concurrent<S: Store>() {
+        let s = S::new().await;
+        let table = unique_name("inbox");
+        let results = futures_util::future::join_all((0..4).map(|_| s.migrate(&table))).await;
+        for result in results {
+            result.expect("concurrent migration");
+        }
+        s.migrate(&table).await.expect("migrating again");
+        assert_eq!(s.versions(&table).await, 1, "each version recorded once");
+        let id = Uuid::now_v7();
+        assert!(s.process_in(&table, "billing", id).await.expect("process"));
+    }
+
+    pub async fn bad_names_and_misuse_are_refused<S: Store>() {
+        let s = S::new().await;
+        for bad in ["Bad-Name", "x\"; DROP TABLE y; --", ""] {
+            let err = s.new_inbox(bad).expect_err("a bad table name");
+            assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+            assert!(
+                err.to_string()
+                    .contains(&format!("table `{bad}` is not allowed")),
+                "{err}"
+            );
+        }
+        // A table of the name that is not an inbox.
+        let err = s
+            .migrate(&s.business_table())
+            .await
+            .expect_err("an inbox on the business table");
+        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+        assert!(err.to_string().contains("is not an inbox"), "{err}");
+        // Not migrated: a schema error that says what to run.
+        let err = s
+            .process_in(&unique_name("inbox"), "billing", Uuid::now_v7())
+            .await
+            .expect_err("an inbox that is not migrated");
+        assert_eq!(err.kind(), ErrorKind::Schema, "{err}");
+        assert!(err.to_string().contains("Inbox::migrate"), "{err}");
+        // Outside a transaction the record would commit before the handler ran.
+        let id = Uuid::now_v7();
+        let err = s
+            .process_outside_transaction("billing", id)
+            .await
+            .expect_err("process outside a transaction");
+        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+        assert!(
+            err.to_string()
+                .contains("inside the consumer's transaction"),
+            "{err}"
+        );
+        assert!(!s.recorded("billing", id).await);
+        for consumer in [String::new(), "c".repeat(256)] {
+            let mut tx = s.begin().await;
+            let err = s
+                .process(&mut tx, &consumer, id)
+                .await
+                .expect_err("a bad consumer name");
+            assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
+            S::rollback(tx).await;
+        }
+    }
+}
+
+/// The checks of [`suite`] as tests for one storage.
+macro_rules! inbox_suite {
+    ($store:ty) => {
+        #[tokio::test]
+        async fn a_new_id_is_processed_and_a_redelivery_skipped() {
+            suite::a_new_id_is_processed_and_a_redelivery_skipped::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn a_failed_handler_leaves_no_record() {
+            suite::a_failed_handler_leaves_no_record::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn the_business_change_and_the_record_commit_together() {
+            suite::the_business_change_and_the_record_commit_together::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn consumers_are_independent() {
+            suite::consumers_are_independent::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn racing_transactions_process_an_id_once() {
+            suite::racing_transactions_process_an_id_once::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn purge_removes_old_records_in_batches() {
+            suite::purge_removes_old_records_in_batches::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn migrations_are_repeatable_and_concurrent() {
+            suite::migrations_are_repeatable_and_concurrent::<$store>().await
+        }
+
+        #[tokio::test]
+        async fn bad_names_and_misuse_are_refused() {
+            suite::bad_names_and_misuse_are_refused::<$store>().await
+        }
+    };
+}
+
+mod postgres {
+    use outbox_postgres::Inbox;
+    use outbox_postgres::sqlx::postgres::{PgPool, PgPoolOptions};
+    use outbox_postgres::sqlx::{self, Connection, PgConnection, Postgres, Transaction};
+
+    use super::*;
+
+    /// An inbox and a business table in a schema of their own, dropped with the value.
+    pub struct Pg {
+        pub inbox: Inbox,
+        pub pool: PgPool,
+        pub schema: String,
+    }
+
+    impl Drop for Pg {
+        fn drop(&mut self) {
+            let drop = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.schema);
+            clean_up(async move {
+                let mut conn = PgConnection::connect(&postgres_url()).await.ok()?;
+                sqlx::query("SET lock_timeout = '5s'")
+                    .execute(&mut conn)
+                    .await
+                    .ok()?;
+                sqlx::query(&drop).execute(&mut conn).await.ok()
+            });
+        }
+    }
+
+    fn missing(error: impl std::fmt::Display) -> ! {
+        outbox_tests::Service::Postgres.missing(error)
+    }
+
+    impl Pg {
+        fn effects_table(&self) -> String {
+            format!(r#""{}".effects"#, self.schema)
+        }
+
+        fn inbox_table(&self) -> String {
+            format!(r#""{}"."{}""#, self.schema, self.inbox.table())
+        }
+    }
+
+    impl Store for Pg {
+        type Tx = Transaction<'static, Postgres>;
+
+        async fn new() -> Pg {
+            let pool = PgPoolOptions::new()
+                .max_connections(8)
+                .connect(&postgres_url())
+                .await
+                .unwrap_or_else(|e| missing(e));
+            let schema = unique_name("inbox");
+            let inbox = Inbox::new(&schema, "inbox").expect("valid names");
+            let mut conn = pool.acquire().await.unwrap_or_else(|e| missing(e));
+            inbox.migrate(&mut conn).await.expect("migrate");
+            let pg = Pg {
+                inbox,
+                pool,
+                schema,
+            };
+            sqlx::query(&format!(
+                "CREATE TABLE {} (consumer text NOT NULL, message_id uuid NOT NULL)",
+                pg.effects_table()
+            ))
+            .execute(&mut *conn)
+            .await
+            .expect("business table");
+            pg
+        }
+
+        async fn begin(&self) -> Self::Tx {
+            self.pool.begin().await.expect("begin")
+        }
+
+        async fn commit(tx: Self::Tx) {
+            tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(tx: Self::Tx) {
+            tx.rollback().await.expect("rollback")
+        }
+
+        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(tx, consumer, id).await
+        }
+
+        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.process(&mut conn, consumer, id).await
+        }
+
+        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
+            sqlx::query(&format!(
+                "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
+                self.effects_table()
+            ))
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut **tx)
+            .await
+            .expect("business change");
+        }
+
+        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+            sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM {} WHERE consumer = $1 AND message_id = $2",
+                self.effects_table()
+            ))
+            .bind(consumer)
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+        }
+
+        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+            sqlx::query_scalar(&format!(
+                "SELECT EXISTS (SELECT FROM {} WHERE consumer = $1 AND message_id = $2)",
+                self.inbox_table()
+            ))
+            .bind(consumer)
+            .bind(id)
+            .fetch_one(&self.pool)
+            .await
+            .expect("read the inbox")
+        }
+
+        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+            sqlx::query(&format!(
+                "UPDATE {} SET processed_at = processed_at - $3 * interval '1 second' \
+                 WHERE consumer = $1 AND message_id = $2",
+                self.inbox_table()
+            ))
+            .bind(consumer)
+            .bind(id)
+            .bind(by.as_secs_f64())
+            .execute(&self.pool)
+            .await
+            .expect("backdate");
+        }
+
+        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.purge(&mut conn, older_than, limit).await
+        }
+
+        async fn migrate(&self, table: &str) -> Result<()> {
+            let inbox = Inbox::new(&self.schema, table)?;
+            let mut conn = PgConnection::connect(&postgres_url())
+                .await
+                .unwrap_or_else(|e| missing(e));
+            inbox.migrate(&mut conn).await
+        }
+
+        async fn versions(&self, table: &str) -> i64 {
+            sqlx::query_scalar(&format!(
+                r#"SELECT count(*) FROM "{}"."{table}_migrations""#,
+                self.schema
+            ))
+            .fetch_one(&self.pool)
+            .await
+            .expect("read versions")
+        }
+
+        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
+            let inbox = Inbox::new(&self.schema, table)?;
+            let mut tx = self.begin().await;
+            let new = inbox.process(&mut tx, consumer, id).await?;
+            Self::commit(tx).await;
+            Ok(new)
+        }
+
+        fn business_table(&self) -> String {
+            "effects".into()
+        }
+
+        fn new_inbox(&self, table: &str) -> Result<()> {
+            Inbox::new(&self.schema, table).map(drop)
+        }
+    }
+
+    inbox_suite!(Pg);
+
+    #[tokio::test]
+    async fn a_bad_schema_name_is_refused() {
+        let err = Inbox::new("Bad-Schema", "inbox").expect_err("a bad schema name");
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(
+            err.to_string()
+                .contains("schema `Bad-Schema` is not allowed"),
+            "{err}"
+        );
+    }
+
+    /// Inbox and outbox migrators creating the same new schema at once take turns on the
+    /// same lock: none fails on the schema the other created.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn inbox_and_outbox_migrators_share_a_new_schema() {
+        let schema = unique_name("inbox");
+        let _cleanup = DropSchema(schema.clone());
+        let connect = || async {
+            PgConnection::connect(&postgres_url())
+                .await
+                .unwrap_or_else(|e| missing(e))
+        };
+        let inboxes = (0..3).map(|i| {
+            let schema = schema.clone();
+            async move {
+                let inbox = Inbox::new(&schema, &format!("inbox_{i}")).expect("names");
+                inbox.migrate(&mut connect().await).await
+            }
+        });
+        let outboxes = (0..2).map(|i| {
+            let schema = schema.clone();
+            async move {
+                let table = outbox_postgres::OutboxTable::new(&schema, &format!("outbox_{i}"))
+                    .expect("names");
+                table.migrate(&mut connect().await).await
+            }
+        });
+        let (inboxes, outboxes) = tokio::join!(
+            futures_util::future::join_all(inboxes),
+            futures_util::future::join_all(outboxes)
+        );
+        for result in inboxes.into_iter().chain(outboxes) {
+            result.expect("a migrator of the new schema");
+        }
+    }
+
+    /// Drops a schema when the test ends.
+    struct DropSchema(String);
+
+    impl Drop for DropSchema {
+        fn drop(&mut self) {
+            outbox_tests::drop_schemas(std::slice::from_ref(&self.0));
+        }
+    }
+
+    /// At REPEATABLE READ, a duplicate committed after the snapshot cannot be skipped
+    /// silently: PostgreSQL raises a serialization failure, a retryable error.
+    #[tokio::test]
+    async fn a_race_at_repeatable_read_is_a_serialization_failure() {
+        let s = Pg::new().await;
+        let id = Uuid::now_v7();
+        let mut late = s.begin().await;
+        sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+            .execute(&mut *late)
+            .await
+            .expect("isolation");
+        sqlx::query("SELECT 1")
+            .execute(&mut *late)
+            .await
+            .expect("take the snapshot");
+        let mut first = s.begin().await;
+        assert!(s.process(&mut first, "billing", id).await.expect("first"));
+        Pg::commit(first).await;
+        let err = s
+            .process(&mut late, "billing", id)
+            .await
+            .expect_err("a serialization failure");
+        assert_eq!(err.kind(), ErrorKind::Temporary, "{err}");
+        assert!(err.is_retryable());
+        Pg::rollback(late).await;
+        // Redelivered, it is a duplicate.
+        let mut again = s.begin().await;
+        assert!(!s.process(&mut again, "billing", id).await.expect("again"));
+        Pg::rollback(again).await;
+    }
+
+    /// A randomised model: deliveries of a few ids to a few consumers, with duplicates and
+    /// failing handlers (rollbacks), first one after the other, where `process` must say
+    /// exactly what a set of committed (consumer, id) predicts, then from four concurrent
+    /// workers. Either way the handler's committed runs are exactly one per (consumer, id)
+    /// that some delivery committed, and the inbox holds exactly those. The seed is printed
+    /// on failure; `OUTBOX_TEST_SEED` replays one.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn randomised_deliveries_run_each_handler_once() {
+        let seed = std::env::var("OUTBOX_TEST_SEED")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| fastrand::u64(..));
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let s = Arc::new(Pg::new().await);
+        let consumers = ["billing", "shipping", "audit"];
+
+        // One after the other: every answer is predicted.
+        let ids: Vec<Uuid> = (0..8).map(|_| Uuid::now_v7()).collect();
+        let mut committed: HashSet<(String, Uuid)> = HashSet::new();
+        for step in 0..300 {
+            let key = (
+                consumers[rng.usize(..consumers.len())].to_string(),
+                ids[rng.usize(..ids.len())],
+            );
+            let fails = rng.u8(..100) < 30;
+            let mut tx = s.begin().await;
+            let new = s.process(&mut tx, &key.0, key.1).await.expect("process");
+            assert_eq!(
+                new,
+                !committed.contains(&key),
+                "step {step} (seed {seed}): process said {new} for {key:?}"
+            );
+            if new {
+                s.record_effect(&mut tx, &key.0, key.1).await;
+            }
+            if fails {
+                Pg::rollback(tx).await;
+            } else {
+                Pg::commit(tx).await;
+                committed.insert(key);
+            }
+        }
+        check_model(&s, &consumers, &ids, &committed, seed).await;
+
+        // Four workers at once over shared deliveries of fresh ids, many duplicates.
+        let ids: Vec<Uuid> = (0..6).map(|_| Uuid::now_v7()).collect();
+        let deliveries: Vec<((String, Uuid), bool)> = (0..240)
+            .map(|_| {
+                let key = (
+                    consumers[rng.usize(..consumers.len())].to_string(),
+                    ids[rng.usize(..ids.len())],
+                );
+                (key, rng.u8(..100) < 30)
+            })
+            .collect();
+        let queue = Arc::new(std::sync::Mutex::new(deliveries));
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                let (s, queue) = (s.clone(), queue.clone());
+                tokio::spawn(async move {
+                    // (key, whether this delivery ran the handler and committed)
+                    let mut outcomes: Vec<((String, Uuid), bool, bool)> = Vec::new();
+                    loop {
+                        let Some((key, fails)) = queue.lock().expect("queue").pop() else {
+                            return outcomes;
+                        };
+                        let mut tx = s.begin().await;
+                        let new = s.process(&mut tx, &key.0, key.1).await.expect("process");
+                        if new {
+                            s.record_effect(&mut tx, &key.0, key.1).await;
+                        }
+                        if fails {
+                            Pg::rollback(tx).await;
+                        } else {
+                            Pg::commit(tx).await;
+                        }
+                        outcomes.push((key, new, !fails));
+                    }
+                })
+            })
+            .collect();
+        let mut committed = HashSet::new();
+        let mut runs: HashMap<(String, Uuid), u32> = HashMap::new();
+        for worker in workers {
+            for (key, new, commits) in worker.await.expect("worker") {
+                if commits {
+                    if new {
+                        *runs.entry(key.clone()).or_default() += 1;
+                    }
+                    committed.insert(key);
+                }
+            }
+        }
+        for key in &committed {
+            assert_eq!(
+                runs.get(key),
+                Some(&1),
+                "(seed {seed}) committed handler runs of {key:?}"
+            );
+        }
+        check_model(&s, &consumers, &ids, &committed, seed).await;
+    }
+
+    /// The database agrees with the model: one committed handler run and one record per
+    /// committed (consumer, id), none for the others.
+    async fn check_model(
+        s: &Pg,
+        consumers: &[&str],
+        ids: &[Uuid],
+        committed: &HashSet<(String, Uuid)>,
+        seed: u64,
+    ) {
+        for consumer in consumers {
+            for id in ids {
+                let key = (consumer.to_string(), *id);
+                let expected = committed.contains(&key);
+                assert_eq!(
+                    s.effects(consumer, *id).await,
+                    i64::from(expected),
+                    "(seed {seed}) handler runs of {key:?}"
+                );
+                assert_eq!(
+                    s.recorded(consumer, *id).await,
+                    expected,
+                    "(seed {seed}) inbox record of {key:?}"
+                );
+            }
+        }
+    }
+}
+
+mod sqlite {
+    use std::path::PathBuf;
+
+    use outbox_sqlite::Inbox;
+    use outbox_sqlite::sqlx::sqlite::{
+        SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
+    };
+    use outbox_sqlite::sqlx::{self, Connection, Sqlite, SqliteConnection, Transaction};
+
+    use super::*;
+
+    /// An inbox and a business table in a database file in a directory of its own, removed
+    /// with the value.
+    pub struct Lite {
+        inbox: Inbox,
+        pool: SqlitePool,
+        dir: PathBuf,
+    }
+
+    impl Drop for Lite {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+
+    impl Lite {
+        fn options(&self) -> SqliteConnectOptions {
+            options(&self.dir)
+        }
+    }
+
+    /// WAL, as the outbox's storage uses, and a busy timeout longer than any race here.
+    fn options(dir: &std::path::Path) -> SqliteConnectOptions {
+        SqliteConnectOptions::new()
+            .filename(dir.join("app.db"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10))
+    }
+
+    impl Store for Lite {
+        type Tx = Transaction<'static, Sqlite>;
+
+        async fn new() -> Lite {
+            let dir = std::env::temp_dir().join(unique_name("outbox-inbox"));
+            std::fs::create_dir_all(&dir).expect("a temporary directory");
+            let pool = SqlitePoolOptions::new()
+                .max_connections(4)
+                .connect_with(options(&dir))
+                .await
+                .expect("open the SQLite database");
+            let inbox = Inbox::new("inbox").expect("valid name");
+            let mut conn = pool.acquire().await.expect("connection");
+            inbox.migrate(&mut conn).await.expect("migrate");
+            sqlx::query("CREATE TABLE effects (consumer TEXT NOT NULL, message_id TEXT NOT NULL)")
+                .execute(&mut *conn)
+                .await
+                .expect("business table");
+            Lite { inbox, pool, dir }
+        }
+
+        async fn begin(&self) -> Self::Tx {
+            self.pool.begin().await.expect("begin")
+        }
+
+        async fn commit(tx: Self::Tx) {
+            tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(tx: Self::Tx) {
+            tx.rollback().await.expect("rollback")
+        }
+
+        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(tx, consumer, id).await
+        }
+
+        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.process(&mut conn, consumer, id).await
+        }
+
+        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
+            sqlx::query("INSERT INTO effects (consumer, message_id) VALUES (?, ?)")
+                .bind(consumer)
+                .bind(id.to_string())
+                .execute(&mut **tx)
+                .await
+                .expect("business change");
+        }
+
+        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+            sqlx::query_scalar("SELECT count(*) FROM effects WHERE consumer = ? AND message_id = ?")
+                .bind(consumer)
+                .bind(id.to_string())
+                .fetch_one(&self.pool)
+                .await
+                .expect("count effects")
+        }
+
+        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+            sqlx::query_scalar(
+                "SELECT count(*) > 0 FROM inbox WHERE consumer = ? AND message_id = ?",
+            )
+            .bind(consumer)
+            .bind(id.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .expect("read the inbox")
+        }
+
+        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+            sqlx::query(
+                "UPDATE inbox SET processed_at = processed_at - ? \
+                 WHERE consumer = ? AND message_id = ?",
+            )
+            .bind(by.as_millis() as i64)
+            .bind(consumer)
+            .bind(id.to_string())
+            .execute(&self.pool)
+            .await
+            .expect("backdate");
+        }
+
+        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.purge(&mut conn, older_than, limit).await
+        }
+
+        async fn migrate(&self, table: &str) -> Result<()> {
+            let inbox = Inbox::new(table)?;
+            let mut conn = SqliteConnection::connect_with(&self.options())
+                .await
+                .expect("open the SQLite database");
+            inbox.migrate(&mut conn).await
+        }
+
+        async fn versions(&self, table: &str) -> i64 {
+            sqlx::query_scalar(&format!(r#"SELECT count(*) FROM "{table}_migrations""#))
+                .fetch_one(&self.pool)
+                .await
+                .expect("read versions")
+        }
+
+        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
+            let inbox = Inbox::new(table)?;
+            let mut tx = self.begin().await;
+            let new = inbox.process(&mut tx, consumer, id).await?;
+            Self::commit(tx).await;
+            Ok(new)
+        }
+
+        fn business_table(&self) -> String {
+            "effects".into()
+        }
+
+        fn new_inbox(&self, table: &str) -> Result<()> {
+            Inbox::new(table).map(drop)
+        }
+    }
+
+    inbox_suite!(Lite);
+
+    /// A consumer transaction begun with `BEGIN IMMEDIATE` takes the write lock at once, so
+    /// it may read before it records the message: the advice of `Inbox::process`.
+    #[tokio::test]
+    async fn begin_immediate_transactions_race_safely() {
+        let s = Lite::new().await;
+        let id = Uuid::now_v7();
+        let mut first = s.pool.acquire().await.expect("connection");
+        let mut second = s.pool.acquire().await.expect("connection");
+        let mut tx1 = first.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+        sqlx::query("SELECT count(*) FROM effects")
+            .execute(&mut *tx1)
+            .await
+            .expect("read first");
+        assert!(
+            s.inbox
+                .process(&mut tx1, "billing", id)
+                .await
+                .expect("first")
+        );
+        let done = AtomicBool::new(false);
+        let second_run = async {
+            let mut tx2 = second.begin_with("BEGIN IMMEDIATE").await.expect("begin");
+            done.store(true, Ordering::SeqCst);
+            sqlx::query("SELECT count(*) FROM effects")
+                .execute(&mut *tx2)
+                .await
+                .expect("read second");
+            let new = s
+                .inbox
+                .process(&mut tx2, "billing", id)
+                .await
+                .expect("second");
+            tx2.commit().await.expect("commit");
+            new
+        };
+        let first_end = async {
+            tokio::time::sleep(RACE_WAIT).await;
+            assert!(!done.load(Ordering::SeqCst), "BEGIN IMMEDIATE must wait");
+            tx1.commit().await.expect("commit");
+        };
+        let (second_new, ()) = tokio::join!(second_run, first_end);
+        assert!(!second_new, "the second sees the first's record");
+    }
+}
+
+mod mysql {
+    use outbox_mysql::Inbox;
+    use outbox_mysql::sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+    use outbox_mysql::sqlx::{self, Connection, MySql, MySqlConnection, Transaction};
+
+    use super::*;
+
+    fn mysql_url() -> String {
+        std::env::var("OUTBOX_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
+    }
+
+    fn missing(error: impl std::fmt::Display) -> ! {
+        panic!(
+            "MySQL or MariaDB must be running at {} (start it with `cargo xtask services`): {error}",
+            mysql_url()
+        )
+    }
+
+    /// The database of the test URL.
+    fn database() -> String {
+        let url = mysql_url();
+        let path = url.rsplit('/').next().unwrap_or_default();
+        path.split('?').next().unwrap_or_default().to_string()
+    }
+
+    /// An inbox and a business table (`<prefix>_inbox`, `<prefix>_effects`) in the test
+    /// database, dropped with the value, with every inbox a test made.
+    pub struct My {
+        inbox: Inbox,
+        pool: MySqlPool,
+        prefix: String,
+        made: std::sync::Mutex<Vec<String>>,
+    }
+
+    impl Drop for My {
+        fn drop(&mut self) {
+            let mut tables = vec![self.effects_table(), self.inbox.table().to_string()];
+            tables.extend(self.made.lock().map(|m| m.clone()).unwrap_or_default());
+            // A table named twice fails the whole DROP.
+            tables.sort();
+            tables.dedup();
+            let tables: Vec<String> = tables
+                .iter()
+                .flat_map(|t| [format!("`{t}`"), format!("`{t}_migrations`")])
+                .collect();
+            let drop = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
+            clean_up(async move {
+                let mut conn = MySqlConnection::connect(&mysql_url()).await.ok()?;
+                sqlx::query("SET SESSION lock_wait_timeout = 5")
+                    .execute(&mut conn)
+                    .await
+                    .ok()?;
+                sqlx::query(&drop).execute(&mut conn).await.ok()
+            });
+        }
+    }
+
+    impl My {
+        fn effects_table(&self) -> String {
+            format!("{}_effects", self.prefix)
+        }
+    }
+
+    impl Store for My {
+        type Tx = Transaction<'static, MySql>;
+
+        async fn new() -> My {
+            let pool = MySqlPoolOptions::new()
+                .max_connections(8)
+                .connect(&mysql_url())
+                .await
+                .unwrap_or_else(|e| missing(e));
+            let prefix = unique_name("t");
+            let inbox = Inbox::new(&database(), &format!("{prefix}_inbox")).expect("valid names");
+            let my = My {
+                inbox,
+                pool,
+                prefix,
+                made: Default::default(),
+            };
+            let mut conn = my.pool.acquire().await.unwrap_or_else(|e| missing(e));
+            my.inbox.migrate(&mut conn).await.expect("migrate");
+            sqlx::query(&format!(
+                "CREATE TABLE `{}` (consumer VARCHAR(255) NOT NULL, message_id CHAR(36) NOT NULL) \
+                 ENGINE=InnoDB",
+                my.effects_table()
+            ))
+            .execute(&mut *conn)
+            .await
+            .expect("business table");
+            drop(conn);
+            my
+        }
+
+        async fn begin(&self) -> Self::Tx {
+            self.pool.begin().await.expect("begin")
+        }
+
+        async fn commit(tx: Self::Tx) {
+            tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(tx: Self::Tx) {
+            tx.rollback().await.expect("rollback")
+        }
+
+        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(tx, consumer, id).await
+        }
+
+        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.process(&mut conn, consumer, id).await
+        }
+
+        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
+            sqlx::query(&format!(
+                "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
+                self.effects_table()
+            ))
+            .bind(consumer)
+            .bind(id.to_string())
+            .execute(&mut **tx)
+            .await
+            .expect("business change");
+        }
+
+        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+            sqlx::query_scalar(&format!(
+                "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
+                self.effects_table()
+            ))
+            .bind(consumer)
+            .bind(id.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .expect("count effects")
+        }
+
+        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+            let n: i64 = sqlx::query_scalar(&format!(
+                "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
+                self.inbox.table()
+            ))
+            .bind(consumer)
+            .bind(id.to_string())
+            .fetch_one(&self.pool)
+            .await
+            .expect("read the inbox");
+            n > 0
+        }
+
+        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+            sqlx::query(&format!(
+                "UPDATE `{}` SET processed_at = processed_at - INTERVAL ? SECOND \
+                 WHERE consumer = ? AND message_id = ?",
+                self.inbox.table()
+            ))
+            .bind(by.as_secs() as i64)
+            .bind(consumer)
+            .bind(id.to_string())
+            .execute(&self.pool)
+            .await
+            .expect("backdate");
+        }
+
+        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
+            let mut conn = self.pool.acquire().await.expect("connection");
+            self.inbox.purge(&mut conn, older_than, limit).await
+        }
+
+        async fn migrate(&self, table: &str) -> Result<()> {
+            let inbox = Inbox::new(&database(), table)?;
+            if let Ok(mut made) = self.made.lock() {
+                made.push(table.to_string());
+            }
+            let mut conn = MySqlConnection::connect(&mysql_url())
+                .await
+                .unwrap_or_else(|e| missing(e));
+            inbox.migrate(&mut conn).await
+        }
+
+        async fn versions(&self, table: &str) -> i64 {
+            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{table}_migrations`"))
+                .fetch_one(&self.pool)
+                .await
+                .expect("read versions")
+        }
+
+        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
+            let inbox = Inbox::new(&database(), table)?;
+            let mut tx = self.begin().await;
+            let new = inbox.process(&mut tx, consumer, id).await?;
+            Self::commit(tx).await;
+            Ok(new)
+        }
+
+        fn business_table(&self) -> String {
+            self.effects_table()
+        }
+
+        fn new_inbox(&self, table: &str) -> Result<()> {
+            Inbox::new(&database(), table).map(drop)
+        }
+    }
+
+    inbox_suite!(My);
+}
