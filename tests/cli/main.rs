@@ -11,6 +11,8 @@ use sqlx::PgPool;
 const EXIT_CONFIG: i32 = 78;
 
 #[cfg(feature = "redis")]
+mod console;
+#[cfg(feature = "redis")]
 mod deployment;
 #[cfg(all(feature = "mysql", feature = "file"))]
 mod mysql;

@@ -583,8 +583,25 @@ async fn the_wake_up_delivers_well_before_the_poll_interval() {
         ..test_worker_config("w")
     };
     let relay = outbox.relay_with(config, sink.clone());
-    tokio::time::sleep(Duration::from_millis(500)).await; // let it go idle and arm
+    let idle = format!(
+        "SELECT relay_idle FROM {}",
+        outbox.table.qualified("_wakeup")
+    );
     for round in 0..3 {
+        // Writers notify only once the relay has said it is idle (and listens): wait for
+        // that, however slow the machine, rather than for a fixed time.
+        let arming = tokio::time::Instant::now();
+        while !sqlx::query_scalar::<_, bool>(&idle)
+            .fetch_one(&outbox.pool)
+            .await
+            .unwrap()
+        {
+            assert!(
+                arming.elapsed() < Duration::from_secs(10),
+                "the relay never went idle"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let started = tokio::time::Instant::now();
         outbox
             .enqueue(&[NewMessage::new("t", format!("r{round}"))])

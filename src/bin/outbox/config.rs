@@ -6,7 +6,7 @@
 //! [storage]        # url, schema, table, max_connections, connect_timeout
 //! [relay]          # batch_size, poll_interval, lease, max_attempts, backoff, per_key_order, ...
 //! [sink]           # type = "redis" | "amqp" | "kafka" | ..., and that sink's options
-//! [observability]  # listen, log_format, log_level, summary_interval
+//! [observability]  # listen, log_format, log_level, summary_interval, console, ...
 //! ```
 //!
 //! Several relays: `[[relay]]` blocks, each with `name`, the relay settings, and its own
@@ -71,7 +71,7 @@ pub struct RelayDef {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Observability {
-    /// Address of the HTTP listener for /metrics and /health (none: no listener).
+    /// Address of the HTTP listener for /metrics, /health and the console (none: no listener).
     pub listen: Option<SocketAddr>,
     #[serde(default)]
     pub log_format: LogFormat,
@@ -83,6 +83,67 @@ pub struct Observability {
     /// the `otlp` cargo feature).
     #[serde(default)]
     pub otlp_endpoint: Option<String>,
+    /// The operator console at `/` of the listener. Unset: on when `listen` is a loopback
+    /// address or `console_token` is set, off otherwise (see [`Observability::console_on`]).
+    #[serde(default)]
+    pub console: Option<bool>,
+    /// The token the console asks for (`Authorization: Bearer`, or its login form); required
+    /// to serve the console on an address other than loopback.
+    #[serde(default)]
+    pub console_token: Option<Secret>,
+    /// The console shows but refuses every action (replay, release, purge) with 403.
+    #[serde(default)]
+    pub console_read_only: bool,
+}
+
+/// A secret setting: its `Debug` hides the value, so printing the configuration leaks nothing.
+#[derive(Clone, Deserialize, PartialEq, Eq)]
+#[serde(transparent)]
+pub struct Secret(pub String);
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Secret(***)")
+    }
+}
+
+/// The shortest console token accepted: long enough that guessing it is hopeless.
+const MIN_CONSOLE_TOKEN: usize = 16;
+
+impl Observability {
+    /// Whether the listener serves the console: as set, or by default when it listens on
+    /// loopback only or a token guards it.
+    pub fn console_on(&self) -> bool {
+        self.console.unwrap_or_else(|| {
+            self.console_token.is_some() || self.listen.is_some_and(|a| a.ip().is_loopback())
+        })
+    }
+
+    /// The console's settings fit together: off loopback it needs a token, and the token
+    /// is long enough.
+    fn validate(&self) -> Result<(), ConfigError> {
+        if let Some(token) = &self.console_token
+            && token.0.chars().count() < MIN_CONSOLE_TOKEN
+        {
+            return Err(err(format!(
+                "observability.console_token is shorter than {MIN_CONSOLE_TOKEN} characters; \
+                 use a long random one, e.g. the output of `openssl rand -hex 32`"
+            )));
+        }
+        if let Some(addr) = self.listen
+            && self.console == Some(true)
+            && !addr.ip().is_loopback()
+            && self.console_token.is_none()
+        {
+            return Err(err(format!(
+                "observability.console is on and observability.listen `{addr}` is not a \
+                 loopback address: set observability.console_token (for example \
+                 console_token = {{ file = \"/run/secrets/console_token\" }}) so that only \
+                 operators get in, listen on 127.0.0.1, or set console = false"
+            )));
+        }
+        Ok(())
+    }
 }
 
 impl Default for Observability {
@@ -93,6 +154,9 @@ impl Default for Observability {
             log_level: default_log_level(),
             summary_interval: default_summary(),
             otlp_endpoint: None,
+            console: None,
+            console_token: None,
+            console_read_only: false,
         }
     }
 }
@@ -279,6 +343,7 @@ pub fn parse(mut table: Table) -> Result<Config, ConfigError> {
         }
         None => Observability::default(),
     };
+    observability.validate()?;
     let storage_defaults = table
         .remove("storage")
         .unwrap_or_else(|| Value::Table(Table::new()));
@@ -782,5 +847,71 @@ mod tests {
         // A block naming another type replaces the inherited sink whole.
         assert_eq!(billing.sink_type, "amqp");
         assert!(billing.sink.get("url").is_none(), "{:?}", billing.sink);
+    }
+
+    #[test]
+    fn the_console_is_on_by_default_on_loopback_only_and_needs_a_token_elsewhere() {
+        let with =
+            |observability: &str| parse_str(&format!("{MINIMAL}[observability]\n{observability}"));
+        let token = "console_token = \"0123456789abcdef0123\"\n";
+        let on = |text: &str| with(text).unwrap().observability.console_on();
+        assert!(on("listen = \"127.0.0.1:9187\"\n"));
+        assert!(on("listen = \"[::1]:9187\"\n"));
+        // Existing deployments listening everywhere keep working: no console, no error.
+        assert!(!on("listen = \"0.0.0.0:9187\"\n"));
+        assert!(on(&format!("listen = \"0.0.0.0:9187\"\n{token}")));
+        assert!(!on("listen = \"127.0.0.1:9187\"\nconsole = false\n"));
+        let config = with(&format!(
+            "listen = \"0.0.0.0:9187\"\nconsole = true\nconsole_read_only = true\n{token}"
+        ))
+        .unwrap();
+        assert!(config.observability.console_read_only);
+        assert!(
+            !format!("{config:?}").contains("0123456789abcdef"),
+            "token printed"
+        );
+
+        let cases = [
+            (
+                "listen = \"0.0.0.0:9187\"\nconsole = true\n",
+                "observability.console is on and observability.listen `0.0.0.0:9187` is not a loopback address: set observability.console_token",
+            ),
+            (
+                "listen = \"127.0.0.1:9187\"\nconsole_token = \"short\"\n",
+                "observability.console_token is shorter than 16 characters",
+            ),
+            ("console = \"maybe\"\n", "observability.console"),
+            (
+                "console_readonly = true\n",
+                "unknown field `console_readonly`",
+            ),
+        ];
+        for (text, expected) in cases {
+            let error = with(text).unwrap_err().0;
+            assert!(
+                error.contains(expected),
+                "expected `{expected}` in: {error}"
+            );
+            assert!(!error.contains("short\""), "token printed: {error}");
+        }
+
+        // A secret like any other: from a file.
+        let file =
+            std::env::temp_dir().join(format!("outbox_console_token_{}", std::process::id()));
+        std::fs::write(&file, "from-a-file-0123456789\n").unwrap();
+        let mut table: Table = format!(
+            "{MINIMAL}[observability]\nlisten = \"0.0.0.0:9187\"\nconsole_token = {{ file = \"{}\" }}\n",
+            file.display()
+        )
+        .parse()
+        .unwrap();
+        read_secret_files(&mut table, "").unwrap();
+        let observability = parse(table).unwrap().observability;
+        assert_eq!(
+            observability.console_token,
+            Some(Secret("from-a-file-0123456789".into()))
+        );
+        assert!(observability.console_on());
+        let _ = std::fs::remove_file(&file);
     }
 }

@@ -1,4 +1,5 @@
-//! The HTTP listener: `/metrics` (Prometheus text format), `/health/live`, `/health/ready`.
+//! The HTTP listener: `/metrics` (Prometheus text format), `/health/live`, `/health/ready`,
+//! and the operator console at `/` (see `console`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -12,6 +13,7 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::CancellationToken;
 
 use crate::Failure;
+use crate::config::Observability;
 use crate::relay::Relay;
 
 /// How long a health check waits for each storage and sink.
@@ -32,23 +34,43 @@ pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
         .map_err(|e| Failure::Runtime(format!("cannot install the metrics recorder: {e}")))
 }
 
-/// What `/health/ready` answers: the problems the last health checks found, or that the
-/// relays are still being built.
+/// What `/health/ready` answers: the last health checks of each relay, or that the relays
+/// are still being built. The console reads the relays and their checks from here too.
 #[derive(Clone)]
-pub struct Readiness(Arc<std::sync::RwLock<Option<Vec<String>>>>);
+pub struct Readiness {
+    checks: Arc<std::sync::RwLock<Option<Vec<RelayHealth>>>>,
+    relays: Arc<std::sync::OnceLock<Arc<Vec<Relay>>>>,
+}
+
+/// The last health check of one relay: what is wrong with its storage and its sink, if any.
+#[derive(Clone, Debug)]
+pub struct RelayHealth {
+    /// The relay's name.
+    pub relay: String,
+    /// What is wrong with its storage; none when it answered.
+    pub storage: Option<String>,
+    /// What is wrong with its sink; none when it answered.
+    pub sink: Option<String>,
+    /// When the check ended.
+    pub checked_at: chrono::DateTime<chrono::Utc>,
+}
 
 impl Readiness {
     /// Not ready: the relays are being built.
     pub fn starting() -> Self {
-        Readiness(Arc::new(std::sync::RwLock::new(None)))
+        Readiness {
+            checks: Arc::new(std::sync::RwLock::new(None)),
+            relays: Arc::new(std::sync::OnceLock::new()),
+        }
     }
 
     /// Checks every relay's storage and sink now and every [`READY_INTERVAL`] until
     /// shutdown, keeping the last result for the probes.
     pub async fn watch(self, relays: Arc<Vec<Relay>>, shutdown: CancellationToken) {
+        let _ = self.relays.set(relays.clone());
         loop {
-            let problems = check(&relays).await;
-            *self.0.write().unwrap_or_else(|e| e.into_inner()) = Some(problems);
+            let checks = check(&relays).await;
+            *self.checks.write().unwrap_or_else(|e| e.into_inner()) = Some(checks);
             tokio::select! {
                 () = tokio::time::sleep(READY_INTERVAL) => {}
                 () = shutdown.cancelled() => return,
@@ -56,14 +78,44 @@ impl Readiness {
         }
     }
 
+    /// The relays of this process, once built.
+    pub fn relays(&self) -> Option<Arc<Vec<Relay>>> {
+        self.relays.get().cloned()
+    }
+
+    /// The last health checks, once the relays are built.
+    pub fn checks(&self) -> Option<Vec<RelayHealth>> {
+        self.checks
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn answer(&self) -> (StatusCode, String) {
-        match &*self.0.read().unwrap_or_else(|e| e.into_inner()) {
-            None => (
+        let Some(checks) = self.checks() else {
+            return (
                 StatusCode::SERVICE_UNAVAILABLE,
                 "starting: building the storages and sinks\n".into(),
-            ),
-            Some(problems) if problems.is_empty() => (StatusCode::OK, "ready\n".into()),
-            Some(problems) => (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n"),
+            );
+        };
+        let problems: Vec<String> = checks
+            .iter()
+            .flat_map(|c| {
+                let storage = c
+                    .storage
+                    .as_ref()
+                    .map(|e| format!("relay {}: storage: {e}", c.relay));
+                let sink = c
+                    .sink
+                    .as_ref()
+                    .map(|e| format!("relay {}: sink: {e}", c.relay));
+                storage.into_iter().chain(sink)
+            })
+            .collect();
+        if problems.is_empty() {
+            (StatusCode::OK, "ready\n".into())
+        } else {
+            (StatusCode::SERVICE_UNAVAILABLE, problems.join("\n") + "\n")
         }
     }
 }
@@ -76,8 +128,10 @@ struct AppState {
 
 /// Binds `addr` now (so a taken port is an error at start-up) and serves until shutdown:
 /// `/health/live` answers from here on, before any storage or sink is built.
+/// The console, when `observability` turns it on, is served too.
 pub async fn serve(
     addr: SocketAddr,
+    observability: &Observability,
     metrics: PrometheusHandle,
     readiness: Readiness,
     shutdown: CancellationToken,
@@ -87,12 +141,21 @@ pub async fn serve(
             "observability.listen: cannot listen on {addr}: {e}"
         ))
     })?;
-    let app = Router::new()
+    let console = crate::console::router(readiness.clone(), observability);
+    let mut app = Router::new()
         .route("/metrics", get(render_metrics))
         .route("/health/live", get(|| async { "live\n" }))
         .route("/health/ready", get(ready))
         .with_state(AppState { metrics, readiness });
-    tracing::info!(%addr, "serving /metrics and /health");
+    match console {
+        Some(console) => {
+            app = app.merge(console);
+            tracing::info!(%addr, "serving /metrics, /health and the console at /");
+        }
+        None => tracing::info!(%addr, "serving /metrics and /health"),
+    }
+    // The console logs who acted, with the client's address.
+    let app = app.into_make_service_with_connect_info::<SocketAddr>();
     tokio::spawn(async move {
         let served = axum::serve(listener, app)
             .with_graceful_shutdown(async move { shutdown.cancelled().await })
@@ -115,25 +178,25 @@ async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
 }
 
 /// The health checks of every relay's storage and sink: what is wrong with each, if any.
-async fn check(relays: &[Relay]) -> Vec<String> {
-    let mut problems = Vec::new();
+async fn check(relays: &[Relay]) -> Vec<RelayHealth> {
+    let mut checks = Vec::new();
     for relay in relays {
-        match tokio::time::timeout(READY_TIMEOUT, relay.storage.health()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => problems.push(format!("relay {}: storage: {e}", relay.def.name)),
-            Err(_) => problems.push(format!(
-                "relay {}: storage: no answer within {READY_TIMEOUT:?}",
-                relay.def.name
-            )),
-        }
-        match tokio::time::timeout(READY_TIMEOUT, relay.sink.health()).await {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => problems.push(format!("relay {}: sink: {e}", relay.def.name)),
-            Err(_) => problems.push(format!(
-                "relay {}: sink: no answer within {READY_TIMEOUT:?}",
-                relay.def.name
-            )),
-        }
+        let storage = match tokio::time::timeout(READY_TIMEOUT, relay.storage.health()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no answer within {READY_TIMEOUT:?}")),
+        };
+        let sink = match tokio::time::timeout(READY_TIMEOUT, relay.sink.health()).await {
+            Ok(Ok(())) => None,
+            Ok(Err(e)) => Some(e.to_string()),
+            Err(_) => Some(format!("no answer within {READY_TIMEOUT:?}")),
+        };
+        checks.push(RelayHealth {
+            relay: relay.def.name.clone(),
+            storage,
+            sink,
+            checked_at: chrono::Utc::now(),
+        });
     }
-    problems
+    checks
 }

@@ -4,6 +4,7 @@
 mod backends;
 mod commands;
 mod config;
+mod console;
 mod http;
 mod relay;
 mod telemetry;

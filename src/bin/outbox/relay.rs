@@ -119,7 +119,14 @@ pub async fn run(config: Config) -> Result<(), Failure> {
     metrics::gauge!(names::BUILD_INFO, names::VERSION => env!("CARGO_PKG_VERSION")).set(1.0);
     let readiness = crate::http::Readiness::starting();
     if let Some(addr) = config.observability.listen {
-        crate::http::serve(addr, metrics, readiness.clone(), shutdown.clone()).await?;
+        crate::http::serve(
+            addr,
+            &config.observability,
+            metrics,
+            readiness.clone(),
+            shutdown.clone(),
+        )
+        .await?;
     }
     let relays = match build(&config, Some(&shutdown)).await {
         Ok(relays) => Arc::new(relays),

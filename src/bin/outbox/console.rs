@@ -1,0 +1,1032 @@
+//! The operator console, served by the relay's HTTP listener at `/`: queue figures, parked
+//! keys, dead letters (search, detail, payload as text, JSON or hex) and the relays of this
+//! process, with the repairs of `outbox dead-letters` (replay, release, purge) behind a
+//! confirmation. Server-rendered HTML without scripts; everything comes from the binary.
+//!
+//! Access: without `console_token` only loopback clients reach it (the listener is on
+//! loopback, and the `Host` header must name loopback, against DNS rebinding). With a token
+//! every request needs it, as `Authorization: Bearer` or through the login form, which sets
+//! an HttpOnly session cookie. Actions are POSTs that carry a per-process form token and a
+//! same-origin `Origin`, so another site cannot make a browser act; read-only mode refuses
+//! them. Each action is logged with who did it. See docs/console.md.
+
+mod page;
+
+use std::fmt::Write;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::{ConnectInfo, RawQuery, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use outbox::{DeadLetterFilter, DeadLetterRow};
+use uuid::Uuid;
+
+use crate::config::Observability;
+use crate::http::Readiness;
+use crate::relay::Relay;
+use page::{esc, url};
+
+/// How long a page waits for a storage before it shows the storage's error instead.
+const STORAGE_TIMEOUT: Duration = Duration::from_secs(5);
+/// Dead letters listed when the search gives no limit, and the most it may ask for.
+const DEFAULT_LIMIT: usize = 100;
+const MAX_LIMIT: usize = 1000;
+/// Dead letters the error search reads (the storages filter by topic and key only).
+const ERROR_SEARCH_SCAN: usize = 10_000;
+/// The session cookie set by the login form.
+const COOKIE: &str = "outbox_console";
+
+/// The console's routes, with the settings of `observability`, or none when it is off.
+pub fn router(readiness: Readiness, observability: &Observability) -> Option<Router> {
+    if !observability.console_on() {
+        return None;
+    }
+    let console = Console {
+        readiness,
+        token: (observability.console_token.as_ref()).map(|t| Arc::from(t.0.as_str())),
+        read_only: observability.console_read_only,
+        session: Arc::from(random_hex()?),
+        form_token: Arc::from(random_hex()?),
+    };
+    Some(
+        Router::new()
+            .route("/", get(overview))
+            .route("/parked", get(parked))
+            .route("/dead-letters", get(dead_letters))
+            .route("/dead-letter", get(dead_letter))
+            .route("/relays", get(relays))
+            .route("/action", axum::routing::post(action))
+            .route("/login", get(login_form).post(login))
+            .route("/console.css", get(css))
+            .with_state(console),
+    )
+}
+
+/// 32 random bytes as hex, from the operating system; none (and no console) if it has none.
+fn random_hex() -> Option<String> {
+    let mut bytes = [0u8; 32];
+    if let Err(error) = getrandom::fill(&mut bytes) {
+        tracing::error!(%error, "no randomness for the console's tokens: console off");
+        return None;
+    }
+    Some(bytes.iter().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    }))
+}
+
+/// What every page needs: the relays (through the readiness checks) and the access settings.
+#[derive(Clone)]
+struct Console {
+    readiness: Readiness,
+    /// `observability.console_token`: none on a loopback-only console.
+    token: Option<Arc<str>>,
+    read_only: bool,
+    /// The value of the session cookie the login form sets: random per process.
+    session: Arc<str>,
+    /// The token every action form carries: random per process, only on the console's pages.
+    form_token: Arc<str>,
+}
+
+/// Who made a request, for the log of actions: the token is shared, so the client's address
+/// tells operators apart.
+enum Who {
+    Loopback(SocketAddr),
+    Token(SocketAddr),
+}
+
+impl std::fmt::Display for Who {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Who::Loopback(peer) => write!(f, "loopback client {peer}"),
+            Who::Token(peer) => write!(f, "console token holder at {peer}"),
+        }
+    }
+}
+
+/// Compares secrets in time that does not depend on where they differ.
+fn same_secret(given: &str, expected: &str) -> bool {
+    let (given, expected) = (given.as_bytes(), expected.as_bytes());
+    given.len() == expected.len()
+        && given
+            .iter()
+            .zip(expected)
+            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
+            == 0
+}
+
+/// The value of cookie `name` in the request, if any.
+fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers
+        .get_all(header::COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(n, _)| *n == name)
+        .map(|(_, v)| v)
+}
+
+/// Whether the `Host` header names this machine's loopback (`localhost`, `127.0.0.1`,
+/// `[::1]`, any port): a page served without a token is only for local clients, and a
+/// foreign name there is a DNS-rebinding attempt.
+fn loopback_host(headers: &HeaderMap) -> bool {
+    let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+impl Console {
+    /// Who is asking, or the answer that turns them away (401 with the login form, or 403).
+    fn authorize(&self, headers: &HeaderMap, peer: SocketAddr) -> Result<Who, Refused> {
+        let Some(token) = &self.token else {
+            if peer.ip().is_loopback() && loopback_host(headers) {
+                return Ok(Who::Loopback(peer));
+            }
+            return Err(self
+                .page(
+                    StatusCode::FORBIDDEN,
+                    "Forbidden",
+                    "<p>Without a console token the console answers loopback clients only.</p>",
+                )
+                .into());
+        };
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        if bearer.is_some_and(|given| same_secret(given.trim(), token))
+            || cookie(headers, COOKIE).is_some_and(|given| same_secret(given, &self.session))
+        {
+            return Ok(Who::Token(peer));
+        }
+        Err(self.login_page(StatusCode::UNAUTHORIZED, "").into())
+    }
+
+    /// Refuses a POST another site could have made a browser send: its `Origin`, when the
+    /// browser gives one, must be this host, and the form must carry this process's form
+    /// token (which only the console's own pages hold).
+    fn same_origin(&self, headers: &HeaderMap, form: &[(String, String)]) -> Result<(), Refused> {
+        let host = headers.get(header::HOST).and_then(|h| h.to_str().ok());
+        let origin_ok = match headers.get(header::ORIGIN).map(|o| o.to_str()) {
+            None => true,
+            Some(Ok(origin)) => host.is_some_and(|host| {
+                origin == format!("http://{host}") || origin == format!("https://{host}")
+            }),
+            Some(Err(_)) => false,
+        };
+        let token_ok =
+            page::value(form, "csrf").is_some_and(|given| same_secret(given, &self.form_token));
+        if origin_ok && token_ok {
+            Ok(())
+        } else {
+            Err(self
+                .page(
+                    StatusCode::FORBIDDEN,
+                    "Refused",
+                    "<p>This form did not come from this console (its origin or form token does \
+                 not match). Reload the page and try again.</p>",
+                )
+                .into())
+        }
+    }
+
+    /// An HTML answer with the console's security headers.
+    fn page(&self, status: StatusCode, title: &str, body: &str) -> Response {
+        html(status, page::frame(title, self.read_only, body))
+    }
+
+    fn login_page(&self, status: StatusCode, message: &str) -> Response {
+        let body = format!(
+            r#"{message}<p>This console needs its token (observability.console_token).</p>
+<form method="post" action="/login"><label>Token <input type="password" name="token" autocomplete="current-password" autofocus></label> <button>Log in</button></form>"#
+        );
+        let mut response = html(status, page::frame("Log in", false, &body));
+        if status == StatusCode::UNAUTHORIZED {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"outbox console\""),
+            );
+        }
+        response
+    }
+
+    /// The relays, or the page that says they are still being built.
+    fn relays(&self) -> Result<Arc<Vec<Relay>>, Refused> {
+        self.readiness.relays().ok_or_else(|| {
+            self.page(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "Starting",
+                "<p>The relays are being built (a broker may not answer yet). Reload in a moment.</p>",
+            )
+            .into()
+        })
+    }
+
+    /// A hidden field with the form token, for every action form.
+    fn form_token_field(&self) -> String {
+        format!(
+            r#"<input type="hidden" name="csrf" value="{}">"#,
+            esc(&self.form_token)
+        )
+    }
+}
+
+/// `body` as an HTML answer that no other site may frame, sniff or cache.
+fn html(status: StatusCode, body: String) -> Response {
+    let mut response = (status, body).into_response();
+    let headers = response.headers_mut();
+    for (name, value) in [
+        (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+        (
+            header::CONTENT_SECURITY_POLICY,
+            "default-src 'none'; style-src 'self'; form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+        ),
+        (header::X_FRAME_OPTIONS, "DENY"),
+        (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        (header::REFERRER_POLICY, "same-origin"),
+        (header::CACHE_CONTROL, "no-store"),
+    ] {
+        headers.insert(name, HeaderValue::from_static(value));
+    }
+    response
+}
+
+/// Waits for a storage call, at most [`STORAGE_TIMEOUT`]; the error is text for the page.
+async fn ask<T>(call: impl Future<Output = outbox::Result<T>>) -> Result<T, String> {
+    match tokio::time::timeout(STORAGE_TIMEOUT, call).await {
+        Ok(Ok(value)) => Ok(value),
+        Ok(Err(error)) => Err(error.to_string()),
+        Err(_) => Err(format!(
+            "the storage did not answer within {STORAGE_TIMEOUT:?}"
+        )),
+    }
+}
+
+fn error_box(what: &str, error: &str) -> String {
+    format!(r#"<p class="error">{}: {}</p>"#, esc(what), esc(error))
+}
+
+fn age_of(t: Option<chrono::DateTime<chrono::Utc>>) -> String {
+    t.map_or_else(
+        || "-".into(),
+        |t| page::age((chrono::Utc::now() - t).num_milliseconds() as f64 / 1000.0),
+    )
+}
+
+fn time(t: chrono::DateTime<chrono::Utc>) -> String {
+    t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string()
+}
+
+type Page = Result<Response, Refused>;
+
+/// A page that turns a request away (401, 403, 404, …), boxed: it is the rare path.
+struct Refused(Box<Response>);
+
+impl From<Response> for Refused {
+    fn from(response: Response) -> Self {
+        Refused(Box::new(response))
+    }
+}
+
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        *self.0
+    }
+}
+
+async fn css() -> Response {
+    let mut response = page::CSS.into_response();
+    response
+        .headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("text/css"));
+    response
+}
+
+async fn overview(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Page {
+    c.authorize(&headers, peer)?;
+    let relays = c.relays()?;
+    let mut body = String::new();
+    for relay in relays.iter() {
+        let _ = write!(
+            body,
+            "<section><h2>Relay {}</h2><p>{}</p>",
+            esc(&relay.def.name),
+            esc(&relay.storage.describe())
+        );
+        match ask(relay.storage.stats()).await {
+            Ok(s) => {
+                let _ = write!(
+                    body,
+                    r#"<table><tr><th>pending</th><th>oldest pending age</th><th>in flight</th><th>dead-lettered</th><th>parked keys</th></tr>
+<tr><td class="n" data-figure="pending">{}</td><td class="n" data-figure="oldest-pending-age">{}</td><td class="n" data-figure="in-flight">{}</td><td class="n" data-figure="dead-lettered">{}</td><td class="n" data-figure="parked-keys">{}</td></tr></table>"#,
+                    s.pending,
+                    age_of(s.oldest_pending),
+                    s.in_flight,
+                    s.dead_lettered,
+                    s.parked_keys
+                );
+            }
+            Err(e) => body.push_str(&error_box("queue figures", &e)),
+        }
+        match ask(relay.storage.topic_stats()).await {
+            Ok(topics) if topics.is_empty() => body.push_str("<p>No messages in any topic.</p>"),
+            Ok(topics) => {
+                body.push_str("<table><tr><th>topic</th><th>pending</th><th>oldest pending age</th><th>in flight</th><th>dead-lettered</th></tr>");
+                for t in topics {
+                    let _ = write!(
+                        body,
+                        r#"<tr><td><a href="/dead-letters?relay={}&amp;topic={}">{}</a></td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td></tr>"#,
+                        esc(&url(&relay.def.name)),
+                        esc(&url(&t.topic)),
+                        esc(&t.topic),
+                        t.pending,
+                        age_of(t.oldest_pending),
+                        t.in_flight,
+                        t.dead_lettered
+                    );
+                }
+                body.push_str("</table>");
+            }
+            Err(e) => body.push_str(&error_box("figures per topic", &e)),
+        }
+        body.push_str("</section>");
+    }
+    Ok(c.page(StatusCode::OK, "Overview", &body))
+}
+
+async fn relays(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Page {
+    c.authorize(&headers, peer)?;
+    let relays = c.relays()?;
+    let checks = c.readiness.checks().unwrap_or_default();
+    let mut body = String::from(
+        "<table><tr><th>relay</th><th>storage</th><th>sink</th><th>health</th><th>checked at</th></tr>",
+    );
+    for relay in relays.iter() {
+        let check = checks.iter().find(|h| h.relay == relay.def.name);
+        let (health, at) = match check {
+            None => ("not checked yet".to_string(), "-".to_string()),
+            Some(h) => {
+                let mut problems = Vec::new();
+                if let Some(e) = &h.storage {
+                    problems.push(format!("storage: {e}"));
+                }
+                if let Some(e) = &h.sink {
+                    problems.push(format!("sink: {e}"));
+                }
+                let health = if problems.is_empty() {
+                    r#"<span class="ok">ready</span>"#.to_string()
+                } else {
+                    format!(r#"<span class="bad">{}</span>"#, esc(&problems.join("; ")))
+                };
+                (health, time(h.checked_at))
+            }
+        };
+        let _ = write!(
+            body,
+            "<tr><td>{}</td><td>{} ({})</td><td>{}</td><td>{health}</td><td>{at}</td></tr>",
+            esc(&relay.def.name),
+            esc(&relay.def.storage_type),
+            esc(&relay.storage.describe()),
+            esc(&relay.def.sink_type),
+        );
+    }
+    body.push_str("</table>");
+    Ok(c.page(StatusCode::OK, "Relays", &body))
+}
+
+async fn parked(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+) -> Page {
+    c.authorize(&headers, peer)?;
+    let relays = c.relays()?;
+    let mut body = String::from(
+        "<p>A parked key's messages wait behind its dead letter, so the key keeps its order. \
+         Replay the dead letter to deliver it first and then the rest; release the key to let \
+         the rest flow without it.</p>",
+    );
+    for relay in relays.iter() {
+        let _ = write!(body, "<h2>Relay {}</h2>", esc(&relay.def.name));
+        match ask(relay.storage.parked_keys()).await {
+            Ok(keys) if keys.is_empty() => body.push_str("<p>No parked keys.</p>"),
+            Ok(keys) => {
+                body.push_str("<table><tr><th>key</th><th>held by dead letter</th><th></th></tr>");
+                for k in keys {
+                    let _ = write!(
+                        body,
+                        r#"<tr><td class="key">{key}</td><td><a href="/dead-letter?relay={relay}&amp;id={id}">{id}</a></td><td>{release}</td></tr>"#,
+                        key = esc(&k.key),
+                        relay = esc(&url(&relay.def.name)),
+                        id = k.dead_letter,
+                        release = action_form(
+                            &c,
+                            "release",
+                            &relay.def.name,
+                            &[],
+                            Some(&k.key),
+                            "Release…"
+                        ),
+                    );
+                }
+                body.push_str("</table>");
+            }
+            Err(e) => body.push_str(&error_box("parked keys", &e)),
+        }
+    }
+    Ok(c.page(StatusCode::OK, "Parked keys", &body))
+}
+
+/// A button that asks for the confirmation of an action (a POST without `confirm`).
+fn action_form(
+    c: &Console,
+    action: &str,
+    relay: &str,
+    ids: &[Uuid],
+    key: Option<&str>,
+    label: &str,
+) -> String {
+    if c.read_only {
+        return String::new();
+    }
+    let mut form = format!(
+        r#"<form class="inline" method="post" action="/action"><input type="hidden" name="action" value="{}"><input type="hidden" name="relay" value="{}">{}"#,
+        esc(action),
+        esc(relay),
+        c.form_token_field()
+    );
+    for id in ids {
+        let _ = write!(form, r#"<input type="hidden" name="id" value="{id}">"#);
+    }
+    if let Some(key) = key {
+        let _ = write!(
+            form,
+            r#"<input type="hidden" name="key" value="{}">"#,
+            esc(key)
+        );
+    }
+    let _ = write!(form, "<button>{}</button></form>", esc(label));
+    form
+}
+
+/// The relay named by `relay=` in `query`, or the first one.
+fn chosen<'a>(relays: &'a [Relay], query: &[(String, String)]) -> Option<&'a Relay> {
+    match page::value(query, "relay") {
+        Some(name) => relays.iter().find(|r| r.def.name == name),
+        None => relays.first(),
+    }
+}
+
+async fn dead_letters(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Page {
+    c.authorize(&headers, peer)?;
+    let relays = c.relays()?;
+    let query = page::pairs(query.as_deref().unwrap_or(""));
+    let Some(relay) = chosen(&relays, &query) else {
+        return Err(c
+            .page(
+                StatusCode::NOT_FOUND,
+                "Dead letters",
+                "<p>No such relay.</p>",
+            )
+            .into());
+    };
+    let field = |name| page::value(&query, name).map(str::to_string);
+    let (topic, key, error) = (field("topic"), field("key"), field("error"));
+    let limit = page::value(&query, "limit")
+        .and_then(|l| l.parse().ok())
+        .unwrap_or(DEFAULT_LIMIT)
+        .clamp(1, MAX_LIMIT);
+    let mut body = String::from(r#"<form method="get" action="/dead-letters">"#);
+    if relays.len() > 1 {
+        body.push_str(r#"<label>Relay <select name="relay">"#);
+        for r in relays.iter() {
+            let selected = if r.def.name == relay.def.name {
+                " selected"
+            } else {
+                ""
+            };
+            let _ = write!(body, r#"<option{selected}>{}</option>"#, esc(&r.def.name));
+        }
+        body.push_str("</select></label>");
+    }
+    let input = |name: &str, value: &Option<String>| {
+        format!(
+            r#"<label>{name} <input name="{name}" value="{}"></label>"#,
+            esc(value.as_deref().unwrap_or(""))
+        )
+    };
+    body.push_str(&input("topic", &topic));
+    body.push_str(&input("key", &key));
+    body.push_str(&input("error", &error));
+    let _ = write!(
+        body,
+        r#"<label>limit <input name="limit" value="{limit}" size="5"></label> <button>Search</button></form>"#
+    );
+    let filter = DeadLetterFilter {
+        ids: None,
+        topic: topic.clone(),
+        key: key.clone(),
+    };
+    let scan = if error.is_some() {
+        ERROR_SEARCH_SCAN
+    } else {
+        limit
+    };
+    let rows = match ask(relay.storage.dead_letters(&filter, scan)).await {
+        Ok(rows) => rows,
+        Err(e) => {
+            body.push_str(&error_box("dead letters", &e));
+            return Ok(c.page(StatusCode::OK, "Dead letters", &body));
+        }
+    };
+    let rows: Vec<DeadLetterRow> = rows
+        .into_iter()
+        .filter(|row| {
+            error
+                .as_ref()
+                .is_none_or(|e| row.last_error.to_lowercase().contains(&e.to_lowercase()))
+        })
+        .take(limit)
+        .collect();
+    let _ = write!(
+        body,
+        "<p>{} dead letter(s) of relay {}, oldest first.</p>",
+        rows.len(),
+        esc(&relay.def.name)
+    );
+    if rows.is_empty() {
+        return Ok(c.page(StatusCode::OK, "Dead letters", &body));
+    }
+    body.push_str("<table><tr><th>id</th><th>topic</th><th>key</th><th>attempts</th><th>dead-lettered at</th><th>last error</th></tr>");
+    for row in &rows {
+        let m = &row.message;
+        let first_line: String = row
+            .last_error
+            .lines()
+            .next()
+            .unwrap_or("")
+            .chars()
+            .take(200)
+            .collect();
+        let _ = write!(
+            body,
+            r#"<tr><td><a href="/dead-letter?relay={}&amp;id={id}">{id}</a></td><td>{}</td><td class="key">{}</td><td class="n">{}</td><td>{}</td><td>{}</td></tr>"#,
+            esc(&url(&relay.def.name)),
+            esc(&m.topic),
+            esc(m.key.as_deref().unwrap_or("-")),
+            m.attempts,
+            time(row.dead_lettered_at),
+            esc(&first_line),
+            id = m.id,
+        );
+    }
+    body.push_str("</table>");
+    let ids: Vec<Uuid> = rows.iter().map(|r| r.message.id).collect();
+    body.push_str(&action_form(
+        &c,
+        "replay",
+        &relay.def.name,
+        &ids,
+        None,
+        &format!("Replay these {}…", ids.len()),
+    ));
+    body.push(' ');
+    body.push_str(&action_form(
+        &c,
+        "purge",
+        &relay.def.name,
+        &ids,
+        None,
+        &format!("Purge these {}…", ids.len()),
+    ));
+    Ok(c.page(StatusCode::OK, "Dead letters", &body))
+}
+
+/// How a payload is shown.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum View {
+    Text,
+    Json,
+    Hex,
+}
+
+async fn dead_letter(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Page {
+    c.authorize(&headers, peer)?;
+    let relays = c.relays()?;
+    let query = page::pairs(query.as_deref().unwrap_or(""));
+    let not_found = |why: &str| {
+        c.page(
+            StatusCode::NOT_FOUND,
+            "Dead letter",
+            &format!("<p>{}</p>", esc(why)),
+        )
+    };
+    let relay = chosen(&relays, &query).ok_or_else(|| not_found("No such relay."))?;
+    let id: Uuid = page::value(&query, "id")
+        .and_then(|id| id.parse().ok())
+        .ok_or_else(|| not_found("Give the id of a dead letter."))?;
+    let filter = DeadLetterFilter {
+        ids: Some(vec![id]),
+        ..Default::default()
+    };
+    let row = match ask(relay.storage.dead_letters(&filter, 1)).await {
+        Ok(mut rows) => rows
+            .pop()
+            .ok_or_else(|| not_found("No dead letter with this id (replayed or purged?)."))?,
+        Err(e) => return Ok(c.page(StatusCode::OK, "Dead letter", &error_box("dead letter", &e))),
+    };
+    let m = &row.message;
+    let text = std::str::from_utf8(&m.payload).ok();
+    let json = text.and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok());
+    let view = match page::value(&query, "view") {
+        Some("hex") => View::Hex,
+        Some("text") if text.is_some() => View::Text,
+        Some("json") if json.is_some() => View::Json,
+        _ if json.is_some() => View::Json,
+        _ if text.is_some() => View::Text,
+        _ => View::Hex,
+    };
+    let mut body = format!(
+        r#"<table>
+<tr><th>id</th><td>{id}</td></tr>
+<tr><th>relay</th><td>{relay}</td></tr>
+<tr><th>topic</th><td>{topic}</td></tr>
+<tr><th>key</th><td class="key">{key}</td></tr>
+<tr><th>attempts</th><td>{attempts}</td></tr>
+<tr><th>created at</th><td>{created}</td></tr>
+<tr><th>dead-lettered at</th><td>{dead}</td></tr>
+<tr><th>last error</th><td><pre class="last-error">{error}</pre></td></tr>
+</table>"#,
+        id = m.id,
+        relay = esc(&relay.def.name),
+        topic = esc(&m.topic),
+        key = esc(m.key.as_deref().unwrap_or("-")),
+        attempts = m.attempts,
+        created = time(m.created_at),
+        dead = time(row.dead_lettered_at),
+        error = esc(&row.last_error),
+    );
+    if !m.headers.is_empty() {
+        body.push_str("<h2>Headers</h2><table><tr><th>name</th><th>value</th></tr>");
+        for (name, value) in &m.headers {
+            let _ = write!(
+                body,
+                "<tr><td>{}</td><td>{}</td></tr>",
+                esc(name),
+                esc(value)
+            );
+        }
+        body.push_str("</table>");
+    }
+    let _ = write!(body, "<h2>Payload ({} bytes)</h2><p>", m.payload.len());
+    for (v, name, available) in [
+        (View::Text, "text", text.is_some()),
+        (View::Json, "json", json.is_some()),
+        (View::Hex, "hex", true),
+    ] {
+        if v == view {
+            let _ = write!(body, "<strong>{name}</strong> ");
+        } else if available {
+            let _ = write!(
+                body,
+                r#"<a href="/dead-letter?relay={}&amp;id={}&amp;view={name}">{name}</a> "#,
+                esc(&url(&relay.def.name)),
+                m.id
+            );
+        }
+    }
+    body.push_str("</p>");
+    let shown = &m.payload[..m.payload.len().min(page::PAYLOAD_SHOWN)];
+    let rendered = match (view, text, &json) {
+        (View::Json, _, Some(value)) => {
+            esc(&serde_json::to_string_pretty(value).unwrap_or_default())
+        }
+        (View::Text, Some(_), _) => esc(&String::from_utf8_lossy(shown)),
+        _ => page::hex(shown),
+    };
+    let _ = write!(body, r#"<pre class="payload">{rendered}</pre>"#);
+    if m.payload.len() > page::PAYLOAD_SHOWN && view != View::Json {
+        let _ = write!(body, "<p>First {} bytes shown.</p>", page::PAYLOAD_SHOWN);
+    }
+    if !c.read_only {
+        body.push_str("<h2>Repair</h2><p>");
+        body.push_str(&action_form(
+            &c,
+            "replay",
+            &relay.def.name,
+            &[m.id],
+            None,
+            "Replay…",
+        ));
+        body.push(' ');
+        body.push_str(&action_form(
+            &c,
+            "purge",
+            &relay.def.name,
+            &[m.id],
+            None,
+            "Purge…",
+        ));
+        if let Some(key) = &m.key {
+            body.push(' ');
+            body.push_str(&action_form(
+                &c,
+                "release",
+                &relay.def.name,
+                &[],
+                Some(key),
+                "Release its key…",
+            ));
+        }
+        body.push_str("</p>");
+    }
+    Ok(c.page(StatusCode::OK, "Dead letter", &body))
+}
+
+/// What an action does to the order of each key, said on its confirmation page.
+fn consequence(action: &str) -> &'static str {
+    match action {
+        "replay" => {
+            "Replay puts each dead letter back in the outbox at its original place: first in its key's order, ahead of the messages of its key that wait behind it, with its attempts reset. Once no dead letter of a key is left, the key is released and its messages flow again, in order."
+        }
+        "purge" => {
+            "Purge deletes these dead letters for good: they cannot be replayed. Their keys stay parked until you release them; then the key's later messages flow without them."
+        }
+        _ => {
+            "Release lets the messages that wait behind this key's dead letter flow now, without it: they are delivered although the dead letter was not. The dead letter stays in the dead letters; replaying it later delivers it after them, out of its original order."
+        }
+    }
+}
+
+async fn action(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: String,
+) -> Page {
+    let who = c.authorize(&headers, peer)?;
+    if c.read_only {
+        return Err(c.page(
+            StatusCode::FORBIDDEN,
+            "Read-only",
+            "<p>This console is read-only (observability.console_read_only): it takes no actions.</p>",
+        ).into());
+    }
+    let form = page::pairs(&body);
+    c.same_origin(&headers, &form)?;
+    let bad = |why: &str| {
+        c.page(
+            StatusCode::BAD_REQUEST,
+            "Bad request",
+            &format!("<p>{}</p>", esc(why)),
+        )
+    };
+    let action = match page::value(&form, "action") {
+        Some(a @ ("replay" | "purge" | "release")) => a,
+        _ => return Err(bad("action must be replay, purge or release.").into()),
+    };
+    let relays = c.relays()?;
+    let relay = page::value(&form, "relay")
+        .and_then(|name| relays.iter().find(|r| r.def.name == name))
+        .ok_or_else(|| bad("No such relay."))?;
+    let mut ids = Vec::new();
+    for (_, id) in form.iter().filter(|(n, _)| n == "id") {
+        ids.push(
+            id.parse::<Uuid>()
+                .map_err(|_| bad("A dead letter id is not a UUID."))?,
+        );
+    }
+    let key = page::value(&form, "key");
+    match (action, ids.is_empty(), key) {
+        ("release", _, None) => return Err(bad("Say which key to release.").into()),
+        ("replay" | "purge", true, _) => return Err(bad("Say which dead letters (id).").into()),
+        _ => {}
+    }
+    if page::value(&form, "confirm") != Some("yes") {
+        return Ok(confirmation(&c, action, relay, &ids, key).await);
+    }
+    let storage = &relay.storage;
+    let done = match action {
+        "replay" => ask(storage.replay_dead_letters(&ids))
+            .await
+            .map(|n| format!("Replayed {n} dead letter(s).")),
+        "purge" => ask(storage.purge_dead_letters(&ids))
+            .await
+            .map(|n| format!("Purged {n} dead letter(s).")),
+        _ => {
+            let key = key.unwrap_or_default();
+            ask(storage.release_parked_key(key))
+                .await
+                .map(|released| match released {
+                    true => format!("Released key {key:?}."),
+                    false => format!("Key {key:?} was not parked."),
+                })
+        }
+    };
+    match done {
+        Ok(done) => {
+            tracing::info!(%who, relay = %relay.def.name, action, ids = ?ids, key, outcome = %done, "console action");
+            let body = format!(
+                r#"<p class="done">{}</p><p><a href="/dead-letters?relay={}">Dead letters</a> · <a href="/parked">Parked keys</a></p>"#,
+                esc(&done),
+                esc(&url(&relay.def.name))
+            );
+            Ok(c.page(StatusCode::OK, "Done", &body))
+        }
+        Err(error) => {
+            tracing::warn!(%who, relay = %relay.def.name, action, ids = ?ids, key, %error, "console action failed");
+            Ok(c.page(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "Failed",
+                &error_box(action, &error),
+            ))
+        }
+    }
+}
+
+/// The page that says what an action will do, with the button that does it.
+async fn confirmation(
+    c: &Console,
+    action: &str,
+    relay: &Relay,
+    ids: &[Uuid],
+    key: Option<&str>,
+) -> Response {
+    let mut body = format!("<p>{}</p>", esc(consequence(action)));
+    if action == "release" {
+        let _ = write!(
+            body,
+            r#"<p>Key: <strong class="key">{}</strong></p>"#,
+            esc(key.unwrap_or_default())
+        );
+    } else {
+        let filter = DeadLetterFilter {
+            ids: Some(ids.to_vec()),
+            ..Default::default()
+        };
+        match ask(relay.storage.dead_letters(&filter, ids.len())).await {
+            Ok(rows) => {
+                let _ = write!(
+                    body,
+                    "<p>{} dead letter(s) of relay {}:</p><table><tr><th>id</th><th>topic</th><th>key</th></tr>",
+                    rows.len(),
+                    esc(&relay.def.name)
+                );
+                for row in rows {
+                    let _ = write!(
+                        body,
+                        r#"<tr><td>{}</td><td>{}</td><td class="key">{}</td></tr>"#,
+                        row.message.id,
+                        esc(&row.message.topic),
+                        esc(row.message.key.as_deref().unwrap_or("-"))
+                    );
+                }
+                body.push_str("</table>");
+            }
+            Err(e) => body.push_str(&error_box("dead letters", &e)),
+        }
+    }
+    let mut form = format!(
+        r#"<form method="post" action="/action"><input type="hidden" name="action" value="{}"><input type="hidden" name="relay" value="{}"><input type="hidden" name="confirm" value="yes">{}"#,
+        esc(action),
+        esc(&relay.def.name),
+        c.form_token_field()
+    );
+    for id in ids {
+        let _ = write!(form, r#"<input type="hidden" name="id" value="{id}">"#);
+    }
+    if let Some(key) = key {
+        let _ = write!(
+            form,
+            r#"<input type="hidden" name="key" value="{}">"#,
+            esc(key)
+        );
+    }
+    let _ = write!(
+        form,
+        r#"<button class="danger">Yes, {}</button> <a href="/">Cancel</a></form>"#,
+        esc(action)
+    );
+    body.push_str(&form);
+    let title = match action {
+        "replay" => "Replay dead letters?",
+        "purge" => "Purge dead letters?",
+        _ => "Release the key?",
+    };
+    c.page(StatusCode::OK, title, &body)
+}
+
+async fn login_form(State(c): State<Console>) -> Response {
+    match c.token {
+        Some(_) => c.login_page(StatusCode::OK, ""),
+        None => c.page(
+            StatusCode::OK,
+            "Log in",
+            "<p>This console needs no token.</p><p><a href=\"/\">Overview</a></p>",
+        ),
+    }
+}
+
+/// The login form's POST: with the right token, sets the session cookie and goes to the
+/// overview.
+async fn login(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    body: String,
+) -> Response {
+    let Some(token) = &c.token else {
+        return c.page(
+            StatusCode::OK,
+            "Log in",
+            "<p>This console needs no token.</p>",
+        );
+    };
+    let form = page::pairs(&body);
+    if !page::value(&form, "token").is_some_and(|given| same_secret(given, token)) {
+        tracing::warn!(%peer, "console: a login with a wrong token");
+        return c.login_page(
+            StatusCode::UNAUTHORIZED,
+            r#"<p class="error">Wrong token.</p>"#,
+        );
+    }
+    let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
+    let cookie = format!("{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", c.session);
+    if let Ok(value) = HeaderValue::from_str(&cookie) {
+        response.headers_mut().insert(header::SET_COOKIE, value);
+    }
+    response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_compare_whole() {
+        assert!(same_secret("abc", "abc"));
+        assert!(!same_secret("abd", "abc"));
+        assert!(!same_secret("ab", "abc"));
+        assert!(!same_secret("", "abc"));
+    }
+
+    #[test]
+    fn only_loopback_host_names_pass() {
+        let host = |h: &str| {
+            let mut headers = HeaderMap::new();
+            headers.insert(header::HOST, HeaderValue::from_str(h).unwrap());
+            loopback_host(&headers)
+        };
+        assert!(
+            host("127.0.0.1:9187")
+                && host("localhost:9187")
+                && host("[::1]:9187")
+                && host("LOCALHOST")
+        );
+        assert!(
+            !host("evil.example:9187") && !host("10.0.0.1:9187") && !host("127.0.0.1.evil.example")
+        );
+        assert!(!loopback_host(&HeaderMap::new()));
+    }
+
+    #[test]
+    fn the_session_cookie_is_found_among_others() {
+        let mut headers = HeaderMap::new();
+        headers.insert(
+            header::COOKIE,
+            HeaderValue::from_static("a=1; outbox_console=s3ss; b=2"),
+        );
+        assert_eq!(cookie(&headers, COOKIE), Some("s3ss"));
+        assert_eq!(cookie(&headers, "c"), None);
+    }
+}

@@ -1,0 +1,192 @@
+//! The console's HTML: escaping, the page frame, and the small text helpers its pages share.
+//! Every piece of data (topics, keys, payloads, headers, errors, relay names) is untrusted
+//! and goes through [`esc`] or [`url`] before it is written into a page.
+
+use std::fmt::Write;
+
+/// `text` safe inside HTML text and inside a double- or single-quoted attribute.
+pub fn esc(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for c in text.chars() {
+        match c {
+            '&' => out.push_str("&amp;"),
+            '<' => out.push_str("&lt;"),
+            '>' => out.push_str("&gt;"),
+            '"' => out.push_str("&quot;"),
+            '\'' => out.push_str("&#39;"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+/// `text` percent-encoded for one component of a URL's query (`?relay=…&key=…`).
+pub fn url(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for b in text.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.' | b'~') {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+/// The pairs of a query string or of an `application/x-www-form-urlencoded` body, decoded,
+/// in order (a name may come several times, as `id` does).
+pub fn pairs(text: &str) -> Vec<(String, String)> {
+    text.split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+            (decode(name), decode(value))
+        })
+        .collect()
+}
+
+/// Undoes the form encoding: `+` is a space, `%XX` a byte; a malformed escape stays as is.
+fn decode(text: &str) -> String {
+    let bytes = text.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => {
+                match std::str::from_utf8(&bytes[i + 1..i + 3])
+                    .ok()
+                    .and_then(|hex| u8::from_str_radix(hex, 16).ok())
+                {
+                    Some(byte) => {
+                        out.push(byte);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The first value of `name` among `pairs`, if set and not blank.
+pub fn value<'a>(pairs: &'a [(String, String)], name: &str) -> Option<&'a str> {
+    pairs
+        .iter()
+        .find(|(n, v)| n == name && !v.trim().is_empty())
+        .map(|(_, v)| v.as_str())
+}
+
+/// How long ago, for people: `4.2s`, `3m 12s`, `5h 2m`, `3d 4h`.
+pub fn age(seconds: f64) -> String {
+    let s = seconds.max(0.0);
+    if s < 60.0 {
+        return format!("{s:.1}s");
+    }
+    let whole = s as u64;
+    match whole {
+        0..3600 => format!("{}m {}s", whole / 60, whole % 60),
+        3600..86400 => format!("{}h {}m", whole / 3600, whole % 3600 / 60),
+        _ => format!("{}d {}h", whole / 86400, whole % 86400 / 3600),
+    }
+}
+
+/// At most this many bytes of a payload are shown; the rest is summarised.
+pub const PAYLOAD_SHOWN: usize = 256 * 1024;
+
+/// A hex dump: offset, 16 bytes in hex, the printable ASCII of them. Escaped.
+pub fn hex(bytes: &[u8]) -> String {
+    let mut out = String::with_capacity(bytes.len() * 4 + 16);
+    for (row, chunk) in bytes.chunks(16).enumerate() {
+        let _ = write!(out, "{:08x}  ", row * 16);
+        for i in 0..16 {
+            match chunk.get(i) {
+                Some(b) => {
+                    let _ = write!(out, "{b:02x} ");
+                }
+                None => out.push_str("   "),
+            }
+        }
+        out.push(' ');
+        for &b in chunk {
+            out.push(if b.is_ascii_graphic() || b == b' ' {
+                b as char
+            } else {
+                '.'
+            });
+        }
+        out.push('\n');
+    }
+    esc(&out)
+}
+
+/// A whole page: the frame (title, navigation, read-only notice) around `body`, which must
+/// already be escaped HTML.
+pub fn frame(title: &str, read_only: bool, body: &str) -> String {
+    let notice = if read_only {
+        r#"<p class="notice">Read-only console: actions are turned off (observability.console_read_only).</p>"#
+    } else {
+        ""
+    };
+    format!(
+        r#"<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title} · outbox</title><link rel="stylesheet" href="/console.css"></head>
+<body><header><strong>outbox</strong> <nav><a href="/">Overview</a> <a href="/parked">Parked keys</a> <a href="/dead-letters">Dead letters</a> <a href="/relays">Relays</a></nav></header>
+<main>{notice}<h1>{title}</h1>
+{body}</main></body></html>
+"#,
+        title = esc(title),
+    )
+}
+
+/// The console's style sheet, served by the binary (no CDN, nothing fetched at run time).
+pub const CSS: &str = "body{font-family:system-ui,sans-serif;margin:0;color:#222}\
+header{background:#223;color:#fff;padding:.6em 1em}header a{color:#cde;margin-left:1em}\
+main{padding:1em}table{border-collapse:collapse;margin:.5em 0 1.5em}\
+th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:top}\
+td.n{text-align:right}pre{background:#f4f4f4;padding:.6em;overflow:auto;max-height:40em}\
+.notice{background:#fff3cd;padding:.5em}.error{background:#f8d7da;padding:.5em}\
+.ok{color:#176b2c}.bad{color:#a00}form.inline{display:inline}\
+button.danger{background:#a00;color:#fff}label{margin-right:1em}";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn escaping_leaves_no_markup() {
+        assert_eq!(
+            esc(r#"<script>alert('x')</script> & "q""#),
+            "&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt; &amp; &quot;q&quot;"
+        );
+        assert_eq!(
+            hex(b"<a>\x00"),
+            "00000000  3c 61 3e 00                                      &lt;a&gt;.\n"
+        );
+    }
+
+    #[test]
+    fn form_encoding_round_trips() {
+        let text = "a b&c=d/é%";
+        let decoded = pairs(&format!("x={}&id=1&id=2&empty=&bad=%zz+%4", url(text)));
+        assert_eq!(decoded[0], ("x".into(), text.into()));
+        assert_eq!(
+            decoded[1..3],
+            [("id".into(), "1".into()), ("id".into(), "2".into())]
+        );
+        assert_eq!(value(&decoded, "empty"), None);
+        assert_eq!(value(&decoded, "bad"), Some("%zz %4"));
+    }
+
+    #[test]
+    fn ages_read_well() {
+        assert_eq!(age(4.25), "4.2s");
+        assert_eq!(age(192.0), "3m 12s");
+        assert_eq!(age(18120.0), "5h 2m");
+        assert_eq!(age(-1.0), "0.0s");
+    }
+}

@@ -1,0 +1,462 @@
+//! The operator console of `outbox relay`, over plain HTTP against PostgreSQL and Redis: it
+//! shows the queue, the parked key and the dead letter (escaped), replays it behind a
+//! confirmation and a form token so the key drains in order, and keeps its data and actions
+//! from clients without the token and from read-only mode.
+
+use super::*;
+
+/// An HTTP answer: status, header block (lower-cased names), body.
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+/// One plain HTTP/1.1 request; `Host` is `addr` unless `extra` gives one.
+fn request(addr: &str, method: &str, path: &str, extra: &[(&str, &str)], body: &str) -> Reply {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !extra
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        head.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (name, value) in extra {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if method == "POST" {
+        head.push_str(&format!(
+            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).expect("send");
+    stream.write_all(body.as_bytes()).expect("send the body");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Reply {
+        status: headers
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        headers: headers.to_ascii_lowercase(),
+        body: body.to_string(),
+    }
+}
+
+fn get(addr: &str, path: &str, extra: &[(&str, &str)]) -> Reply {
+    request(addr, "GET", path, extra, "")
+}
+
+/// The overview once the relays are built (the console says "Starting" with 503 before).
+async fn overview(addr: &str, extra: &[(&str, &str)]) -> Reply {
+    wait_for_http(addr).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let reply = get(addr, "/", extra);
+        if reply.status != 503 {
+            return reply;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the console stayed at Starting: {}",
+            reply.body
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The form token of the console's action forms in `page`.
+fn form_token(page: &str) -> String {
+    let start = page
+        .find(r#"name="csrf" value=""#)
+        .unwrap_or_else(|| panic!("no form token in:\n{page}"))
+        + r#"name="csrf" value=""#.len();
+    page[start..]
+        .split('"')
+        .next()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// The head of key `a`: a payload with markup, too large for the strict sink.
+fn poison() -> String {
+    format!("<script>alert('x')</script>&{}", "x".repeat(200))
+}
+
+fn redis_sink(name: &str, max_payload: usize) -> String {
+    format!(
+        "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max_payload}\n"
+    )
+}
+
+/// Makes key `a`'s head a dead letter (Redis refuses it as too large), with `a2` and `a3`
+/// parked behind it and `b1` delivered. Returns the dead letter's id.
+async fn poisoned(pool: &PgPool, schema: &str, name: &str) -> String {
+    let strict = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{}",
+        storage_section(schema),
+        redis_sink(name, 100)
+    ));
+    let migrate = outbox(&strict.path, &["migrate"]);
+    assert!(
+        migrate.status.success(),
+        "migrate: {}",
+        text(&migrate.stderr)
+    );
+    let lines: String = [(poison(), "a"), ("a2".into(), "a"), ("a3".into(), "a"), ("b1".into(), "b")]
+        .iter()
+        .map(|(payload, key)| {
+            format!(
+                "{}\n",
+                serde_json::json!({"topic": "t", "key": key, "payload": payload, "headers": {"h<1>": "v\"&"}})
+            )
+        })
+        .collect();
+    let enqueued = outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines);
+    assert!(
+        enqueued.status.success(),
+        "enqueue: {}",
+        text(&enqueued.stderr)
+    );
+    let relay = RelayProcess::start(&strict.path);
+    let dead = format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(pool, &dead).await == 0 {
+        assert!(Instant::now() < deadline, "never dead-lettered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // b1 is delivered and a2, a3 are parked: the queue is settled.
+    let settled = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
+    while count(pool, &settled).await != 2 {
+        assert!(Instant::now() < deadline, "b1 never delivered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    sqlx::query_scalar(&format!(
+        r#"SELECT id::text FROM "{schema}".outbox_dead_letters"#
+    ))
+    .fetch_one(pool)
+    .await
+    .expect("the dead letter's id")
+}
+
+/// Dead letters and parked keys in the table: (dead letters, parked keys).
+async fn dead_and_parked(pool: &PgPool, schema: &str) -> (i64, i64) {
+    (
+        count(
+            pool,
+            &format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#),
+        )
+        .await,
+        count(
+            pool,
+            &format!(r#"SELECT count(*) FROM "{schema}".outbox_parked_keys"#),
+        )
+        .await,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
+    let pool = pool().await;
+    let schema = unique_name("cli_console");
+    let name = unique_name("console");
+    let id = poisoned(&pool, &schema, &name).await;
+
+    // The operator raised the limit; the console on loopback needs no token.
+    let addr = format!("127.0.0.1:{}", free_port());
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 1_000_000)
+    ));
+    let relay = RelayProcess::start(&config.path);
+    let page = overview(&addr, &[]).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    for figure in [
+        r#"data-figure="pending">2<"#,
+        r#"data-figure="dead-lettered">1<"#,
+        r#"data-figure="parked-keys">1<"#,
+    ] {
+        assert!(
+            page.body.contains(figure),
+            "{figure} not in:\n{}",
+            page.body
+        );
+    }
+    assert!(
+        page.headers
+            .contains("content-security-policy: default-src 'none'"),
+        "{}",
+        page.headers
+    );
+    assert!(
+        page.headers.contains("x-frame-options: deny"),
+        "{}",
+        page.headers
+    );
+    // A page asked for under another host name (DNS rebinding) gets nothing.
+    let rebound = get(&addr, "/", &[("Host", "evil.example")]);
+    assert_eq!(rebound.status, 403);
+    assert!(!rebound.body.contains("data-figure"), "{}", rebound.body);
+
+    let parked = get(&addr, "/parked", &[]);
+    assert_eq!(parked.status, 200);
+    assert!(
+        parked.body.contains(r#"<td class="key">a</td>"#) && parked.body.contains(&id),
+        "{}",
+        parked.body
+    );
+    let listed = get(&addr, "/dead-letters?key=a&error=max_payload", &[]);
+    assert!(
+        listed.body.contains(&id) && listed.body.contains("1 dead letter(s)"),
+        "{}",
+        listed.body
+    );
+    let none = get(&addr, "/dead-letters?error=no+such+error", &[]);
+    assert!(
+        none.body.contains("0 dead letter(s)") && !none.body.contains(&id),
+        "{}",
+        none.body
+    );
+
+    // The payload, the headers and the error are shown escaped, never as markup.
+    let shown = get(&addr, &format!("/dead-letter?id={id}"), &[]);
+    assert_eq!(shown.status, 200, "{}", shown.body);
+    assert!(
+        shown
+            .body
+            .contains("&lt;script&gt;alert(&#39;x&#39;)&lt;/script&gt;&amp;xxx"),
+        "{}",
+        shown.body
+    );
+    assert!(
+        shown.body.contains("h&lt;1&gt;") && shown.body.contains("v&quot;&amp;"),
+        "{}",
+        shown.body
+    );
+    assert!(shown.body.contains("max_payload"), "{}", shown.body);
+    assert!(
+        !shown.body.contains("<script") && !shown.body.contains("<1>"),
+        "{}",
+        shown.body
+    );
+    let hex = get(&addr, &format!("/dead-letter?id={id}&view=hex"), &[]);
+    assert!(hex.body.contains("3c 73 63 72 69 70 74 3e"), "{}", hex.body);
+    assert!(!hex.body.contains("<script"), "{}", hex.body);
+
+    let token = form_token(&shown.body);
+    let replay = format!("action=replay&relay=default&id={id}&csrf={token}");
+    // Without confirmation: the page that says what happens to the key's order, nothing done.
+    let asked = request(&addr, "POST", "/action", &[], &replay);
+    assert_eq!(asked.status, 200, "{}", asked.body);
+    assert!(
+        asked.body.contains("first in its key&#39;s order"),
+        "{}",
+        asked.body
+    );
+    assert!(
+        asked.body.contains(r#"name="confirm" value="yes""#),
+        "{}",
+        asked.body
+    );
+    // Confirmed but without the form token, or from another origin: refused.
+    let forged = request(
+        &addr,
+        "POST",
+        "/action",
+        &[],
+        &format!("action=replay&relay=default&id={id}&confirm=yes"),
+    );
+    assert_eq!(forged.status, 403, "{}", forged.body);
+    let cross = request(
+        &addr,
+        "POST",
+        "/action",
+        &[("Origin", "http://evil.example")],
+        &format!("{replay}&confirm=yes"),
+    );
+    assert_eq!(cross.status, 403, "{}", cross.body);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        dead_and_parked(&pool, &schema).await,
+        (1, 1),
+        "an unconfirmed or forged replay acted"
+    );
+
+    // Confirmed, from the console's own page: replayed; the key drains in its order.
+    let done = request(
+        &addr,
+        "POST",
+        "/action",
+        &[("Origin", &format!("http://{addr}"))],
+        &format!("{replay}&confirm=yes"),
+    );
+    assert_eq!(done.status, 200, "{}", done.body);
+    assert!(
+        done.body.contains("Replayed 1 dead letter(s)."),
+        "{}",
+        done.body
+    );
+    wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
+    assert_eq!(relay.terminate().0, Some(0));
+    let keys = by_key(&redis_stream(&format!("{name}:t")).await);
+    assert_eq!(
+        keys["a"],
+        vec![poison().into_bytes(), b"a2".to_vec(), b"a3".to_vec()],
+        "key a out of order"
+    );
+    assert_eq!(keys["b"], vec![b"b1".to_vec()]);
+    assert_eq!(dead_and_parked(&pool, &schema).await, (0, 0));
+    drop_schema(&pool, &schema).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() {
+    let pool = pool().await;
+    let schema = unique_name("cli_console_auth");
+    let name = unique_name("console_auth");
+    let id = poisoned(&pool, &schema, &name).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let token = "c0ns0le-t0ken-for-the-test-0123456789";
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\nconsole_token = \"{token}\"\nconsole_read_only = true\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 100)
+    ));
+    let relay = RelayProcess::start(&config.path);
+    let bearer = format!("Bearer {token}");
+    let with_token = [("Authorization", bearer.as_str())];
+    assert_eq!(overview(&addr, &with_token).await.status, 200);
+
+    // Without the token, or with a wrong one: 401 and no data, on every page.
+    let detail = format!("/dead-letter?id={id}");
+    for path in ["/", "/parked", "/relays", "/dead-letters", detail.as_str()] {
+        for extra in [
+            &[][..],
+            &[("Authorization", "Bearer wrong-token-0123456789")][..],
+            &[("Cookie", "outbox_console=guess")][..],
+        ] {
+            let reply = get(&addr, path, extra);
+            assert_eq!(reply.status, 401, "{path} {extra:?}: {}", reply.body);
+            assert!(
+                reply.headers.contains("www-authenticate: bearer"),
+                "{}",
+                reply.headers
+            );
+            for secret in ["data-figure", "alert", &schema, &id, "max_payload"] {
+                assert!(
+                    !reply.body.contains(secret),
+                    "{path}: `{secret}` shown without the token"
+                );
+            }
+        }
+    }
+    // The probes stay open.
+    assert_eq!(get(&addr, "/health/live", &[]).status, 200);
+    assert_eq!(get(&addr, "/metrics", &[]).status, 200);
+
+    // With the token: the data. The login form gives an HttpOnly session cookie.
+    let page = get(&addr, "/", &with_token);
+    assert!(
+        page.body.contains(r#"data-figure="dead-lettered">1<"#),
+        "{}",
+        page.body
+    );
+    assert!(page.body.contains("Read-only console"), "{}", page.body);
+    assert_eq!(
+        request(&addr, "POST", "/login", &[], "token=wrong").status,
+        401
+    );
+    let login = request(&addr, "POST", "/login", &[], &format!("token={token}"));
+    assert_eq!(login.status, 303, "{}", login.body);
+    let cookie = login
+        .headers
+        .lines()
+        .find_map(|l| l.strip_prefix("set-cookie: "))
+        .unwrap_or_else(|| panic!("no session cookie: {}", login.headers));
+    assert!(
+        cookie.contains("httponly") && cookie.contains("samesite=strict"),
+        "{cookie}"
+    );
+    assert!(
+        !cookie.contains(token),
+        "the token itself is the cookie: {cookie}"
+    );
+    let session = cookie.split(';').next().unwrap_or_default().to_string();
+    let shown = get(
+        &addr,
+        &format!("/dead-letter?id={id}"),
+        &[("Cookie", &session)],
+    );
+    assert_eq!(shown.status, 200, "{}", shown.body);
+    assert!(shown.body.contains("&lt;script&gt;"), "{}", shown.body);
+    assert!(
+        !shown.body.contains("action=\"/action\""),
+        "read-only pages offer actions"
+    );
+
+    // Read-only: every action refused with 403, nothing changed.
+    for form in [
+        format!("action=replay&relay=default&id={id}&confirm=yes&csrf=x"),
+        format!("action=purge&relay=default&id={id}&confirm=yes&csrf=x"),
+        "action=release&relay=default&key=a&confirm=yes&csrf=x".to_string(),
+    ] {
+        let reply = request(&addr, "POST", "/action", &with_token, &form);
+        assert_eq!(reply.status, 403, "{form}: {}", reply.body);
+        assert!(reply.body.contains("read-only"), "{}", reply.body);
+        // Without the token, the answer is 401 whatever the form.
+        assert_eq!(request(&addr, "POST", "/action", &[], &form).status, 401);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        dead_and_parked(&pool, &schema).await,
+        (1, 1),
+        "a refused action acted"
+    );
+    assert_eq!(relay.terminate().0, Some(0));
+
+    // Off loopback without a token the console is off: the listener serves the probes only.
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let open = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 100)
+    ));
+    let relay = RelayProcess::start(&open.path);
+    wait_for_http(&addr).await;
+    assert_eq!(get(&addr, "/health/live", &[]).status, 200);
+    for path in ["/", detail.as_str(), "/login"] {
+        let reply = get(&addr, path, &[]);
+        assert_eq!(reply.status, 404, "{path}: {}", reply.body);
+        assert!(!reply.body.contains("alert"), "{}", reply.body);
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    // Turned on there without a token: a configuration error at start-up.
+    let unguarded = ConfigFile::new(&format!(
+        "{}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 100)
+    ));
+    let out = outbox(&unguarded.path, &["relay"]);
+    assert_eq!(
+        out.status.code(),
+        Some(EXIT_CONFIG),
+        "{}",
+        text(&out.stderr)
+    );
+    assert!(
+        text(&out.stderr).contains("set observability.console_token"),
+        "{}",
+        text(&out.stderr)
+    );
+    drop_schema(&pool, &schema).await;
+}
