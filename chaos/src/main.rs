@@ -1,9 +1,10 @@
-//! `outbox-chaos`: several `outbox relay` processes on one outbox table while writers enqueue
-//! with plain SQL and faults are injected at random (seeded): kill -9 of a relay, its
-//! database sessions terminated (PostgreSQL or, with `--storage mysql`, MySQL), the broker link cut or stalled past the lease through a
-//! proxy, and (AMQP) a lagging consumer that makes RabbitMQ refuse publishes. Then it drains,
-//! reads back everything the broker received and fails on any loss, per-key order violation,
-//! rolled-back message delivered, dead letter, or more duplicates than the faults explain.
+//! `outbox-chaos`: several `outbox relay` processes on one outbox table (PostgreSQL in lease
+//! or log mode, or MySQL: `--storage`) while writers enqueue with plain SQL and faults are
+//! injected at random (seeded): kill -9 of a relay, its database sessions terminated, the
+//! broker link cut or stalled past the lease through a proxy, and (AMQP) a lagging consumer
+//! that makes RabbitMQ refuse publishes. Then it drains, reads back everything the broker
+//! received and fails on any loss, per-key order violation, rolled-back message delivered,
+//! dead letter, or more duplicates than the faults explain.
 //! Run it with `cargo xtask chaos`; see docs/chaos.md.
 
 mod brokers;
@@ -26,7 +27,7 @@ use tokio_util::sync::CancellationToken;
 
 use brokers::{Broker, Kind};
 use check::Verdict;
-use database::{Database, Store};
+use database::{Database, LOG_SHARDS, Store};
 use relays::{Relays, Settings};
 use writers::{Counters, Ledger, Writer};
 
@@ -66,11 +67,12 @@ struct Args {
     /// The relay binary, built with `--features amqp,kafka,nats,mysql`.
     #[arg(long, default_value = "target/debug/outbox")]
     outbox: PathBuf,
-    /// The storage of the outbox.
+    /// The storage of the outbox: PostgreSQL in lease mode, PostgreSQL in log mode
+    /// (`mode = "log"`, 8 shards), or MySQL.
     #[arg(long, value_enum, default_value = "postgres")]
     storage: Store,
-    /// The database of the outbox with `--storage postgres` (a schema of the run's own is
-    /// created and dropped).
+    /// The database of the outbox with `--storage postgres` or `postgres-log` (a schema of
+    /// the run's own is created and dropped).
     #[arg(long, env = Service::Postgres.env(), default_value = Service::Postgres.default_url())]
     postgres_url: String,
     /// The database of the outbox with `--storage mysql` (tables of the run's own are created
@@ -155,6 +157,34 @@ impl Faults {
     }
 }
 
+/// The relay binary as it is now, kept in the run's directory: relays are restarted all
+/// run long, and a build in the shared target directory (without the sinks' features, say)
+/// must not swap the binary under them. A hard link (a rebuild writes a new file and leaves
+/// the old one to the link), or a copy where links are not possible.
+fn keep_binary(binary: &std::path::Path, dir: &std::path::Path) -> Result<PathBuf> {
+    let kept = dir.join("outbox");
+    if std::fs::hard_link(binary, &kept).is_err() {
+        std::fs::copy(binary, &kept).ctx(format_args!(
+            "copying the relay binary {} to {}",
+            binary.display(),
+            kept.display()
+        ))?;
+    }
+    Ok(kept)
+}
+
+/// How many duplicates one relay hit may explain. A hit relay's batch in flight is published
+/// again: one batch. In log mode the next owner of its shards also reads from their stored
+/// cursors, which sit just before the oldest message not settled: what the relay delivered
+/// past a message still waiting to retry goes out again. That is counted as one batch more
+/// for each shard of a relay's share (shards ÷ relays, rounded up).
+fn redelivery_per_hit(store: Store, batch: usize, relays: usize) -> usize {
+    match store {
+        Store::PostgresLog => batch * (1 + (LOG_SHARDS as usize).div_ceil(relays.max(1))),
+        Store::Postgres | Store::Mysql => batch,
+    }
+}
+
 /// Everything a run set up; [`Run::cleanup`] tears it down whatever the outcome.
 struct Run {
     name: String,
@@ -189,7 +219,7 @@ impl Run {
             args.outbox.display()
         ))?;
         let url = match args.storage {
-            Store::Postgres => &args.postgres_url,
+            Store::Postgres | Store::PostgresLog => &args.postgres_url,
             Store::Mysql => &args.mysql_url,
         };
         let db = Database::connect(args.storage, url, &name).await?;
@@ -219,6 +249,7 @@ impl Run {
         };
         let dir = std::env::temp_dir().join(&name);
         std::fs::create_dir_all(&dir).ctx(dir.display())?;
+        let binary = keep_binary(&binary, &dir)?;
         let sink = broker.sink_table(&name, &link.addr(), SINK_TIMEOUT);
         let config = relays::config(&relay_url, &db.storage_keys(), &settings, &sink);
         let config_file = dir.join("relay.toml");
@@ -323,7 +354,7 @@ impl Run {
         tasks
     }
 
-    /// A line every 10 s: committed, still in the outbox, relayed, received (AMQP), faults.
+    /// A line every 10 s: committed, not settled yet, relayed, received (AMQP), faults.
     fn start_progress(&self, counters: &Arc<Counters>) -> tokio::task::JoinHandle<()> {
         let (counters, faults, db) = (counters.clone(), self.faults.clone(), self.db.clone());
         let started = self.started;
@@ -331,14 +362,14 @@ impl Run {
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_secs(10)).await;
-                let pending = db.outbox_rows().await.unwrap_or(-1);
+                let pending = db.unsettled().await.unwrap_or(-1);
                 let committed = counters.committed.load(Relaxed);
                 let received = match &receipts {
                     Some(r) => format!(", received {}", r.lock().map_or(0, |a| a.len())),
                     None => String::new(),
                 };
                 println!(
-                    "[{:>4}s] committed {committed} (rolled back {}), in outbox {pending}, relayed ~{}{received} | faults: {}",
+                    "[{:>4}s] committed {committed} (rolled back {}), not settled {pending}, relayed ~{}{received} | faults: {}",
                     started.elapsed().as_secs(),
                     counters.rolled_back.load(Relaxed),
                     committed as i64 - pending.max(0),
@@ -410,15 +441,16 @@ impl Run {
             .await
     }
 
-    /// Waits until the outbox table is empty or the deadline passes; returns the rows left.
+    /// Waits until every message is settled (the outbox table is empty; in log mode, every
+    /// row is behind its shard's cursor) or the deadline passes; returns the rows left.
     async fn drain(&mut self) -> Result<i64> {
         let deadline = Instant::now() + DRAIN_DEADLINE;
         loop {
             self.restart_exited()?;
-            let left = self.db.outbox_rows().await?;
+            let left = self.db.unsettled().await?;
             if left == 0 || Instant::now() >= deadline {
                 let t = self.started.elapsed().as_secs();
-                println!("[{t:>4}s] drained: {left} rows left in the outbox");
+                println!("[{t:>4}s] drained: {left} messages not settled");
                 return Ok(left);
             }
             tokio::time::sleep(Duration::from_millis(500)).await;
@@ -466,7 +498,8 @@ impl Run {
     ) -> bool {
         let faults = &self.faults;
         let (hits, batch) = (faults.hits.load(Relaxed), self.settings.batch_size);
-        let allowed = hits as usize * batch;
+        let per_hit = redelivery_per_hit(self.db.store, batch, self.relays.count());
+        let allowed = hits as usize * per_hit;
         let refusals = self.relays.count_in_logs("basic.nack");
         let exits = faults.unexpected_exits.load(Relaxed);
         let (lost, violations) = (verdict.lost.len(), verdict.violations.len());
@@ -485,11 +518,11 @@ impl Run {
             ("broker arrivals", verdict.arrivals.to_string()),
             ("faults", faults.summary()),
             ("broker refusals (nacks)", refusals.to_string()),
-            ("lost", format!("{lost} ({left} still in the outbox)")),
+            ("lost", format!("{lost} ({left} not settled)")),
             (
                 "duplicates",
                 format!(
-                    "{} (allowed: {hits} relays hit × batch {batch} = {allowed})",
+                    "{} (allowed: {hits} relays hit × {per_hit} = {allowed})",
                     verdict.duplicates
                 ),
             ),
@@ -505,6 +538,10 @@ impl Run {
             ("not written by this run", verdict.foreign.to_string()),
             ("relays exited on their own", exits.to_string()),
         ];
+        let mut rows = Vec::from(rows);
+        if self.db.store == Store::PostgresLog {
+            rows.extend(self.log_mode_rows());
+        }
         println!("  | {:<26} | figure\n  |{:-<28}|{:-<60}", "what", "", "");
         for (what, figure) in rows {
             println!("  | {what:<26} | {figure}");
@@ -565,6 +602,32 @@ impl Run {
         false
     }
 
+    /// Log mode's own figures, from the relays' debug lines: shards taken (at start, and from
+    /// relays that died or stalled past their lease), stale owners refused, and the rows the
+    /// ranged deletes removed behind the cursors while the faults went on.
+    fn log_mode_rows(&self) -> [(&'static str, String); 2] {
+        let taken = self.relays.count_in_logs("took a shard");
+        let refused = self
+            .relays
+            .count_in_logs("another relay took this shard over")
+            + self
+                .relays
+                .count_in_logs("shard taken over by another relay");
+        let removed = self
+            .relays
+            .sum_in_logs("removed delivered rows behind the cursors", "rows=");
+        [
+            (
+                "shards taken (log mode)",
+                format!("{taken} ({refused} times a stale owner dropped a shard taken over)"),
+            ),
+            (
+                "rows cleaned up (log mode)",
+                format!("{removed} behind the cursors"),
+            ),
+        ]
+    }
+
     /// Drops the schema or tables and the broker's destination; removes the run's directory when told.
     async fn cleanup(&mut self, remove_dir: bool) {
         self.stop.cancel(); // the writers, if a failure left them running
@@ -574,5 +637,19 @@ impl Run {
         if remove_dir {
             let _ = std::fs::remove_dir_all(&self.dir);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Store, redelivery_per_hit};
+
+    #[test]
+    fn a_hit_may_redeliver_a_batch_and_in_log_mode_a_batch_per_shard_of_its_share() {
+        assert_eq!(redelivery_per_hit(Store::Postgres, 20, 3), 20);
+        assert_eq!(redelivery_per_hit(Store::Mysql, 20, 3), 20);
+        // 8 shards over 3 relays: a share of 3.
+        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 3), 20 * (1 + 3));
+        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 1), 20 * (1 + 8));
     }
 }

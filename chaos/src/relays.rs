@@ -18,9 +18,9 @@ pub struct Settings {
 }
 
 /// The relay's configuration file (docs/configuration.md). Every relay process reads the
-/// same file: worker ids differ by process id. `place` names the outbox table in the
-/// `[storage]` table (PostgreSQL: the run's schema; MySQL: the run's table); `sink` is the
-/// body of the `[sink]` table.
+/// same file: worker ids differ by process id. `place` is what the `[storage]` table says
+/// of the storage itself (`Database::storage_keys`: the run's schema or table, the mode,
+/// retention); `sink` is the body of the `[sink]` table.
 pub fn config(url: &str, place: &str, settings: &Settings, sink: &str) -> String {
     format!(
         r#"# Written by outbox-chaos.
@@ -31,9 +31,6 @@ max_connections = 4
 connect_timeout = "2s"
 per_key_order = true
 max_per_key = {max_per_key}
-# Delivered rows are kept with the broker's receipt, so a lost message shows whether and
-# where the broker said it took it.
-retention = "1h"
 
 [relay]
 batch_size = {batch}
@@ -46,7 +43,8 @@ backoff = {{ initial = "100ms", max = "1s", multiplier = 2.0, jitter = 0.2 }}
 [sink]
 {sink}
 [observability]
-log_level = "info"
+# Log mode's shard hand-overs and cleanups are debug lines: the report counts them.
+log_level = "info,outbox_postgres::log=debug"
 summary_interval = "30s"
 "#,
         batch = settings.batch_size,
@@ -175,6 +173,20 @@ impl Relays {
         all[all.len().saturating_sub(lines)..].join("\n")
     }
 
+    /// The sum of the numbers after `field` (as in `rows=12`) on the log lines of all relays
+    /// that contain `needle`.
+    pub fn sum_in_logs(&self, needle: &str, field: &str) -> u64 {
+        (0..self.count())
+            .map(|relay| {
+                let text = std::fs::read_to_string(self.log(relay)).unwrap_or_default();
+                text.lines()
+                    .filter(|line| line.contains(needle))
+                    .filter_map(|line| number_after(line, field))
+                    .sum::<u64>()
+            })
+            .sum()
+    }
+
     /// How many log lines of all relays contain `needle`.
     pub fn count_in_logs(&self, needle: &str) -> usize {
         (0..self.count())
@@ -186,5 +198,28 @@ impl Relays {
                     .count()
             })
             .sum()
+    }
+}
+
+/// The number right after `field` in `line`: `number_after("x rows=12 y", "rows=")` is 12.
+fn number_after(line: &str, field: &str) -> Option<u64> {
+    let rest = &line[line.find(field)? + field.len()..];
+    let digits = rest
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(rest.len());
+    rest[..digits].parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::number_after;
+
+    #[test]
+    fn number_after_reads_the_digits_after_the_field() {
+        let line = "DEBUG outbox_postgres::log: removed delivered rows behind the cursors rows=128";
+        assert_eq!(number_after(line, "rows="), Some(128));
+        assert_eq!(number_after("rows=7 more", "rows="), Some(7));
+        assert_eq!(number_after("no figure here", "rows="), None);
+        assert_eq!(number_after("rows=x", "rows="), None);
     }
 }

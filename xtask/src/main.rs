@@ -6,7 +6,7 @@
 //! - `test`: `services`, then the whole test suite against them.
 //! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
 //! - `container-build`: the Dockerfile's `cargo build` line, run here (docs/deployment.md).
-//! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|mysql] [--seed N]`:
+//! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N]`:
 //!   `services`, then the relay binary with every sink (debug build), then the chaos run
 //!   against it (docs/chaos.md).
 
@@ -30,7 +30,7 @@ fn main() -> ExitCode {
         Some("container-build") => container_build(),
         _ => Err(
             "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | container-build | \
-                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|mysql] [--seed N]>"
+                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N]>"
                 .into(),
         ),
     };
