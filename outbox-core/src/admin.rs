@@ -107,4 +107,12 @@ pub trait StorageAdmin: Storage {
     /// Lets a parked key's messages flow again without replaying its dead letters. Returns
     /// whether the key was parked.
     async fn release_parked_key(&self, key: &str) -> Result<bool>;
+
+    /// How many of the key's messages wait behind its parking: the messages of `key` still
+    /// in the outbox, which a parked key holds back until it is replayed or released. `None`
+    /// when the storage cannot tell (the default).
+    async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        let _ = key;
+        Ok(None)
+    }
 }

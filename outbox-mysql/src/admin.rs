@@ -170,4 +170,17 @@ impl StorageAdmin for MySqlStorage {
             .map_err(|e| self.error("cannot release parked key", e))?;
         Ok(done.rows_affected() > 0)
     }
+
+    async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE partition_key = ?",
+            self.table().qualified("")
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(key.as_bytes())
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| self.error("cannot count the messages behind a parked key", e))?;
+        Ok(Some(n.max(0) as u64))
+    }
 }

@@ -128,4 +128,21 @@ impl StorageAdmin for PgStorage {
             .map_err(|e| db_error("cannot release parked key", e))?;
         Ok(done.rows_affected() > 0)
     }
+
+    async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        // Log mode keeps a key's held messages elsewhere (its own count lives in log.rs).
+        if self.log.is_some() {
+            return Ok(None);
+        }
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE partition_key = $1",
+            self.table().qualified("")
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(key)
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| db_error("cannot count the messages behind a parked key", e))?;
+        Ok(Some(n.max(0) as u64))
+    }
 }

@@ -165,4 +165,17 @@ impl StorageAdmin for SqliteStorage {
             .map_err(|e| self.error(what, e));
         self.finish(what, write, done).await
     }
+
+    async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        let sql = format!(
+            "SELECT count(*) FROM {} WHERE partition_key = ?1",
+            self.table().quoted("")
+        );
+        let n: i64 = sqlx::query_scalar(&sql)
+            .bind(key)
+            .fetch_one(self.pool())
+            .await
+            .map_err(|e| self.error("cannot count the messages behind a parked key", e))?;
+        Ok(Some(n.max(0) as u64))
+    }
 }

@@ -5,6 +5,10 @@
 
 use super::*;
 
+/// The same in a real browser (headless Chromium).
+#[path = "console_browser.rs"]
+mod browser;
+
 /// An HTTP answer: status, header block (lower-cased names), body.
 struct Reply {
     status: u16,
@@ -459,4 +463,204 @@ async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() 
         text(&out.stderr)
     );
     drop_schema(&pool, &schema).await;
+}
+
+/// Basic authentication instead of a token: without it, or with a wrong password, 401 and
+/// no data; with it the pages and the actions, each action logged with the user's name and
+/// never the password.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn console_basic_auth_guards_its_data_and_logs_who_acted() {
+    let pool = pool().await;
+    let schema = unique_name("cli_console_basic");
+    let name = unique_name("console_basic");
+    let id = poisoned(&pool, &schema, &name).await;
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let password = "pa55word-0123456";
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole_user = \"ops\"\nconsole_password = \"{password}\"\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 100)
+    ));
+    let log = config.dir.join("relay.log");
+    let relay = RelayProcess(
+        Command::new(env!("CARGO_BIN_EXE_outbox"))
+            .arg("--config")
+            .arg(&config.path)
+            .arg("relay")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("the relay's log"))
+            .spawn()
+            .expect("start the relay"),
+    );
+    // `ops:pa55word-0123456` and `ops:wrong-password-0`, base64.
+    let right = [("Authorization", "Basic b3BzOnBhNTV3b3JkLTAxMjM0NTY=")];
+    let wrong = [("Authorization", "Basic b3BzOndyb25nLXBhc3N3b3JkLTA=")];
+    assert_eq!(overview(&addr, &right).await.status, 200);
+
+    let detail = format!("/dead-letter?id={id}");
+    for path in ["/", "/parked", "/relays", "/dead-letters", detail.as_str()] {
+        for extra in [
+            &[][..],
+            &wrong[..],
+            &[("Authorization", "Bearer b3BzOnBhNTV3b3JkLTAxMjM0NTY=")][..],
+        ] {
+            let reply = get(&addr, path, extra);
+            assert_eq!(reply.status, 401, "{path} {extra:?}: {}", reply.body);
+            assert!(
+                reply.headers.contains("www-authenticate: basic realm"),
+                "{}",
+                reply.headers
+            );
+            for secret in ["data-figure", "alert", &schema, &id, "max_payload"] {
+                assert!(
+                    !reply.body.contains(secret),
+                    "{path}: `{secret}` shown without the password"
+                );
+            }
+        }
+    }
+    let page = get(&addr, "/", &right);
+    assert!(
+        page.body.contains(r#"data-figure="parked-keys">1<"#),
+        "{}",
+        page.body
+    );
+    // The login form takes the user and password too.
+    let login = request(
+        &addr,
+        "POST",
+        "/login",
+        &[],
+        &format!("user=ops&password={password}"),
+    );
+    assert_eq!(login.status, 303, "{}", login.body);
+    assert_eq!(
+        request(&addr, "POST", "/login", &[], "user=ops&password=nope").status,
+        401
+    );
+
+    // The parked key shows how many messages wait behind it (a2, a3).
+    let parked = get(&addr, "/parked", &right);
+    assert!(
+        parked.body.contains(r#"data-figure="waiting">2<"#),
+        "{}",
+        parked.body
+    );
+    // An action with the password: done, and logged with the user's name.
+    let token = form_token(&get(&addr, &detail, &right).body);
+    let release = request(
+        &addr,
+        "POST",
+        "/action",
+        &right,
+        &format!("action=release&relay=default&key=a&confirm=yes&csrf={token}"),
+    );
+    assert_eq!(release.status, 200, "{}", release.body);
+    assert!(release.body.contains("Released key"), "{}", release.body);
+    wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
+    assert_eq!(relay.terminate().0, Some(0));
+    let logged = std::fs::read_to_string(&log).expect("the relay's log");
+    assert!(
+        logged.lines().any(|l| l.contains("console action")
+            && l.contains(r#"console user \"ops\""#)
+            || l.contains("console action") && l.contains(r#"console user "ops""#)),
+        "{logged}"
+    );
+    assert!(!logged.contains(password), "password logged: {logged}");
+    assert_eq!(dead_and_parked(&pool, &schema).await, (1, 0));
+    drop_schema(&pool, &schema).await;
+}
+
+/// `waiting_behind` of every SQL storage: after its head is dead-lettered, key `k`'s two
+/// later messages wait behind it; another key's message does not count.
+async fn two_wait_behind(storage: &dyn outbox::StorageAdmin, what: &str) {
+    storage.migrate().await.expect("migrate");
+    let messages = [
+        outbox::NewMessage::new("t", "k1").key("k"),
+        outbox::NewMessage::new("t", "k2").key("k"),
+        outbox::NewMessage::new("t", "k3").key("k"),
+        outbox::NewMessage::new("t", "o1").key("other"),
+    ];
+    storage.enqueue(&messages).await.expect("enqueue");
+    let claim = storage
+        .claim("console-test", 1, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert_eq!(claim.messages.len(), 1, "{what}");
+    assert_eq!(claim.messages[0].payload, b"k1", "{what}");
+    let dead = outbox::DeadLetter {
+        id: claim.messages[0].id,
+        error: "poison".into(),
+    };
+    assert_eq!(
+        storage
+            .dead_letter(&claim.token, &[dead])
+            .await
+            .expect("dead letter"),
+        1,
+        "{what}"
+    );
+    assert_eq!(
+        storage.parked_keys().await.expect("parked").len(),
+        1,
+        "{what}"
+    );
+    assert_eq!(
+        storage.waiting_behind("k").await.expect("count"),
+        Some(2),
+        "{what}"
+    );
+    assert_eq!(
+        storage.waiting_behind("nokey").await.expect("count"),
+        Some(0),
+        "{what}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sql_storage_counts_the_messages_waiting_behind_a_parked_key() {
+    let schema = unique_name("cli_console_waiting");
+    let postgres = outbox::postgres::PgStorage::new(
+        outbox::postgres::PostgresConfig::new(postgres_url()).table(&schema, "outbox"),
+    )
+    .expect("a PostgreSQL storage");
+    two_wait_behind(&postgres, "postgres").await;
+    drop_schema(&pool().await, &schema).await;
+
+    #[cfg(feature = "sqlite")]
+    {
+        let dir = ConfigFile::new("");
+        let sqlite = outbox::sqlite::SqliteStorage::open(outbox::sqlite::SqliteConfig::new(
+            dir.dir.join("outbox.db"),
+        ))
+        .await
+        .expect("a SQLite storage");
+        two_wait_behind(&sqlite, "sqlite").await;
+    }
+
+    #[cfg(feature = "mysql")]
+    {
+        let url = std::env::var("OUTBOX_TEST_MYSQL_URL")
+            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
+        let table = unique_name("console_waiting");
+        let mysql =
+            outbox::mysql::MySqlStorage::new(outbox::mysql::MySqlConfig::new(&url).table(&table))
+                .expect("a MySQL storage");
+        two_wait_behind(&mysql, "mysql").await;
+        use sqlx::Connection;
+        let mut conn = sqlx::MySqlConnection::connect(&url).await.expect("MySQL");
+        for suffix in [
+            "",
+            "_dead_letters",
+            "_parked_keys",
+            "_delivered",
+            "_claim_lock",
+            "_migrations",
+        ] {
+            let _ = sqlx::query(&format!("DROP TABLE IF EXISTS `{table}{suffix}`"))
+                .execute(&mut conn)
+                .await;
+        }
+    }
 }

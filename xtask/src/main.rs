@@ -10,6 +10,8 @@
 //!   `services`, then the relay binary with every sink (debug build), then the chaos run
 //!   against it (docs/chaos.md).
 
+mod browser;
+mod replica;
 #[cfg(test)]
 mod tidy;
 
@@ -137,7 +139,8 @@ fn services() -> Result {
         wait_for(service)?;
     }
     prepare_postgres()?;
-    prepare_mariadb()
+    prepare_mariadb()?;
+    replica::ensure()
 }
 
 /// The MySQL tests connect as `root` without a password to database `test` on 127.0.0.1
@@ -455,6 +458,7 @@ fn cargo() -> Command {
 }
 
 fn test(extra: &[String]) -> Result {
+    browser::ensure()?;
     run(cargo()
         .args(["test", "--workspace", "--all-features", "--no-fail-fast"])
         .args(extra))

@@ -94,6 +94,13 @@ pub struct Observability {
     /// The console shows but refuses every action (replay, release, purge) with 403.
     #[serde(default)]
     pub console_read_only: bool,
+    /// The user name of the console's basic authentication, an alternative to the token
+    /// (with `console_password`).
+    #[serde(default)]
+    pub console_user: Option<String>,
+    /// The password of `console_user`.
+    #[serde(default)]
+    pub console_password: Option<Secret>,
 }
 
 /// A secret setting: its `Debug` hides the value, so printing the configuration leaks nothing.
@@ -109,14 +116,21 @@ impl std::fmt::Debug for Secret {
 
 /// The shortest console token accepted: long enough that guessing it is hopeless.
 const MIN_CONSOLE_TOKEN: usize = 16;
+/// The shortest console password accepted.
+const MIN_CONSOLE_PASSWORD: usize = 12;
 
 impl Observability {
     /// Whether the listener serves the console: as set, or by default when it listens on
     /// loopback only or a token guards it.
     pub fn console_on(&self) -> bool {
         self.console.unwrap_or_else(|| {
-            self.console_token.is_some() || self.listen.is_some_and(|a| a.ip().is_loopback())
+            self.console_guarded() || self.listen.is_some_and(|a| a.ip().is_loopback())
         })
+    }
+
+    /// Whether the console asks for credentials: a token, or a user and password.
+    pub fn console_guarded(&self) -> bool {
+        self.console_token.is_some() || self.console_password.is_some()
     }
 
     /// The console's settings fit together: off loopback it needs a token, and the token
@@ -130,16 +144,40 @@ impl Observability {
                  use a long random one, e.g. the output of `openssl rand -hex 32`"
             )));
         }
+        match (&self.console_user, &self.console_password) {
+            (Some(_), None) | (None, Some(_)) => {
+                return Err(err(
+                    "observability.console_user and observability.console_password go \
+                     together: set both for basic authentication, or neither"
+                        .to_string(),
+                ));
+            }
+            (Some(user), Some(_)) if user.is_empty() || user.contains(':') => {
+                return Err(err(
+                    "observability.console_user is empty or holds a `:`, which basic \
+                     authentication cannot carry; choose another name"
+                        .to_string(),
+                ));
+            }
+            (Some(_), Some(password)) if password.0.chars().count() < MIN_CONSOLE_PASSWORD => {
+                return Err(err(format!(
+                    "observability.console_password is shorter than {MIN_CONSOLE_PASSWORD} \
+                     characters; use a long random one, e.g. the output of `openssl rand -hex 16`"
+                )));
+            }
+            _ => {}
+        }
         if let Some(addr) = self.listen
             && self.console == Some(true)
             && !addr.ip().is_loopback()
-            && self.console_token.is_none()
+            && !self.console_guarded()
         {
             return Err(err(format!(
                 "observability.console is on and observability.listen `{addr}` is not a \
                  loopback address: set observability.console_token (for example \
-                 console_token = {{ file = \"/run/secrets/console_token\" }}) so that only \
-                 operators get in, listen on 127.0.0.1, or set console = false"
+                 console_token = {{ file = \"/run/secrets/console_token\" }}) or \
+                 console_user and console_password so that only operators get in, listen \
+                 on 127.0.0.1, or set console = false"
             )));
         }
         Ok(())
@@ -157,6 +195,8 @@ impl Default for Observability {
             console: None,
             console_token: None,
             console_read_only: false,
+            console_user: None,
+            console_password: None,
         }
     }
 }
@@ -913,5 +953,53 @@ mod tests {
         );
         assert!(observability.console_on());
         let _ = std::fs::remove_file(&file);
+    }
+
+    #[test]
+    fn console_basic_auth_takes_a_user_and_a_password_and_guards_like_a_token() {
+        let with =
+            |observability: &str| parse_str(&format!("{MINIMAL}[observability]\n{observability}"));
+        let basic = "console_user = \"ops\"\nconsole_password = \"pa55word-0123456\"\n";
+        let config = with(&format!(
+            "listen = \"0.0.0.0:9187\"\nconsole = true\n{basic}"
+        ))
+        .unwrap();
+        assert!(config.observability.console_on() && config.observability.console_guarded());
+        assert!(
+            !format!("{config:?}").contains("pa55word"),
+            "password printed"
+        );
+        // On by default off loopback once guarded, as with a token.
+        assert!(
+            with(&format!("listen = \"0.0.0.0:9187\"\n{basic}"))
+                .unwrap()
+                .observability
+                .console_on()
+        );
+        for (text, expected) in [
+            (
+                "console_user = \"ops\"\n",
+                "console_user and observability.console_password go together",
+            ),
+            (
+                "console_password = \"pa55word-0123456\"\n",
+                "console_user and observability.console_password go together",
+            ),
+            (
+                "console_user = \"o:ps\"\nconsole_password = \"pa55word-0123456\"\n",
+                "holds a `:`",
+            ),
+            (
+                "console_user = \"ops\"\nconsole_password = \"pa55\"\n",
+                "console_password is shorter than 12 characters",
+            ),
+        ] {
+            let error = with(text).unwrap_err().0;
+            assert!(
+                error.contains(expected),
+                "expected `{expected}` in: {error}"
+            );
+            assert!(!error.contains("pa55"), "password printed: {error}");
+        }
     }
 }

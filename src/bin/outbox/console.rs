@@ -1,16 +1,19 @@
-//! The operator console, served by the relay's HTTP listener at `/`: queue figures, parked
-//! keys, dead letters (search, detail, payload as text, JSON or hex) and the relays of this
-//! process, with the repairs of `outbox dead-letters` (replay, release, purge) behind a
+//! The operator console, served by the relay's HTTP listener at `/`: queue figures with
+//! charts of deliveries and latency (inline SVG, from [`watch`]), parked keys with the
+//! messages waiting behind them, dead letters (search, detail, payload as text, JSON or hex)
+//! and the relays of this process with their worker's state, with the repairs of `outbox dead-letters` (replay, release, purge) behind a
 //! confirmation. Server-rendered HTML without scripts; everything comes from the binary.
 //!
-//! Access: without `console_token` only loopback clients reach it (the listener is on
-//! loopback, and the `Host` header must name loopback, against DNS rebinding). With a token
-//! every request needs it, as `Authorization: Bearer` or through the login form, which sets
-//! an HttpOnly session cookie. Actions are POSTs that carry a per-process form token and a
+//! Access: without `console_token` or `console_user`/`console_password` only loopback
+//! clients reach it (the listener is on loopback, and the `Host` header must name loopback,
+//! against DNS rebinding). With a token every request needs it, as `Authorization: Bearer`;
+//! with a user and password, as `Authorization: Basic`; either also through the login form,
+//! which sets an HttpOnly session cookie. Actions are POSTs that carry a per-process form token and a
 //! same-origin `Origin`, so another site cannot make a browser act; read-only mode refuses
 //! them. Each action is logged with who did it. See docs/console.md.
 
 mod page;
+pub mod watch;
 
 use std::fmt::Write;
 use std::net::SocketAddr;
@@ -48,6 +51,11 @@ pub fn router(readiness: Readiness, observability: &Observability) -> Option<Rou
     let console = Console {
         readiness,
         token: (observability.console_token.as_ref()).map(|t| Arc::from(t.0.as_str())),
+        basic: observability
+            .console_user
+            .as_ref()
+            .zip(observability.console_password.as_ref())
+            .map(|(user, password)| (Arc::from(user.as_str()), Arc::from(password.0.as_str()))),
         read_only: observability.console_read_only,
         session: Arc::from(random_hex()?),
         form_token: Arc::from(random_hex()?),
@@ -85,6 +93,8 @@ struct Console {
     readiness: Readiness,
     /// `observability.console_token`: none on a loopback-only console.
     token: Option<Arc<str>>,
+    /// `observability.console_user` and `console_password`, for basic authentication.
+    basic: Option<(Arc<str>, Arc<str>)>,
     read_only: bool,
     /// The value of the session cookie the login form sets: random per process.
     session: Arc<str>,
@@ -97,6 +107,9 @@ struct Console {
 enum Who {
     Loopback(SocketAddr),
     Token(SocketAddr),
+    User(Arc<str>, SocketAddr),
+    /// Logged in through the form (the session cookie does not say with what).
+    Session(SocketAddr),
 }
 
 impl std::fmt::Display for Who {
@@ -104,6 +117,8 @@ impl std::fmt::Display for Who {
         match self {
             Who::Loopback(peer) => write!(f, "loopback client {peer}"),
             Who::Token(peer) => write!(f, "console token holder at {peer}"),
+            Who::User(user, peer) => write!(f, "console user {user:?} at {peer}"),
+            Who::Session(peer) => write!(f, "logged-in console session at {peer}"),
         }
     }
 }
@@ -151,7 +166,7 @@ fn loopback_host(headers: &HeaderMap) -> bool {
 impl Console {
     /// Who is asking, or the answer that turns them away (401 with the login form, or 403).
     fn authorize(&self, headers: &HeaderMap, peer: SocketAddr) -> Result<Who, Refused> {
-        let Some(token) = &self.token else {
+        if self.token.is_none() && self.basic.is_none() {
             if peer.ip().is_loopback() && loopback_host(headers) {
                 return Ok(Who::Loopback(peer));
             }
@@ -162,17 +177,44 @@ impl Console {
                     "<p>Without a console token the console answers loopback clients only.</p>",
                 )
                 .into());
-        };
-        let bearer = headers
+        }
+        let authorization = headers
             .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if bearer.is_some_and(|given| same_secret(given.trim(), token))
-            || cookie(headers, COOKIE).is_some_and(|given| same_secret(given, &self.session))
+            .and_then(|v| v.to_str().ok());
+        if let Some(token) = &self.token
+            && authorization
+                .and_then(|v| v.strip_prefix("Bearer "))
+                .is_some_and(|given| same_secret(given.trim(), token))
         {
             return Ok(Who::Token(peer));
         }
+        if let Some((user, password)) = &self.basic
+            && authorization
+                .and_then(|v| v.strip_prefix("Basic "))
+                .and_then(|given| {
+                    use base64::Engine;
+                    base64::engine::general_purpose::STANDARD
+                        .decode(given.trim())
+                        .ok()
+                })
+                .and_then(|decoded| String::from_utf8(decoded).ok())
+                .is_some_and(|given| self.basic_matches(&given, user, password))
+        {
+            return Ok(Who::User(user.clone(), peer));
+        }
+        if cookie(headers, COOKIE).is_some_and(|given| same_secret(given, &self.session)) {
+            return Ok(Who::Session(peer));
+        }
         Err(self.login_page(StatusCode::UNAUTHORIZED, "").into())
+    }
+
+    /// Whether `user:password` (the decoded basic credentials) are the configured ones:
+    /// both compared whole, in time that does not depend on where they differ.
+    fn basic_matches(&self, given: &str, user: &str, password: &str) -> bool {
+        let (given_user, given_password) = given.split_once(':').unwrap_or((given, ""));
+        let user_ok = same_secret(given_user, user);
+        let password_ok = same_secret(given_password, password);
+        user_ok & password_ok
     }
 
     /// Refuses a POST another site could have made a browser send: its `Origin`, when the
@@ -209,16 +251,40 @@ impl Console {
     }
 
     fn login_page(&self, status: StatusCode, message: &str) -> Response {
+        let mut fields = String::new();
+        if self.token.is_some() {
+            fields.push_str(r#"<p><label>Token <input type="password" name="token" autocomplete="current-password"></label></p>"#);
+        }
+        if self.basic.is_some() {
+            if self.token.is_some() {
+                fields.push_str("<p>or</p>");
+            }
+            fields.push_str(r#"<p><label>User <input name="user" autocomplete="username"></label> <label>Password <input type="password" name="password" autocomplete="current-password"></label></p>"#);
+        }
+        let needs = match (self.token.is_some(), self.basic.is_some()) {
+            (true, true) => "its token (observability.console_token) or its user and password",
+            (true, false) => "its token (observability.console_token)",
+            _ => "its user and password (observability.console_user, console_password)",
+        };
         let body = format!(
-            r#"{message}<p>This console needs its token (observability.console_token).</p>
-<form method="post" action="/login"><label>Token <input type="password" name="token" autocomplete="current-password" autofocus></label> <button>Log in</button></form>"#
+            r#"{message}<p>This console needs {needs}.</p>
+<form method="post" action="/login">{fields}<button>Log in</button></form>"#
         );
         let mut response = html(status, page::frame("Log in", false, &body));
         if status == StatusCode::UNAUTHORIZED {
-            response.headers_mut().insert(
-                header::WWW_AUTHENTICATE,
-                HeaderValue::from_static("Bearer realm=\"outbox console\""),
-            );
+            let headers = response.headers_mut();
+            if self.token.is_some() {
+                headers.append(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Bearer realm=\"outbox console\""),
+                );
+            }
+            if self.basic.is_some() {
+                headers.append(
+                    header::WWW_AUTHENTICATE,
+                    HeaderValue::from_static("Basic realm=\"outbox console\", charset=\"UTF-8\""),
+                );
+            }
         }
         response
     }
@@ -366,9 +432,43 @@ async fn overview(
             }
             Err(e) => body.push_str(&error_box("figures per topic", &e)),
         }
+        body.push_str(&charts(relay));
         body.push_str("</section>");
     }
     Ok(c.page(StatusCode::OK, "Overview", &body))
+}
+
+/// The relay's deliveries per topic over the last minutes, as small SVG charts.
+fn charts(relay: &Relay) -> String {
+    let series = relay.watch.series(chrono::Utc::now());
+    let minutes = watch::BUCKETS as i64 * watch::BUCKET_SECS / 60;
+    if series.is_empty() {
+        return format!("<p>No deliveries in the last {minutes} minutes (by this process).</p>");
+    }
+    let mut out = format!(
+        r#"<table class="charts"><tr><th>topic</th><th>delivered per second, last {minutes} min</th><th>mean latency, last {minutes} min</th></tr>"#
+    );
+    for (topic, buckets) in series {
+        let rates: Vec<f64> = buckets.iter().map(watch::Bucket::rate).collect();
+        let latencies: Vec<Option<f64>> = buckets.iter().map(watch::Bucket::mean_latency).collect();
+        let peak_rate = rates.iter().copied().fold(0.0, f64::max);
+        let peak_latency = latencies.iter().flatten().copied().fold(0.0, f64::max);
+        let last_latency = latencies.iter().rev().flatten().next().copied();
+        let _ = write!(
+            out,
+            r#"<tr><td>{}</td><td>{} <span class="peak">peak {peak_rate:.1}/s</span></td><td>{} <span class="peak">peak {}, last {}</span></td></tr>"#,
+            esc(&topic),
+            page::chart(
+                &rates.iter().map(|r| Some(*r)).collect::<Vec<_>>(),
+                "delivered per second"
+            ),
+            page::chart(&latencies, "mean latency in seconds"),
+            page::seconds(peak_latency),
+            last_latency.map_or_else(|| "-".to_string(), page::seconds),
+        );
+    }
+    out.push_str("</table>");
+    out
 }
 
 async fn relays(
@@ -380,7 +480,7 @@ async fn relays(
     let relays = c.relays()?;
     let checks = c.readiness.checks().unwrap_or_default();
     let mut body = String::from(
-        "<table><tr><th>relay</th><th>storage</th><th>sink</th><th>health</th><th>checked at</th></tr>",
+        "<table><tr><th>relay</th><th>storage</th><th>sink</th><th>health</th><th>checked at</th><th>health gate</th><th>backoff</th><th>last error</th><th>delivered</th></tr>",
     );
     for relay in relays.iter() {
         let check = checks.iter().find(|h| h.relay == relay.def.name);
@@ -402,16 +502,48 @@ async fn relays(
                 (health, time(h.checked_at))
             }
         };
+        let w = relay.watch.snapshot();
+        let gate = match &w.gate {
+            None => "not checked yet".to_string(),
+            Some((at, None)) => format!(r#"<span class="ok">open</span> ({})"#, time(*at)),
+            Some((at, Some(_))) => format!(
+                r#"<span class="bad">closed: sink down</span> ({})"#,
+                time(*at)
+            ),
+        };
+        let backoff = match w.backoff {
+            None => "none".to_string(),
+            Some((wait, until)) => format!(
+                r#"<span class="bad">up to {wait:?} after {} failure(s), until {}</span>"#,
+                w.failures,
+                time(until)
+            ),
+        };
+        let last_error = match &w.last_error {
+            None => "none".to_string(),
+            Some((at, error)) => format!(
+                r#"<pre class="last-error">{}</pre>{}"#,
+                esc(error),
+                time(*at)
+            ),
+        };
         let _ = write!(
             body,
-            "<tr><td>{}</td><td>{} ({})</td><td>{}</td><td>{health}</td><td>{at}</td></tr>",
+            r#"<tr><td>{}</td><td>{} ({})</td><td>{}</td><td>{health}</td><td>{at}</td><td data-state="gate">{gate}</td><td data-state="backoff">{backoff}</td><td data-state="last-error">{last_error}</td><td class="n" data-state="delivered">{}</td></tr>"#,
             esc(&relay.def.name),
             esc(&relay.def.storage_type),
             esc(&relay.storage.describe()),
             esc(&relay.def.sink_type),
+            w.delivered,
         );
     }
     body.push_str("</table>");
+    body.push_str(
+        "<p>Health: the last check behind <code>/health/ready</code>. Health gate, backoff, \
+         last error and delivered: what this relay's worker saw of its sink since this \
+         process started (the worker checks the sink before it claims and backs off while \
+         it is down; the backoff shown is before jitter).</p>",
+    );
     Ok(c.page(StatusCode::OK, "Relays", &body))
 }
 
@@ -432,11 +564,16 @@ async fn parked(
         match ask(relay.storage.parked_keys()).await {
             Ok(keys) if keys.is_empty() => body.push_str("<p>No parked keys.</p>"),
             Ok(keys) => {
-                body.push_str("<table><tr><th>key</th><th>held by dead letter</th><th></th></tr>");
+                body.push_str("<table><tr><th>key</th><th>held by dead letter</th><th>waiting behind it</th><th></th></tr>");
                 for k in keys {
+                    let waiting = match ask(relay.storage.waiting_behind(&k.key)).await {
+                        Ok(Some(n)) => n.to_string(),
+                        Ok(None) => "?".to_string(),
+                        Err(e) => format!(r#"<span class="bad">{}</span>"#, esc(&e)),
+                    };
                     let _ = write!(
                         body,
-                        r#"<tr><td class="key">{key}</td><td><a href="/dead-letter?relay={relay}&amp;id={id}">{id}</a></td><td>{release}</td></tr>"#,
+                        r#"<tr><td class="key">{key}</td><td><a href="/dead-letter?relay={relay}&amp;id={id}">{id}</a></td><td class="n" data-figure="waiting">{waiting}</td><td>{release}</td></tr>"#,
                         key = esc(&k.key),
                         relay = esc(&url(&relay.def.name)),
                         id = k.dead_letter,
@@ -948,9 +1085,9 @@ async fn confirmation(
 }
 
 async fn login_form(State(c): State<Console>) -> Response {
-    match c.token {
-        Some(_) => c.login_page(StatusCode::OK, ""),
-        None => c.page(
+    match c.token.is_some() || c.basic.is_some() {
+        true => c.login_page(StatusCode::OK, ""),
+        false => c.page(
             StatusCode::OK,
             "Log in",
             "<p>This console needs no token.</p><p><a href=\"/\">Overview</a></p>",
@@ -965,19 +1102,37 @@ async fn login(
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
     body: String,
 ) -> Response {
-    let Some(token) = &c.token else {
+    if c.token.is_none() && c.basic.is_none() {
         return c.page(
             StatusCode::OK,
             "Log in",
             "<p>This console needs no token.</p>",
         );
-    };
+    }
     let form = page::pairs(&body);
-    if !page::value(&form, "token").is_some_and(|given| same_secret(given, token)) {
-        tracing::warn!(%peer, "console: a login with a wrong token");
+    let by_token = c.token.as_ref().is_some_and(|token| {
+        page::value(&form, "token").is_some_and(|given| same_secret(given, token))
+    });
+    let by_password = c.basic.as_ref().is_some_and(|(user, password)| {
+        let given = format!(
+            "{}:{}",
+            page::value(&form, "user").unwrap_or(""),
+            page::value(&form, "password").unwrap_or("")
+        );
+        c.basic_matches(&given, user, password)
+    });
+    if by_token || by_password {
+        let who = match (by_token, &c.basic) {
+            (false, Some((user, _))) => Who::User(user.clone(), peer),
+            _ => Who::Token(peer),
+        };
+        tracing::info!(%who, "console: logged in");
+    } else {
+        // Neither the token nor the password is logged, only that they were wrong.
+        tracing::warn!(%peer, "console: a login with wrong credentials");
         return c.login_page(
             StatusCode::UNAUTHORIZED,
-            r#"<p class="error">Wrong token.</p>"#,
+            r#"<p class="error">Wrong token, user or password.</p>"#,
         );
     }
     let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();

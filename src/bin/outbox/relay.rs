@@ -8,6 +8,7 @@ use outbox::{CancellationToken, Sink, Storage, StorageAdmin, Worker};
 
 use crate::Failure;
 use crate::config::{Config, RelayDef};
+use crate::console::watch::{Watch, WatchedSink};
 
 /// How often the queue gauges are refreshed.
 const STATS_EVERY: Duration = Duration::from_secs(5);
@@ -17,6 +18,9 @@ pub struct Relay {
     pub storage: Arc<dyn StorageAdmin>,
     pub sink: Arc<dyn Sink>,
     pub def: RelayDef,
+    /// What the console shows of this relay's worker: its health gate, backoff, last
+    /// error and deliveries, recorded by the [`WatchedSink`] the worker publishes through.
+    pub watch: Arc<Watch>,
 }
 
 /// Builds the storage of `def` from the registry; a bad setting is a configuration error
@@ -97,6 +101,7 @@ pub async fn build(
         relays.push(Relay {
             storage,
             sink,
+            watch: Arc::new(Watch::new(def.worker.backoff)),
             def: def.clone(),
         });
     }
@@ -143,10 +148,13 @@ pub async fn run(config: Config) -> Result<(), Failure> {
         relay.storage.migrate().await?;
     }
     for relay in relays.iter() {
+        // The worker's sink is watched; the health checks of /health/ready use the bare
+        // one, so the console's health gate is the worker's own.
+        let sink = WatchedSink::new(relay.sink.clone(), relay.watch.clone());
         let worker = Worker::new(
             relay.def.worker.clone(),
             relay.storage.clone() as Arc<dyn Storage>,
-            relay.sink.clone(),
+            Arc::new(sink),
         )?;
         tracing::info!(
             relay = %relay.def.name,

@@ -94,6 +94,57 @@ pub fn age(seconds: f64) -> String {
     }
 }
 
+/// A duration in seconds for people: `850 ms`, `2.40 s`.
+pub fn seconds(s: f64) -> String {
+    if s < 1.0 {
+        format!("{:.0} ms", s * 1000.0)
+    } else {
+        format!("{s:.2} s")
+    }
+}
+
+/// A small line chart of `values` (oldest first; `None` is a gap), scaled to its largest,
+/// as inline SVG: no script, nothing fetched. `label` says what it shows.
+pub fn chart(values: &[Option<f64>], label: &str) -> String {
+    const W: f64 = 180.0;
+    const H: f64 = 36.0;
+    let max = values.iter().flatten().copied().fold(0.0, f64::max);
+    // A margin of 3 on the sides keeps the dots at the ends whole.
+    let step = (W - 6.0) / (values.len().max(2) - 1) as f64;
+    let mut path = String::new();
+    let mut dots = String::new();
+    let mut drawing = false;
+    for (i, value) in values.iter().enumerate() {
+        match value {
+            Some(v) => {
+                let (x, y) = (
+                    3.0 + i as f64 * step,
+                    if max > 0.0 {
+                        H - 2.0 - v / max * (H - 4.0)
+                    } else {
+                        H - 2.0
+                    },
+                );
+                // A point without neighbours draws no line: it gets a dot.
+                if !drawing && !values.get(i + 1).is_some_and(Option::is_some) {
+                    let _ = write!(
+                        dots,
+                        r##"<circle cx="{x:.1}" cy="{y:.1}" r="2" fill="#2a5db0"/>"##
+                    );
+                }
+                let _ = write!(path, "{}{x:.1},{y:.1} ", if drawing { 'L' } else { 'M' });
+                drawing = true;
+            }
+            None => drawing = false,
+        }
+    }
+    format!(
+        r##"<svg class="chart" width="{W}" height="{H}" viewBox="0 0 {W} {H}" role="img" aria-label="{label}"><rect width="{W}" height="{H}" fill="#f4f6fa"/><path d="{path}" fill="none" stroke="#2a5db0" stroke-width="1.5"/>{dots}</svg>"##,
+        label = esc(label),
+        path = path.trim_end(),
+    )
+}
+
 /// At most this many bytes of a payload are shown; the rest is summarised.
 pub const PAYLOAD_SHOWN: usize = 256 * 1024;
 
@@ -151,7 +202,8 @@ th,td{border:1px solid #ccc;padding:.25em .6em;text-align:left;vertical-align:to
 td.n{text-align:right}pre{background:#f4f4f4;padding:.6em;overflow:auto;max-height:40em}\
 .notice{background:#fff3cd;padding:.5em}.error{background:#f8d7da;padding:.5em}\
 .ok{color:#176b2c}.bad{color:#a00}form.inline{display:inline}\
-button.danger{background:#a00;color:#fff}label{margin-right:1em}";
+button.danger{background:#a00;color:#fff}label{margin-right:1em}\
+svg.chart{vertical-align:middle}.peak{color:#555;font-size:.85em}";
 
 #[cfg(test)]
 mod tests {
@@ -180,6 +232,19 @@ mod tests {
         );
         assert_eq!(value(&decoded, "empty"), None);
         assert_eq!(value(&decoded, "bad"), Some("%zz %4"));
+    }
+
+    #[test]
+    fn charts_scale_to_their_peak_and_leave_gaps() {
+        let svg = chart(&[Some(0.0), Some(2.0), None, Some(1.0)], "rate <x>");
+        assert!(svg.starts_with("<svg") && svg.ends_with("</svg>"), "{svg}");
+        // The peak touches the top margin, a gap starts a new line, the label is escaped.
+        assert!(svg.contains("M3.0,34.0 L61.0,2.0 M177.0,18.0"), "{svg}");
+        assert!(svg.contains("rate &lt;x&gt;"), "{svg}");
+        assert!(svg.contains(r#"<circle cx="177.0" cy="18.0""#), "{svg}");
+        assert_eq!(svg.matches("<circle").count(), 1, "{svg}");
+        assert_eq!(seconds(0.25), "250 ms");
+        assert_eq!(seconds(2.4), "2.40 s");
     }
 
     #[test]
