@@ -394,8 +394,15 @@ impl Sink for AmqpSink {
         Err(error)
     }
 
+    /// `ordered_key_runs` stays off: a message the broker returns or nacks does not stop
+    /// the next publish on the channel, so a key's later message in the same call would
+    /// land after its failed earlier one (`tests/rabbitmq.rs` shows it). Holding the promise
+    /// would take a confirm round trip per message of a key, which the worker's rounds cost
+    /// already (docs/sinks/amqp.md).
     fn capabilities(&self) -> SinkCapabilities {
-        SinkCapabilities::default().with_max_payload(Some(self.config.max_payload))
+        SinkCapabilities::default()
+            .with_ordered_key_runs(false)
+            .with_max_payload(Some(self.config.max_payload))
     }
 
     /// Reconnecting (within `connect_timeout`) then publishing and confirming the batch

@@ -577,3 +577,36 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
     let message = error.in_section("sink").message().to_string();
     assert!(message.starts_with("sink.publish_timeout: "), "{message}");
 }
+
+/// Why the sink leaves `ordered_key_runs` off: on one confirm-mode channel a message the
+/// broker returns (mandatory, no queue) does not stop the next publish, so a key's later
+/// message published in the same call lands although the earlier one failed, and the
+/// worker's retry of that one would land after it. The sink could only hold the promise by
+/// waiting for each message's confirm before the key's next one: a confirm round trip per
+/// message of a key, which is what the worker's rounds cost already.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_returned_message_does_not_stop_the_next_one_so_key_runs_stay_off() {
+    let broker = Broker::connect().await;
+    let exchange = broker.exchange(ExchangeKind::Direct).await;
+    let queue = broker.queue(&exchange, "routed").await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
+    assert!(
+        !sink.capabilities().ordered_key_runs,
+        "the AMQP sink must not declare ordered_key_runs: see this test"
+    );
+    let batch: Vec<Message> = [("routed", "1"), ("nowhere", "2"), ("routed", "3")]
+        .into_iter()
+        .map(|(topic, body)| {
+            NewMessage::new(topic, body.as_bytes().to_vec())
+                .key("k")
+                .into()
+        })
+        .collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    receipt(&outcomes[0]);
+    failure(&outcomes[1]);
+    // Published after the returned one on the same channel, and delivered all the same.
+    receipt(&outcomes[2]);
+    let got = broker.take(&queue, 2).await;
+    assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
+}

@@ -283,10 +283,16 @@ impl Sink for KafkaSink {
         }
     }
 
+    /// `ordered_key_runs` stays off: the idempotent producer keeps a partition's order but
+    /// does not stop it at a failed message (a refused batch bumps the epoch and the later
+    /// ones are written; a message timed out in the queue leaves a gap, also with
+    /// `enable.gapless.guarantee`), so a key's later message in the same call could land
+    /// after its failed earlier one (`tests/mock.rs` shows it; docs/sinks/kafka.md).
     fn capabilities(&self) -> SinkCapabilities {
         // The largest message depends on the topic's max.message.bytes, which the producer
         // does not know: too large a message is reported and dead-lettered.
         SinkCapabilities::default()
+            .with_ordered_key_runs(false)
             .with_deduplication(false)
             .with_max_payload(None)
     }

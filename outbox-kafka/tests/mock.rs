@@ -353,3 +353,56 @@ async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
         }
     }
 }
+
+/// Why the sink leaves `ordered_key_runs` off: the idempotent producer does not stop a
+/// partition at a refused message. librdkafka bumps the producer epoch and renumbers the
+/// messages after it, which are then written, so a key's later message in the same call
+/// lands although the earlier one failed (and the worker's retry of that one would land
+/// after it). Each message goes in a produce request of its own here
+/// (`batch.num.messages=1`), as a key's run longer than a batch would.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_refused_message_does_not_stop_the_later_ones_of_its_partition_so_key_runs_stay_off() {
+    let topic = unique_name("run");
+    let mock = cluster(&topic, 1);
+    let mut config = KafkaConfig::new(mock.bootstrap_servers());
+    config.publish_timeout = Duration::from_secs(3);
+    let config = config
+        .property("retry.backoff.ms", "10")
+        .property("linger.ms", "0")
+        .property("batch.num.messages", "1");
+    let sink = KafkaSink::new(config).expect("sink");
+    assert!(
+        !sink.capabilities().ordered_key_runs,
+        "the Kafka sink must not declare ordered_key_runs: see this test"
+    );
+    sink.health().await.expect("healthy");
+    mock.request_errors(
+        RDKafkaApiKey::Produce,
+        &[
+            Err::RD_KAFKA_RESP_ERR_NO_ERROR,
+            Err::RD_KAFKA_RESP_ERR_MSG_SIZE_TOO_LARGE,
+        ],
+    );
+    let batch: Vec<Message> = ["m0", "m1", "m2"]
+        .iter()
+        .map(|p| NewMessage::new(&topic, p.to_string()).key("k").into())
+        .collect();
+    let outcomes = sink.publish(&batch).await.expect("publish");
+    delivered(&outcomes[0]);
+    assert_eq!(failed(&outcomes[1]).kind(), ErrorKind::Permanent);
+    // Behind the refused message of its key and partition, and written all the same.
+    delivered(&outcomes[2]);
+    let records = consume(
+        &mock.bootstrap_servers(),
+        &topic,
+        1,
+        2,
+        Duration::from_secs(10),
+    )
+    .await;
+    let payloads: Vec<String> = records
+        .iter()
+        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
+        .collect();
+    assert_eq!(payloads, ["m0", "m2"]);
+}

@@ -95,6 +95,15 @@ pub(crate) fn no_reply(message: impl std::fmt::Display) -> Error {
     ))
 }
 
+/// A message not tried because an earlier message of its key in the same batch failed:
+/// `Unavailable` (the worker puts it back uncharged), so that it does not land before the
+/// earlier one.
+pub(crate) fn behind_failure(message: impl std::fmt::Display, key: &str) -> Error {
+    Error::unavailable(format!(
+        "redis: message {message} not appended: an earlier message of key `{key}` in the batch failed"
+    ))
+}
+
 /// A topic the stream map does not name: `Permanent`, until the map names it and the
 /// message is replayed.
 pub(crate) fn unmapped_topic(topic: &str) -> Error {

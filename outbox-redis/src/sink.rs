@@ -1,10 +1,18 @@
 //! The Redis Streams sink: each message becomes one stream entry, a batch one pipeline.
+//!
+//! A key with several messages in a batch goes as one script ([`RUN_SCRIPT`]) that appends
+//! them in order and stops at the first that fails: in a plain pipeline an `XADD` after a
+//! failed one still lands, which would put a key's later message before its retried earlier
+//! one. So the sink declares `ordered_key_runs`, and the worker sends it a whole batch at once.
 
 use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use async_trait::async_trait;
-use deadpool_redis::redis::{self, AsyncConnectionConfig, Cmd, Pipeline, RedisResult, Script};
+use deadpool_redis::redis::{
+    self, AsyncConnectionConfig, Cmd, Pipeline, RedisResult, Script, Value,
+};
 use deadpool_redis::{Connection, Manager, Pool, Runtime};
 use outbox_core::envelope::{self, Envelope};
 use outbox_core::{
@@ -13,8 +21,8 @@ use outbox_core::{
 use tokio::time::{Instant, timeout_at};
 
 use crate::error::{
-    bad_url, no_ping_reply, no_reply, ping_error, pool_error, pool_not_built, redis_error,
-    too_large, unmapped_topic,
+    bad_url, behind_failure, no_ping_reply, no_reply, ping_error, pool_error, pool_not_built,
+    redis_error, too_large, unmapped_topic,
 };
 use crate::{RedisConfig, wire};
 
@@ -41,6 +49,92 @@ redis.call('SET', KEYS[2], id, 'PX', ARGV[1])
 return id
 ";
 
+/// Appends the messages of one key's run in order, each to its stream, and stops at the first
+/// append that fails, so that none of the key's later messages lands after it. With
+/// de-duplication, a message whose id was seen is skipped (its first entry id is returned)
+/// and an appended one is recorded, as [`DEDUP_SCRIPT`] does. Returns the entry ids, one per
+/// message, in order; when an append failed, its error reply is the last element and the
+/// messages after it are not tried.
+///
+/// KEYS: per message its stream, then (with de-duplication) its de-duplication key. ARGV[1]
+/// TTL in ms (0: no de-duplication), ARGV[2] MAXLEN (0: no trimming), then per message the
+/// number of its entry's fields and values, followed by them.
+const RUN_SCRIPT: &str = r"
+local ttl, maxlen = ARGV[1], ARGV[2]
+local per = 1
+if ttl ~= '0' then per = 2 end
+local ids = {}
+local a, k = 3, 1
+while a <= #ARGV do
+  local n = tonumber(ARGV[a])
+  local seen = false
+  if per == 2 then seen = redis.call('GET', KEYS[k + 1]) end
+  if seen then
+    ids[#ids + 1] = seen
+  else
+    local id
+    if maxlen ~= '0' then
+      id = redis.pcall('XADD', KEYS[k], 'MAXLEN', '~', maxlen, '*', unpack(ARGV, a + 1, a + n))
+    else
+      id = redis.pcall('XADD', KEYS[k], '*', unpack(ARGV, a + 1, a + n))
+    end
+    if type(id) == 'table' and id.err then
+      ids[#ids + 1] = id
+      return ids
+    end
+    if per == 2 then redis.call('SET', KEYS[k + 1], id, 'PX', ttl) end
+    ids[#ids + 1] = id
+  end
+  a = a + n + 1
+  k = k + per
+end
+return ids
+";
+
+/// Where a message of a batch went: failed before the pipeline, alone in a command, or at a
+/// position in its key's run script.
+enum Plan {
+    Failed(Error),
+    Alone(usize),
+    InRun(usize, usize),
+}
+
+/// What became of one message in the pipeline's replies.
+enum Step {
+    /// Its own reply: an entry id, or the error of its append (or of its whole run).
+    Reply(RedisResult<Value>),
+    /// Not tried: an earlier message of its run failed.
+    Behind,
+    /// No reply for it (should not happen).
+    Missing,
+}
+
+/// The reply of a run script, as one step per message of the run (`length` of them): the
+/// entry ids, then the failed append's error, then the messages not tried. An error reply
+/// for the whole script (a server-wide refusal, a script error) is every message's.
+fn split_run(reply: Option<RedisResult<Value>>, length: usize) -> Vec<Step> {
+    match reply {
+        Some(Ok(Value::Array(items))) => {
+            let failed = items.iter().any(|v| matches!(v, Value::ServerError(_)));
+            let mut steps: Vec<Step> = (items.into_iter())
+                .map(|item| match item {
+                    Value::ServerError(error) => Step::Reply(Err(error.into())),
+                    value => Step::Reply(Ok(value)),
+                })
+                .take(length)
+                .collect();
+            while steps.len() < length {
+                steps.push(if failed { Step::Behind } else { Step::Missing });
+            }
+            steps
+        }
+        Some(Err(error)) => (0..length)
+            .map(|_| Step::Reply(Err(error.clone())))
+            .collect(),
+        Some(Ok(_)) | None => (0..length).map(|_| Step::Missing).collect(),
+    }
+}
+
 /// A [`Sink`] that appends each message to a Redis stream (`XADD`), a whole batch in one
 /// pipelined round trip. The receipt of a delivered message is its stream entry id.
 pub struct RedisSink {
@@ -50,6 +144,8 @@ pub struct RedisSink {
     /// pool's check of a connection taken out of it.
     kept: Mutex<Option<Connection>>,
     dedup: Option<Script>,
+    /// [`RUN_SCRIPT`], for the keys with several messages in a batch.
+    runs: Script,
 }
 
 impl std::fmt::Debug for RedisSink {
@@ -127,6 +223,7 @@ impl RedisSink {
             pool,
             kept: Mutex::new(None),
             dedup,
+            runs: Script::new(RUN_SCRIPT),
         })
     }
 
@@ -186,6 +283,100 @@ impl RedisSink {
         cmd
     }
 
+    /// The command that appends a key's run, `(message, stream)` in order, with
+    /// [`RUN_SCRIPT`].
+    fn run_command(&self, run: &[(&Message, &str)]) -> Cmd {
+        let ttl = match (&self.dedup, self.config.dedup_ttl) {
+            (Some(_), Some(ttl)) => Some(u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX)),
+            _ => None,
+        };
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(self.runs.get_hash())
+            .arg(run.len() * if ttl.is_some() { 2 } else { 1 });
+        for (message, stream) in run {
+            cmd.arg(*stream);
+            if ttl.is_some() {
+                cmd.arg(format!("{}{}", self.config.dedup_key_prefix, message.id));
+            }
+        }
+        cmd.arg(ttl.unwrap_or(0))
+            .arg(self.config.max_len.unwrap_or(0));
+        for (message, _) in run {
+            let entry = entry(message);
+            cmd.arg(entry.len() * 2);
+            for (name, value) in entry {
+                cmd.arg(name.as_ref()).arg(value.as_ref());
+            }
+        }
+        cmd
+    }
+
+    /// Plans `batch`: each message alone in a command, but a key with several messages in
+    /// one run script, up to its first message that cannot be sent (its later ones are not
+    /// tried). Returns the plan per message and the commands.
+    fn plan(&self, batch: &[Message]) -> (Vec<Plan>, Vec<Cmd>) {
+        let mut prepared: Vec<Option<Result<String>>> =
+            batch.iter().map(|m| Some(self.prepare(m))).collect();
+        let mut of_key: HashMap<&str, Vec<usize>> = HashMap::new();
+        for (i, message) in batch.iter().enumerate() {
+            if let Some(key) = &message.key {
+                of_key.entry(key.as_str()).or_default().push(i);
+            }
+        }
+        let mut plans: Vec<Option<Plan>> = batch.iter().map(|_| None).collect();
+        let mut commands = Vec::new();
+        for (i, message) in batch.iter().enumerate() {
+            if plans[i].is_some() {
+                continue; // placed with its key's run
+            }
+            let run = (message.key.as_deref())
+                .and_then(|key| of_key.get(key))
+                .filter(|run| run.len() > 1);
+            let Some(run) = run else {
+                plans[i] = Some(match prepared[i].take() {
+                    Some(Ok(stream)) => {
+                        commands.push(self.append_command(&stream, message));
+                        Plan::Alone(commands.len() - 1)
+                    }
+                    Some(Err(error)) => Plan::Failed(error),
+                    None => Plan::Failed(no_reply(message.id)),
+                });
+                continue;
+            };
+            let mut members: Vec<(usize, String)> = Vec::with_capacity(run.len());
+            let mut stopped = false;
+            for &j in run {
+                if stopped {
+                    let key = batch[j].key.as_deref().unwrap_or_default();
+                    plans[j] = Some(Plan::Failed(behind_failure(batch[j].id, key)));
+                    continue;
+                }
+                match prepared[j].take() {
+                    Some(Ok(stream)) => members.push((j, stream)),
+                    Some(Err(error)) => {
+                        stopped = true;
+                        plans[j] = Some(Plan::Failed(error));
+                    }
+                    None => plans[j] = Some(Plan::Failed(no_reply(batch[j].id))),
+                }
+            }
+            if !members.is_empty() {
+                let at = commands.len();
+                let run: Vec<(&Message, &str)> = (members.iter())
+                    .map(|(j, stream)| (&batch[*j], stream.as_str()))
+                    .collect();
+                commands.push(self.run_command(&run));
+                for (position, (j, _)) in members.iter().enumerate() {
+                    plans[*j] = Some(Plan::InRun(at, position));
+                }
+            }
+        }
+        let plans = (plans.into_iter().zip(batch))
+            .map(|(plan, m)| plan.unwrap_or_else(|| Plan::Failed(no_reply(m.id))))
+            .collect();
+        (plans, commands)
+    }
+
     /// The kept connection, or one from the pool.
     async fn checkout(&self) -> Result<Connection> {
         let kept = self
@@ -212,7 +403,7 @@ impl RedisSink {
 
     /// Runs `pipe` within the publish time-out. A connection that failed or timed out is
     /// closed rather than handed back to the pool.
-    async fn run(&self, pipe: &Pipeline, what: &str) -> Result<Vec<RedisResult<String>>> {
+    async fn run(&self, pipe: &Pipeline, what: &str) -> Result<Vec<RedisResult<Value>>> {
         self.run_until(pipe, what, Instant::now() + self.config.publish_timeout)
             .await
     }
@@ -222,7 +413,7 @@ impl RedisSink {
         pipe: &Pipeline,
         what: &str,
         deadline: Instant,
-    ) -> Result<Vec<RedisResult<String>>> {
+    ) -> Result<Vec<RedisResult<Value>>> {
         let mut connection = match timeout_at(deadline, self.checkout()).await {
             Ok(connection) => connection?,
             Err(_) => return Err(self.timed_out("connecting")),
@@ -276,47 +467,86 @@ fn entry(message: &Message) -> Vec<(Cow<'_, str>, Cow<'_, [u8]>)> {
 #[async_trait]
 impl Sink for RedisSink {
     async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
-        let prepared: Vec<Result<String>> = batch.iter().map(|m| self.prepare(m)).collect();
-        let mut replies = if prepared.iter().any(Result::is_ok) {
+        let (plans, commands) = self.plan(batch);
+        let has_runs = plans.iter().any(|p| matches!(p, Plan::InRun(..)));
+        let mut replies: Vec<Option<RedisResult<Value>>> = if commands.is_empty() {
+            Vec::new()
+        } else {
             let mut pipe = redis::pipe();
             pipe.ignore_errors();
-            if let Some(script) = &self.dedup {
-                // Loading an already loaded script is cheap and makes EVALSHA work even on a
-                // server that was restarted or flushed its scripts, in the same round trip.
+            // Loading an already loaded script is cheap and makes EVALSHA work even on a
+            // server that was restarted or flushed its scripts, in the same round trip.
+            let loads: Vec<(&Script, &str)> = [
+                (self.dedup.as_ref(), "loading the de-duplication script"),
+                (has_runs.then_some(&self.runs), "loading the key-run script"),
+            ]
+            .into_iter()
+            .filter_map(|(script, what)| script.map(|s| (s, what)))
+            .collect();
+            for (script, _) in &loads {
                 pipe.load_script(script);
             }
-            for (message, stream) in batch.iter().zip(&prepared) {
-                if let Ok(stream) = stream {
-                    pipe.add_command(self.append_command(stream, message));
-                }
+            for command in commands {
+                pipe.add_command(command);
             }
             let mut replies = self.run(&pipe, "publishing a batch").await?.into_iter();
-            if self.dedup.is_some()
-                && let Some(Err(error)) = replies.next()
-            {
-                return Err(redis_error("loading the de-duplication script", error));
+            for (_, what) in &loads {
+                if let Some(Err(error)) = replies.next() {
+                    return Err(redis_error(what, error));
+                }
             }
-            replies
-        } else {
-            Vec::new().into_iter()
+            replies.map(Some).collect()
         };
+        // Each run's reply, split into one step per message, when first needed.
+        let mut run_lengths: HashMap<usize, usize> = HashMap::new();
+        for plan in &plans {
+            if let Plan::InRun(at, _) = plan {
+                *run_lengths.entry(*at).or_default() += 1;
+            }
+        }
+        let mut runs: HashMap<usize, Vec<Step>> = HashMap::new();
 
         let mut outcomes = Vec::with_capacity(batch.len());
         let mut broken = false;
-        for (message, stream) in batch.iter().zip(prepared) {
-            let outcome = match stream {
-                Err(error) => Outcome::Failed(error),
-                Ok(stream) => match replies.next() {
-                    Some(Ok(entry_id)) => Outcome::Delivered(Receipt(entry_id)),
-                    Some(Err(error)) => {
+        for (message, plan) in batch.iter().zip(plans) {
+            let step = match plan {
+                Plan::Failed(error) => {
+                    outcomes.push(Outcome::Failed(error));
+                    continue;
+                }
+                Plan::Alone(at) => match replies.get_mut(at).and_then(Option::take) {
+                    Some(reply) => Step::Reply(reply),
+                    None => Step::Missing,
+                },
+                Plan::InRun(at, position) => {
+                    let steps = runs.entry(at).or_insert_with(|| {
+                        let reply = replies.get_mut(at).and_then(Option::take);
+                        split_run(reply, run_lengths.get(&at).copied().unwrap_or(0))
+                    });
+                    steps
+                        .get_mut(position)
+                        .map_or(Step::Missing, |s| std::mem::replace(s, Step::Missing))
+                }
+            };
+            let outcome = match step {
+                Step::Reply(reply) => match reply.and_then(|v| Ok(redis::from_redis_value(v)?)) {
+                    Ok(entry_id) => Outcome::Delivered(Receipt(entry_id)),
+                    Err(error) => {
+                        let stream = self
+                            .stream_for(&message.topic)
+                            .unwrap_or_else(|_| message.topic.clone());
                         let context =
                             format!("appending message {} to stream `{stream}`", message.id);
                         let error = redis_error(&context, error);
                         broken |= error.kind() == ErrorKind::Unavailable;
                         Outcome::Failed(error)
                     }
-                    None => Outcome::Failed(no_reply(message.id)),
                 },
+                Step::Behind => Outcome::Failed(behind_failure(
+                    message.id,
+                    message.key.as_deref().unwrap_or_default(),
+                )),
+                Step::Missing => Outcome::Failed(no_reply(message.id)),
             };
             outcomes.push(outcome);
         }
@@ -362,8 +592,11 @@ impl Sink for RedisSink {
         }
     }
 
+    /// A key's run goes as one script that stops at its first failed append, so several
+    /// messages of a key may share a call (`ordered_key_runs`).
     fn capabilities(&self) -> SinkCapabilities {
         SinkCapabilities::default()
+            .with_ordered_key_runs(true)
             .with_deduplication(self.dedup.is_some())
             .with_max_payload(Some(self.config.max_payload))
     }

@@ -517,3 +517,208 @@ async fn bad_config_is_refused_at_start_up() {
         assert!(error.to_string().contains(needle), "{error}");
     }
 }
+
+/// The message ids in stream `stream`, in stream order.
+async fn ids_in(stream: &str) -> Vec<String> {
+    xrange(stream)
+        .await
+        .iter()
+        .map(|(_, fields)| text(fields, wire::ID))
+        .collect()
+}
+
+#[tokio::test]
+async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip() {
+    let _ = client().await;
+    for dedup in [false, true] {
+        let prefix = prefix().await;
+        let (proxy, config) = proxied(&prefix).await;
+        let mut config = config.stream_template(template("events:{topic}"));
+        if dedup {
+            config = config.dedup(Duration::from_secs(60));
+        }
+        let sink = RedisSink::new(config).unwrap();
+        assert!(sink.capabilities().ordered_key_runs);
+        sink.health().await.unwrap();
+        // 5 keys × 4 messages, interleaved as a claim gives them, a key's messages spread
+        // over two streams, plus messages without a key.
+        let mut batch: Vec<Message> = Vec::new();
+        for seq in 0..4 {
+            for k in 0..5 {
+                let topic = if (seq + k) % 2 == 0 { "a" } else { "b" };
+                batch.push(message(topic, &format!("k{k}"), format!("{k}/{seq}")));
+            }
+            batch.push(NewMessage::new("a", format!("no key {seq}")).into());
+        }
+        let (before, sent_before) = seen(&proxy);
+        let receipts = delivered(&sink.publish(&batch).await.unwrap());
+        let (after, sent_after) = seen(&proxy);
+        assert_eq!(
+            after.turns - before.turns,
+            1,
+            "one round trip (dedup={dedup})"
+        );
+        let evals = sent_after[sent_before.len()..]
+            .iter()
+            .filter(|c| *c == "EVALSHA")
+            .count();
+        // One script per key run; the messages without a key go alone.
+        assert_eq!(evals, if dedup { 5 + 4 } else { 5 }, "dedup={dedup}");
+        for topic in ["a", "b"] {
+            let expected: Vec<String> = (batch.iter())
+                .filter(|m| m.topic == topic)
+                .map(|m| m.id.to_string())
+                .collect();
+            let got = ids_in(&format!("{prefix}events:{topic}")).await;
+            for k in 0..5 {
+                let key = format!("k{k}");
+                let of_key = |ids: &[String]| -> Vec<String> {
+                    (ids.iter())
+                        .filter(|id| {
+                            batch.iter().any(|m| {
+                                m.id.to_string() == **id && m.key.as_deref() == Some(key.as_str())
+                            })
+                        })
+                        .cloned()
+                        .collect()
+                };
+                assert_eq!(
+                    of_key(&got),
+                    of_key(&expected),
+                    "key {key} in stream {topic}"
+                );
+            }
+            assert_eq!(got.len(), expected.len());
+        }
+        // Receipts are the entries' ids.
+        let mut entries = xrange(&format!("{prefix}events:a")).await;
+        entries.extend(xrange(&format!("{prefix}events:b")).await);
+        for (message, receipt) in batch.iter().zip(&receipts) {
+            let (entry_id, _) = (entries.iter())
+                .find(|(_, f)| text(f, wire::ID) == message.id.to_string())
+                .unwrap();
+            assert_eq!(entry_id, receipt);
+        }
+        if dedup {
+            // Published again: nothing new, the same receipts.
+            assert_eq!(delivered(&sink.publish(&batch).await.unwrap()), receipts);
+            let in_a = batch.iter().filter(|m| m.topic == "a").count();
+            assert_eq!(xlen(&format!("{prefix}events:a")).await, in_a);
+        }
+        delete_prefixed(&prefix).await;
+    }
+}
+
+#[tokio::test]
+async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
+    for dedup in [false, true] {
+        let prefix = prefix().await;
+        let mut config = config(&url(), &prefix);
+        if dedup {
+            config = config.dedup(Duration::from_secs(60));
+        }
+        let sink = RedisSink::new(config).unwrap();
+        let mut con = client().await;
+        let _: () = con
+            .set(format!("{prefix}broken"), "not a stream")
+            .await
+            .unwrap();
+        // Key k: two good, one to the broken stream, two good again; key o around it.
+        let batch = vec![
+            message("good", "k", "k1"),
+            message("good", "o", "o1"),
+            message("good", "k", "k2"),
+            message("broken", "k", "k3"),
+            message("good", "o", "o2"),
+            message("good", "k", "k4"),
+            message("good", "k", "k5"),
+            message("good", "o", "o3"),
+        ];
+        let outcomes = sink.publish(&batch).await.unwrap();
+        assert_eq!(outcomes.len(), batch.len());
+        for i in [0, 1, 2, 4, 7] {
+            assert!(
+                matches!(outcomes[i], Outcome::Delivered(_)),
+                "message {i}: {:?}",
+                outcomes[i]
+            );
+        }
+        let Outcome::Failed(error) = &outcomes[3] else {
+            panic!("WRONGTYPE delivered?")
+        };
+        assert_eq!(error.kind(), ErrorKind::Permanent, "{error}");
+        assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+        assert!(
+            error.to_string().contains(&format!("{prefix}broken")),
+            "{error}"
+        );
+        for i in [5, 6] {
+            let Outcome::Failed(error) = &outcomes[i] else {
+                panic!("message {i} after the failure was delivered")
+            };
+            assert!(
+                error.to_string().contains("an earlier message of key `k`"),
+                "{error}"
+            );
+        }
+        // Each key's messages in order (a key's run lands where its first message is).
+        let got = ids_in(&format!("{prefix}good")).await;
+        for (key, delivered) in [("k", &[0, 2][..]), ("o", &[1, 4, 7][..])] {
+            let of_key: Vec<String> = (got.iter())
+                .filter(|id| {
+                    batch
+                        .iter()
+                        .any(|m| m.id.to_string() == **id && m.key.as_deref() == Some(key))
+                })
+                .cloned()
+                .collect();
+            let expected: Vec<String> =
+                delivered.iter().map(|&i| batch[i].id.to_string()).collect();
+            assert_eq!(of_key, expected, "key {key} (dedup={dedup})");
+        }
+        assert_eq!(
+            got.len(),
+            5,
+            "nothing of k after its failure (dedup={dedup})"
+        );
+        if dedup {
+            // The messages not appended left no de-duplication record: once the stream is
+            // fixed, k's rest goes out.
+            let _: () = con.del(format!("{prefix}broken")).await.unwrap();
+            delivered(&sink.publish(&batch[3..7]).await.unwrap());
+            assert_eq!(xlen(&format!("{prefix}good")).await, 7);
+            assert_eq!(xlen(&format!("{prefix}broken")).await, 1);
+        }
+        delete_prefixed(&prefix).await;
+    }
+}
+
+#[tokio::test]
+async fn a_message_refused_before_sending_stops_its_key_run() {
+    let prefix = prefix().await;
+    let mut config = config(&url(), &prefix);
+    config.max_payload = 16;
+    let sink = RedisSink::new(config).unwrap();
+    let batch = vec![
+        message("t", "k", "k1"),
+        message("t", "k", vec![7u8; 17]),
+        message("t", "o", "o1"),
+        message("t", "k", "k3"),
+    ];
+    let outcomes = sink.publish(&batch).await.unwrap();
+    assert!(matches!(outcomes[0], Outcome::Delivered(_)));
+    assert!(matches!(outcomes[2], Outcome::Delivered(_)));
+    assert!(
+        matches!(&outcomes[1], Outcome::Failed(e) if e.kind() == ErrorKind::Permanent),
+        "{:?}",
+        outcomes[1]
+    );
+    assert!(
+        matches!(outcomes[3], Outcome::Failed(_)),
+        "{:?}",
+        outcomes[3]
+    );
+    let expected = vec![batch[0].id.to_string(), batch[2].id.to_string()];
+    assert_eq!(ids_in(&format!("{prefix}t")).await, expected);
+    delete_prefixed(&prefix).await;
+}

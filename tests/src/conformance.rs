@@ -71,6 +71,7 @@ macro_rules! sink_conformance_tests {
             sink_health_is_down_on_a_closed_port,
             sink_health_times_out_on_a_silent_server,
             sink_refused_message_is_a_message_failure,
+            sink_ordered_key_runs_stop_a_key_at_its_failure,
             sink_too_large_payload_is_permanent,
             sink_deduplicates_a_redelivered_message,
         );

@@ -648,7 +648,8 @@ pub async fn sink_too_large_payload_is_permanent(h: &dyn SinkHarness) {
     let batch = vec![
         keyed(&d.topic, "k", vec![b'h'; max / 2]),
         keyed(&d.topic, "k", vec![b'x'; max + 1]),
-        keyed(&d.topic, "k", "after"),
+        // Another key: a sink with `ordered_key_runs` rightly holds back k's later messages.
+        keyed(&d.topic, "k2", "after"),
     ];
     let outcomes =
         d.sink.publish(&batch).await.unwrap_or_else(|e| {
