@@ -145,7 +145,10 @@ pub async fn run(config: Config) -> Result<(), Failure> {
     tokio::spawn(readiness.watch(relays.clone(), shutdown.clone()));
     let mut tasks = Vec::new();
     for relay in relays.iter().filter(|r| r.def.migrate) {
-        relay.storage.migrate().await?;
+        if !migrate_when_reachable(relay, &shutdown).await? {
+            tracing::info!("stopped before every database answered");
+            return Ok(());
+        }
     }
     for relay in relays.iter() {
         // The worker's sink is watched; the health checks of /health/ready use the bare
@@ -178,6 +181,30 @@ pub async fn run(config: Config) -> Result<(), Failure> {
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Runs a `migrate = true` relay's migrations, retrying with backoff while its database cannot
+/// be reached (a relay may start before its database, as before its broker). `false`: asked
+/// to stop before the database answered.
+async fn migrate_when_reachable(
+    relay: &Relay,
+    shutdown: &CancellationToken,
+) -> Result<bool, Failure> {
+    let mut failures = 0;
+    loop {
+        let error = match relay.storage.migrate().await {
+            Ok(()) => return Ok(true),
+            Err(error) if error.kind() == outbox::ErrorKind::Unavailable => error,
+            Err(error) => return Err(error.into()),
+        };
+        failures += 1;
+        let wait = relay.def.worker.backoff.delay(failures);
+        tracing::warn!(relay = %relay.def.name, %error, ?wait, "database unavailable at start-up; retrying the migrations");
+        tokio::select! {
+            _ = tokio::time::sleep(wait) => {}
+            _ = shutdown.cancelled() => return Ok(false),
+        }
+    }
 }
 
 async fn wait_for_signal() {
@@ -245,6 +272,17 @@ async fn report_stats(
                 }
             }
             Err(error) => tracing::warn!(relay = %name, %error, "cannot read queue figures"),
+        }
+        // Only storages that wait for older transactions answer; the others have no horizon.
+        match storage.horizon().await {
+            Ok(Some(horizon)) => {
+                metrics::gauge!(names::HORIZON_WAITING, names::RELAY => label.clone())
+                    .set(horizon.waiting as f64);
+                metrics::gauge!(names::HORIZON_HELD_SECONDS, names::RELAY => label.clone())
+                    .set(horizon.held_for.map_or(0.0, |d| d.as_secs_f64()));
+            }
+            Ok(None) => {}
+            Err(error) => tracing::warn!(relay = %name, %error, "cannot read the horizon"),
         }
         tokio::select! {
             _ = tokio::time::sleep(STATS_EVERY) => {}
