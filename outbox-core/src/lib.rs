@@ -28,7 +28,7 @@ pub use redact::{redact_url, redact_url_token};
 pub use registry::{BoxFuture, Factory, Registry, SinkFactory, SinkRegistry, StorageRegistry};
 pub use sink::{Outcome, Receipt, Sink, SinkCapabilities};
 pub use storage::{
-    Claim, ClaimToken, DeadLetter, Delivery, QueueStats, Retry, Settlement, Storage,
+    Claim, ClaimToken, DeadLetter, Delivery, HorizonLag, QueueStats, Retry, Settlement, Storage,
     StorageCapabilities,
 };
 #[cfg(feature = "runner")]

@@ -34,6 +34,12 @@ pub const DEAD_LETTERED: &str = "outbox_dead_lettered";
 pub const PARKED_KEYS: &str = "outbox_parked_keys";
 /// Gauge (relay): age of the oldest pending message, in seconds.
 pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_oldest_pending_age_seconds";
+/// Gauge (relay): committed messages not readable yet because an older transaction is still
+/// open (storages that wait for older transactions, such as PostgreSQL's log mode).
+pub const HORIZON_WAITING: &str = "outbox_horizon_waiting";
+/// Gauge (relay): how long the transaction holding the horizon has been open, in seconds
+/// (0 when none is known).
+pub const HORIZON_HELD_SECONDS: &str = "outbox_horizon_held_seconds";
 
 /// Histogram (relay): a message's age when the broker acknowledged it, from its creation
 /// (the writer's clock) to its delivery (the relay's), in seconds.
@@ -42,7 +48,7 @@ pub const DELIVERY_LATENCY_SECONDS: &str = "outbox_delivery_latency_seconds";
 pub const BUILD_INFO: &str = "outbox_build_info";
 
 /// Every metric name above.
-pub const ALL: [&str; 14] = [
+pub const ALL: [&str; 16] = [
     DELIVERED_TOTAL,
     RETRIED_TOTAL,
     DEAD_LETTERED_TOTAL,
@@ -55,6 +61,8 @@ pub const ALL: [&str; 14] = [
     DEAD_LETTERED,
     PARKED_KEYS,
     OLDEST_PENDING_AGE_SECONDS,
+    HORIZON_WAITING,
+    HORIZON_HELD_SECONDS,
     DELIVERY_LATENCY_SECONDS,
     BUILD_INFO,
 ];

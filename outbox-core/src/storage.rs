@@ -100,6 +100,21 @@ pub struct QueueStats {
     pub measured_at: Option<DateTime<Utc>>,
 }
 
+/// How far the readable horizon of a storage whose messages wait for older transactions
+/// ([`StorageCapabilities::waits_for_older_transactions`], such as PostgreSQL's log mode)
+/// trails what is committed: [`Storage::horizon`]. For a metric and `outbox status`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct HorizonLag {
+    /// Committed messages not claimable yet because an older transaction is still open
+    /// (or, reading from a replica, not replayed there yet).
+    pub waiting: u64,
+    /// What holds the horizon, for people, e.g. `backend pid 4242` or `prepared
+    /// transaction 'order-17'`; `None` when nothing identifiable does.
+    pub held_by: Option<String>,
+    /// How long that transaction has been open, when known.
+    pub held_for: Option<Duration>,
+}
+
 /// What a storage guarantees, declared as data so the worker and the conformance suite can
 /// act on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -195,6 +210,13 @@ pub trait Storage: Send + Sync {
     /// this default, which never resolves.
     async fn wait_for_work(&self) -> Result<()> {
         std::future::pending().await
+    }
+
+    /// How far the readable horizon trails the committed messages, and what holds it, for a
+    /// storage that [waits for older transactions](StorageCapabilities::waits_for_older_transactions);
+    /// `None` for the others (the default).
+    async fn horizon(&self) -> Result<Option<HorizonLag>> {
+        Ok(None)
     }
 
     /// Housekeeping (such as removing kept delivered rows past their retention), called by

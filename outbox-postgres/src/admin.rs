@@ -132,7 +132,7 @@ impl StorageAdmin for PgStorage {
     async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
         // Log mode keeps a key's held messages elsewhere (its own count lives in log.rs).
         if self.log.is_some() {
-            return Ok(None);
+            return self.log_waiting_behind(key).await;
         }
         let sql = format!(
             "SELECT count(*) FROM {} WHERE partition_key = $1",

@@ -41,6 +41,21 @@ impl StorageMode {
     }
 }
 
+/// Log mode: where the cursors of a shard start when a relay first takes it (`[storage]
+/// start`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogStart {
+    /// From the oldest row in the table (the default): nothing written is skipped.
+    #[default]
+    Oldest,
+    /// From now: the first relay to take a shard no relay has owned before sets its cursor
+    /// to the horizon of that moment, skipping the rows of every transaction below it
+    /// (ended before the oldest transaction then still running began). Rows of transactions
+    /// running then, or begun later, are delivered.
+    Now,
+}
+
 /// Settings of the PostgreSQL storage: the `[storage]` section of the relay's file and the
 /// Rust API alike. Every key but `url` has a default. `Debug` hides the password in the URL.
 #[derive(Clone, PartialEq, serde::Deserialize)]
@@ -63,6 +78,15 @@ pub struct PostgresConfig {
     pub tls_key_file: Option<PathBuf>,
     /// How the table is run (default `lease`); see [`StorageMode`].
     pub mode: StorageMode,
+    /// Log mode: a read replica (a hot standby streaming from the primary of `url`) to read
+    /// the rows and the horizon from, e.g. `postgres://relay@replica:5432/app` (default
+    /// none: read from `url`). Ownership, cursors, held rows, dead letters and parked keys
+    /// stay on the primary; a lagging replica only delays delivery. TLS as for `url`: its
+    /// own `sslmode`, the same `tls_*` files.
+    pub replica_url: Option<String>,
+    /// Log mode: where a shard's cursor starts when a relay first takes it (default
+    /// `oldest`); see [`LogStart`].
+    pub start: LogStart,
     /// Log mode: the number of shards a new table is made with (default 16, 1 to 1024).
     /// Fixed when the table is created: a relay reads the count from the table.
     pub shards: u32,
@@ -101,6 +125,8 @@ impl std::fmt::Debug for PostgresConfig {
             .field("tls_cert_file", &self.tls_cert_file)
             .field("tls_key_file", &self.tls_key_file)
             .field("mode", &self.mode)
+            .field("replica_url", &self.replica_url.as_deref().map(redact_url))
+            .field("start", &self.start)
             .field("shards", &self.shards)
             .field("schema", &self.schema)
             .field("table", &self.table)
@@ -123,6 +149,8 @@ impl Default for PostgresConfig {
             tls_cert_file: None,
             tls_key_file: None,
             mode: StorageMode::Lease,
+            replica_url: None,
+            start: LogStart::Oldest,
             shards: DEFAULT_SHARDS,
             schema: "outbox".into(),
             table: "outbox".into(),
@@ -163,22 +191,27 @@ impl PostgresConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
-        if self.url.is_empty() {
-            return Err(Error::setting(
-                "url",
-                "is missing: give the PostgreSQL URL, e.g. postgres://user@127.0.0.1:5432/app",
-            ));
+        check_url("url", &self.url)?;
+        self.validate_tls("url", &self.url)?;
+        if let Some(replica) = &self.replica_url {
+            check_url("replica_url", replica)?;
+            self.validate_tls("replica_url", replica)?;
         }
-        if !(self.url.starts_with("postgres://") || self.url.starts_with("postgresql://")) {
-            return Err(Error::setting(
-                "url",
-                format!(
-                    "`{}` is not a PostgreSQL URL; expected postgres://user:password@host:port/database",
-                    redact_url(&self.url)
-                ),
-            ));
+        if self.mode != StorageMode::Log {
+            let log_only = if self.replica_url.is_some() {
+                Some("replica_url")
+            } else if self.start != LogStart::Oldest {
+                Some("start")
+            } else {
+                None
+            };
+            if let Some(key) = log_only {
+                return Err(Error::setting(
+                    key,
+                    "applies to log mode only: add mode = \"log\" (for a new table) or remove it",
+                ));
+            }
         }
-        self.validate_tls()?;
         crate::OutboxTable::new(&self.schema, &self.table)?;
         let min = if self.wakeup { 2 } else { 1 };
         if self.max_connections < min {
@@ -219,20 +252,15 @@ impl PostgresConfig {
         self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_key_file.is_some()
     }
 
-    /// The `sslmode` the URL names, lower-cased, if it names one.
-    pub(crate) fn url_ssl_mode(&self) -> Option<String> {
-        url_param(&self.url, &["sslmode", "ssl-mode"]).map(|mode| mode.to_ascii_lowercase())
-    }
-
-    /// The `sslmode` of the URL and the `tls_*` files: files that exist, a certificate with
-    /// its key, each given once, and a mode that uses them.
-    fn validate_tls(&self) -> Result<()> {
-        let mode = self.url_ssl_mode();
+    /// The `sslmode` of `url` (the setting `key`) and the `tls_*` files: files that exist, a
+    /// certificate with its key, each given once, and a mode that uses them.
+    fn validate_tls(&self, key: &str, url: &str) -> Result<()> {
+        let mode = ssl_mode(url);
         if let Some(mode) = &mode
             && !SSL_MODES.contains(&mode.as_str())
         {
             return Err(Error::setting(
-                "url",
+                key,
                 format!(
                     "has sslmode={mode}; expected one of {}",
                     SSL_MODES.join(", ")
@@ -253,17 +281,17 @@ impl PostgresConfig {
             ),
             ("tls_key_file", &self.tls_key_file, &["sslkey", "ssl-key"]),
         ];
-        for (key, file, url_names) in files {
+        for (file_key, file, url_names) in files {
             if file.is_none() {
                 continue;
             }
             if let Some(name) = url_names
                 .iter()
-                .find(|name| url_param(&self.url, &[name]).is_some())
+                .find(|name| url_param(url, &[name]).is_some())
             {
                 return Err(Error::setting(
-                    key,
-                    format!("is also given in the url as {name}; keep one of them"),
+                    file_key,
+                    format!("is also given in the {key} as {name}; keep one of them"),
                 ));
             }
         }
@@ -272,7 +300,7 @@ impl PostgresConfig {
             self.tls_cert_file.as_deref(),
             self.tls_key_file.as_deref(),
         )?;
-        let Some((key, _, _)) = files.iter().find(|(_, file, _)| file.is_some()) else {
+        let Some((file_key, _, _)) = files.iter().find(|(_, file, _)| file.is_some()) else {
             return Ok(());
         };
         match mode.as_deref() {
@@ -282,18 +310,46 @@ impl PostgresConfig {
             // sqlx checks no certificate with `require`: the CA file would be ignored.
             Some("require") => Err(Error::setting(
                 "tls_ca_file",
-                "is not used with sslmode=require, which checks no certificate: write \
-                 sslmode=verify-full (or verify-ca) in the url, or leave sslmode out for verify-full",
+                format!(
+                    "is not used with sslmode=require, which checks no certificate: write \
+                     sslmode=verify-full (or verify-ca) in the {key}, or leave sslmode out for \
+                     verify-full"
+                ),
             )),
             Some(mode) => Err(Error::setting(
-                key,
+                file_key,
                 format!(
-                    "needs TLS, but the url says sslmode={mode}, which does not insist on it: \
+                    "needs TLS, but the {key} says sslmode={mode}, which does not insist on it: \
                      leave sslmode out (TLS files then mean verify-full) or write sslmode=verify-full"
                 ),
             )),
         }
     }
+}
+
+/// A PostgreSQL URL is given in `key`.
+fn check_url(key: &str, url: &str) -> Result<()> {
+    if url.is_empty() {
+        return Err(Error::setting(
+            key,
+            "is missing: give the PostgreSQL URL, e.g. postgres://user@127.0.0.1:5432/app",
+        ));
+    }
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        return Err(Error::setting(
+            key,
+            format!(
+                "`{}` is not a PostgreSQL URL; expected postgres://user:password@host:port/database",
+                redact_url(url)
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The `sslmode` that `url` names, lower-cased, if it names one.
+pub(crate) fn ssl_mode(url: &str) -> Option<String> {
+    url_param(url, &["sslmode", "ssl-mode"]).map(|mode| mode.to_ascii_lowercase())
 }
 
 /// The `sslmode` values sqlx accepts.
@@ -356,7 +412,7 @@ mod tests {
         .unwrap();
         assert_eq!(config.tls_ca_file, Some(PathBuf::from(FILE)));
         assert!(config.has_tls_files());
-        assert_eq!(config.url_ssl_mode(), None);
+        assert_eq!(ssl_mode(&config.url), None);
         assert!(!PostgresConfig::new("postgres://app@db/app").has_tls_files());
     }
 
@@ -463,6 +519,76 @@ mod tests {
             text.contains("tls_ca_file") && text.contains(FILE),
             "{text}"
         );
+    }
+
+    #[test]
+    fn the_replica_url_is_checked_like_the_url() {
+        let log = |replica: &str| PostgresConfig {
+            mode: StorageMode::Log,
+            replica_url: Some(replica.into()),
+            ..PostgresConfig::new("postgres://app@db/app")
+        };
+        log("postgres://app@replica/app").validate().unwrap();
+        let error = refused(log("mysql://app:hunter2@replica/app"));
+        assert!(
+            error.contains(
+                "storage.replica_url `mysql://app:***@replica/app` is not a PostgreSQL URL"
+            ) || (error.contains("storage.replica_url") && error.contains("not a PostgreSQL URL")),
+            "{error}"
+        );
+        assert!(!error.contains("hunter2"), "{error}");
+        let error = refused(log("postgres://app@replica/app?sslmode=verify"));
+        assert!(
+            error.contains("storage.replica_url has sslmode=verify"),
+            "{error}"
+        );
+        // The TLS files serve both connections: the replica's URL must insist on TLS too.
+        let config = PostgresConfig {
+            tls_ca_file: Some(FILE.into()),
+            ..log("postgres://app@replica/app?sslmode=prefer")
+        };
+        let error = refused(config);
+        assert!(
+            error
+                .contains("storage.tls_ca_file needs TLS, but the replica_url says sslmode=prefer"),
+            "{error}"
+        );
+        let text = format!("{:?}", log("postgres://app:hunter2@replica/app"));
+        assert!(
+            !text.contains("hunter2") && text.contains("replica"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn log_settings_are_refused_in_lease_mode() {
+        let config = PostgresConfig {
+            replica_url: Some("postgres://app@replica/app".into()),
+            ..PostgresConfig::new("postgres://app@db/app")
+        };
+        assert!(refused(config).contains("storage.replica_url applies to log mode only"));
+        let config = PostgresConfig::from_value(serde_json::json!({
+            "url": "postgres://app@db/app", "start": "now",
+        }));
+        let error = config
+            .expect_err("refused")
+            .in_section("storage")
+            .to_string();
+        assert!(
+            error.contains("storage.start applies to log mode only"),
+            "{error}"
+        );
+        let config = PostgresConfig::from_value(serde_json::json!({
+            "url": "postgres://app@db/app", "mode": "log", "start": "now",
+        }))
+        .unwrap();
+        assert_eq!(config.start, LogStart::Now);
+        let error = PostgresConfig::from_value(serde_json::json!({
+            "url": "postgres://app@db/app", "mode": "log", "start": "newest",
+        }))
+        .expect_err("refused")
+        .to_string();
+        assert!(error.contains("start"), "{error}");
     }
 
     #[test]

@@ -13,7 +13,7 @@ mod storage;
 mod table;
 mod wakeup;
 
-pub use config::{DEFAULT_MAX_PER_KEY, DEFAULT_SHARDS, PostgresConfig, StorageMode};
+pub use config::{DEFAULT_MAX_PER_KEY, DEFAULT_SHARDS, LogStart, PostgresConfig, StorageMode};
 pub use log::HorizonLag;
 /// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
 /// code written against this crate.

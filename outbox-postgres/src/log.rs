@@ -36,6 +36,18 @@ pub struct HorizonLag {
     pub blocker_prepared: Option<String>,
 }
 
+impl HorizonLag {
+    /// What holds the horizon, for people: `backend pid 4242` or `prepared transaction
+    /// 'gid'`; `None` when nothing identifiable does (or a replica has not replayed yet).
+    pub fn held_by(&self) -> Option<String> {
+        match (&self.blocker_pid, &self.blocker_prepared) {
+            (Some(pid), _) => Some(format!("backend pid {pid}")),
+            (None, Some(gid)) => Some(format!("prepared transaction '{gid}'")),
+            (None, None) => None,
+        }
+    }
+}
+
 /// A row's place in the log: (transaction id, seq).
 type Pos = (u64, i64);
 
@@ -207,6 +219,8 @@ pub(crate) struct LogSql {
     cleanup: String,
     forget_old_relays: String,
     lag: String,
+    horizon: String,
+    waiting_behind: String,
     // The operator's side (`admin.rs`).
     pub(crate) replay: String,
     pub(crate) release: String,
@@ -222,12 +236,24 @@ pub(crate) struct LogSql {
 /// ended, so its rows are all visible to this statement, and every transaction yet to
 /// write gets an id at or above `h`: nothing can ever appear behind a cursor that only
 /// moves through rows below it.
-const HORIZON: &str = "SELECT coalesce(
-        (SELECT min(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x
-         WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
-                           WHERE a.backend_xid = xid(x)
-                             AND a.datname IS DISTINCT FROM current_database())),
-        pg_snapshot_xmax(pg_current_snapshot())) AS h";
+///
+/// On a hot standby (`replica_url`) a snapshot lists no running transactions (`xip` is
+/// empty there: the primary's running ids are kept as sub-transactions of the snapshot),
+/// but its `xmin` is the oldest transaction id the standby knows to be running on the
+/// primary, of any database: replaying a record of transaction `Y` marks every id below
+/// `Y` not yet seen as running, and an id leaves that set only when its commit or abort
+/// has been replayed (or a later list of running transactions shows it ended, which it
+/// could only after its commit record). So every id below the standby's `xmin` has ended
+/// with all its rows replayed, and any transaction still to commit has an id at or above
+/// it. See docs/storage/postgres.md (read replica).
+const HORIZON: &str = "SELECT CASE WHEN pg_is_in_recovery()
+        THEN pg_snapshot_xmin(pg_current_snapshot())
+        ELSE coalesce(
+            (SELECT min(x) FROM pg_snapshot_xip(pg_current_snapshot()) AS x
+             WHERE NOT EXISTS (SELECT 1 FROM pg_stat_activity a
+                               WHERE a.backend_xid = xid(x)
+                                 AND a.datname IS DISTINCT FROM current_database())),
+            pg_snapshot_xmax(pg_current_snapshot())) END AS h";
 
 /// Binds of a set of positions: shards, transaction ids (as text: sqlx has no `xid8`), seqs.
 fn split(positions: &[(i32, Pos)]) -> (Vec<i32>, Vec<String>, Vec<i64>) {
@@ -283,10 +309,17 @@ impl LogSql {
                 "SELECT (SELECT count(*) FROM {shards}),
                         (SELECT count(*) FROM {relays} WHERE expires_at > statement_timestamp())"
             ),
+            // With `start = "now"` (`$5`), a shard no relay has owned yet (epoch 0) starts
+            // at the horizon: `(h, 0)` is before every row of `h` and later transactions.
             acquire: format!(
-                "UPDATE {shards} s SET owner = $1, epoch = s.epoch + 1,
-                        expires_at = statement_timestamp() + $2 {ms}
-                 FROM (SELECT shard FROM {shards}
+                "WITH horizon AS MATERIALIZED ({HORIZON})
+                 UPDATE {shards} s SET owner = $1, epoch = s.epoch + 1,
+                        expires_at = statement_timestamp() + $2 {ms},
+                        cursor_xid = CASE WHEN $5 AND s.epoch = 0 AND horizon.h > s.cursor_xid
+                                          THEN horizon.h ELSE s.cursor_xid END,
+                        cursor_seq = CASE WHEN $5 AND s.epoch = 0 AND horizon.h > s.cursor_xid
+                                          THEN 0 ELSE s.cursor_seq END
+                 FROM horizon, (SELECT shard FROM {shards}
                        WHERE (owner IS NULL OR expires_at <= statement_timestamp())
                          AND shard <> ALL($4)
                        ORDER BY shard LIMIT $3 FOR UPDATE SKIP LOCKED) f
@@ -401,9 +434,11 @@ impl LogSql {
                 "DELETE FROM {relays} WHERE expires_at < now() - interval '1 hour'"
             ),
             // Committed rows not yet readable, and the transaction that holds the horizon
-            // (a backend of this database, or a prepared transaction) with its age.
+            // (a backend of this database, or a prepared transaction) with its age. `$1`: the
+            // horizon as the replica sees it, when the rows are read there.
             lag: format!(
-                "WITH horizon AS MATERIALIZED ({HORIZON})
+                "WITH horizon AS MATERIALIZED (
+                    SELECT coalesce($1::text::xid8, x.h) AS h FROM ({HORIZON}) x)
                  SELECT (SELECT coalesce(sum(c.n), 0)::bigint FROM {shards} s CROSS JOIN LATERAL (
                             SELECT count(*) AS n FROM {outbox} o
                             WHERE o.shard = s.shard AND o.xid >= horizon.h) c),
@@ -414,6 +449,19 @@ impl LogSql {
                         (SELECT p.gid FROM pg_prepared_xacts p WHERE p.transaction = xid(horizon.h)
                          LIMIT 1)
                  FROM horizon"
+            ),
+            horizon: format!("SELECT x.h::text FROM ({HORIZON}) x"),
+            // A key's rows waiting behind it: held aside, and past the stored cursor of the
+            // key's shard (the generated column's hash) that are not held as well.
+            waiting_behind: format!(
+                "WITH k AS (SELECT ((hashtext($1) % c.n) + c.n) % c.n AS shard
+                            FROM (SELECT count(*)::int AS n FROM {shards}) c)
+                 SELECT ((SELECT count(*) FROM {held} WHERE partition_key = $1)
+                      + (SELECT count(*) FROM k JOIN {shards} s ON s.shard = k.shard
+                         JOIN {outbox} o ON o.shard = k.shard
+                         WHERE o.partition_key = $1
+                           AND (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq)
+                           AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.seq = o.seq)))::bigint"
             ),
             // With per-key order (`$2`), a keyed dead letter goes back to the held rows at
             // its original place and its key drains (the owner delivers the held rows in
@@ -469,16 +517,19 @@ pub(crate) struct LogEngine {
     /// This relay's name in the shards table: unique per storage instance.
     owner: String,
     pub(crate) sql: LogSql,
+    /// `start = "now"`: a shard never owned before starts at the horizon.
+    start_now: bool,
     inner: tokio::sync::Mutex<Inner>,
     /// Added to the clock of in-memory times (leases, retry delays): for tests only.
     offset: std::sync::Mutex<Duration>,
 }
 
 impl LogEngine {
-    pub(crate) fn new(table: &OutboxTable) -> Self {
+    pub(crate) fn new(table: &OutboxTable, start_now: bool) -> Self {
         LogEngine {
             owner: format!("relay-{}", Uuid::now_v7()),
             sql: LogSql::new(table),
+            start_now,
             inner: tokio::sync::Mutex::new(Inner::default()),
             offset: std::sync::Mutex::new(Duration::ZERO),
         }
@@ -543,6 +594,7 @@ impl LogEngine {
                 .bind(ms)
                 .bind(i64::try_from(fair - kept.len()).unwrap_or(0))
                 .bind(&kept)
+                .bind(self.start_now)
                 .fetch_all(&mut *tx)
                 .await
                 .map_err(fail)?;
@@ -703,9 +755,18 @@ impl LogEngine {
         Ok(())
     }
 
-    /// Reads new rows below the horizon into memory; rows of parked keys are kept aside in
-    /// the held rows at once (fenced), before the cursor can move past them.
-    async fn read(&self, pool: &PgPool, inner: &mut Inner, limit: usize) -> Result<()> {
+    /// Reads new rows below the horizon into memory, from `source` (the primary `pool` or a
+    /// replica: either way every row below its horizon is there, see `HORIZON`); rows of
+    /// parked keys are kept aside in the held rows at once (fenced, on the primary), before
+    /// the cursor can move past them. Which keys are parked comes from memory, refreshed
+    /// from the primary.
+    async fn read(
+        &self,
+        pool: &PgPool,
+        source: &PgPool,
+        inner: &mut Inner,
+        limit: usize,
+    ) -> Result<()> {
         let fail = |e| db_error("cannot read the outbox log", e);
         let cap = limit.saturating_mul(BUFFER_CLAIMS).max(BUFFER_MIN);
         let mut want: Vec<(i32, Pos)> = Vec::new();
@@ -725,7 +786,7 @@ impl LogEngine {
             .bind(&xids)
             .bind(&seqs)
             .bind(&room)
-            .fetch_all(pool)
+            .fetch_all(source)
             .await
             .map_err(fail)?;
         // Decode everything first and write the held rows, then change memory: a failure
@@ -937,9 +998,12 @@ impl LogEngine {
         }
     }
 
+    /// A claim: shards renewed and taken on the primary `pool`, rows read from `replica`
+    /// when there is one.
     pub(crate) async fn claim(
         &self,
         pool: &PgPool,
+        replica: Option<&PgPool>,
         config: &PostgresConfig,
         limit: usize,
         lease: Duration,
@@ -964,7 +1028,8 @@ impl LogEngine {
         if config.per_key_order {
             self.refresh_parked(pool, inner).await?;
         }
-        self.read(pool, inner, limit).await?;
+        self.read(pool, replica.unwrap_or(pool), inner, limit)
+            .await?;
         if config.per_key_order {
             self.hold_parked(pool, inner).await?;
         }
@@ -1523,10 +1588,26 @@ impl LogEngine {
         Ok(())
     }
 
-    /// How far the readable horizon trails the log, and why.
-    pub(crate) async fn horizon_lag(&self, pool: &PgPool) -> Result<HorizonLag> {
+    /// How far the readable horizon trails the log, and why. With a `replica`, its horizon
+    /// (what the relay reads below), against the primary's rows: rows the replica has not
+    /// replayed yet count as waiting.
+    pub(crate) async fn horizon_lag(
+        &self,
+        pool: &PgPool,
+        replica: Option<&PgPool>,
+    ) -> Result<HorizonLag> {
         let fail = |e| db_error("cannot read the horizon", e);
+        let horizon: Option<String> = match replica {
+            Some(replica) => Some(
+                sqlx::query_scalar(&self.sql.horizon)
+                    .fetch_one(replica)
+                    .await
+                    .map_err(|e| db_error("cannot read the horizon from the replica", e))?,
+            ),
+            None => None,
+        };
         let row = sqlx::query(&self.sql.lag)
+            .bind(horizon)
             .fetch_one(pool)
             .await
             .map_err(fail)?;
@@ -1538,6 +1619,17 @@ impl LogEngine {
             blocker_age: age.map(|s| Duration::from_secs_f64(s.max(0.0))),
             blocker_prepared: row.try_get(3).map_err(fail)?,
         })
+    }
+
+    /// The rows of `key` waiting behind it: held aside (a parked or draining key), and past
+    /// the stored cursor of its shard.
+    pub(crate) async fn waiting_behind(&self, pool: &PgPool, key: &str) -> Result<u64> {
+        let n: i64 = sqlx::query_scalar(&self.sql.waiting_behind)
+            .bind(key)
+            .fetch_one(pool)
+            .await
+            .map_err(|e| db_error("cannot count the messages behind a parked key", e))?;
+        Ok(n.max(0) as u64)
     }
 
     /// Gives every owned shard up at once (their cursors are stored), so other relays take

@@ -16,7 +16,7 @@ use crate::error::db_error;
 use crate::log::LogEngine;
 use crate::sql::{self, Statements};
 use crate::wakeup::Wakeup;
-use crate::{OutboxTable, PostgresConfig, StorageMode, connection, rows};
+use crate::{LogStart, OutboxTable, PostgresConfig, StorageMode, connection, rows};
 
 /// The PostgreSQL [`Storage`]: claims with `FOR UPDATE` under leases on the database clock,
 /// fences every later write with the claim's token, keeps per-key order, and wakes the
@@ -25,6 +25,8 @@ pub struct PgStorage {
     config: PostgresConfig,
     table: OutboxTable,
     pool: PgPool,
+    /// Log mode: the pool of `replica_url`, which the rows and the horizon are read from.
+    replica: Option<PgPool>,
     /// Also used by the operator's repairs (`admin.rs`).
     pub(crate) sql: Statements,
     wakeup: Wakeup,
@@ -50,14 +52,17 @@ impl PgStorage {
     pub fn new(config: PostgresConfig) -> Result<Self> {
         config.validate()?;
         let pool = connection::pool(&config)?;
+        let replica = connection::replica_pool(&config)?;
         let table = OutboxTable::new(&config.schema, &config.table)?;
         let sql = Statements::new(&table, &config);
         let wakeup = Wakeup::new(config.wakeup, &table);
-        let log = (config.mode == StorageMode::Log).then(|| LogEngine::new(&table));
+        let log = (config.mode == StorageMode::Log)
+            .then(|| LogEngine::new(&table, config.start == LogStart::Now));
         Ok(PgStorage {
             config,
             table,
             pool,
+            replica,
             sql,
             wakeup,
             cursor: std::sync::Mutex::new(String::new()),
@@ -154,7 +159,24 @@ impl PgStorage {
     /// and age, or a prepared transaction). `None` in lease mode.
     pub async fn horizon_lag(&self) -> Result<Option<crate::HorizonLag>> {
         match &self.log {
-            Some(log) => log.horizon_lag(&self.pool).await.map(Some),
+            Some(log) => log
+                .horizon_lag(&self.pool, self.replica.as_ref())
+                .await
+                .map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// Log mode: the pool of `replica_url`, if one is set (its sessions read only).
+    pub fn replica_pool(&self) -> Option<&PgPool> {
+        self.replica.as_ref()
+    }
+
+    /// Log mode: how many of `key`'s messages wait behind it: held aside (a parked or
+    /// draining key) and past the stored cursor of its shard. `None` in lease mode.
+    pub async fn log_waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        match &self.log {
+            Some(log) => log.waiting_behind(&self.pool, key).await.map(Some),
             None => Ok(None),
         }
     }
@@ -202,10 +224,29 @@ fn millis(d: Duration) -> i64 {
 
 #[async_trait]
 impl Storage for PgStorage {
+    async fn horizon(&self) -> Result<Option<outbox_core::HorizonLag>> {
+        Ok(self
+            .horizon_lag()
+            .await?
+            .map(|lag| outbox_core::HorizonLag {
+                waiting: lag.waiting_rows,
+                held_by: lag.held_by(),
+                held_for: lag.blocker_age,
+            }))
+    }
+
     async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
         self.check_mode().await?;
         if let Some(log) = &self.log {
-            let claim = log.claim(&self.pool, &self.config, limit, lease).await?;
+            let claim = log
+                .claim(
+                    &self.pool,
+                    self.replica.as_ref(),
+                    &self.config,
+                    limit,
+                    lease,
+                )
+                .await?;
             self.wakeup
                 .claimed(&self.pool, !claim.messages.is_empty())
                 .await?;

@@ -1085,3 +1085,162 @@ async fn two_relay_processes_export_the_same_label_sets() {
     }
     drop_schema(&pool, &schema).await;
 }
+
+/// Log mode: a transaction held open holds the horizon; `outbox status` says how many
+/// committed messages wait behind it and which backend holds it, and the relay exports it as
+/// `outbox_horizon_waiting` / `outbox_horizon_held_seconds`; once it ends, all are delivered.
+#[cfg(feature = "file")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_metrics_show_what_holds_the_log_horizon() {
+    let pool = pool().await;
+    let schema = unique_name("cli_horizon");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let dir = std::env::temp_dir().join(unique_name("horizon_out"));
+    std::fs::create_dir_all(&dir).expect("output dir");
+    let out = dir.join("out.jsonl");
+    let config = ConfigFile::new(&format!(
+        "{}mode = \"log\"\nshards = 4\n{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"file\"\npath = \"{}\"\n",
+        storage_section(&schema),
+        out.display()
+    ));
+    let migrated = outbox(&config.path, &["migrate"]);
+    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+
+    // An unrelated transaction takes its id before the messages are written, and stays open.
+    let mut holder = pool.begin().await.expect("a transaction");
+    let pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *holder)
+        .await
+        .expect("pid");
+    sqlx::query("SELECT pg_current_xact_id()")
+        .execute(&mut *holder)
+        .await
+        .expect("take a transaction id");
+    let lines = (1..=3)
+        .map(|i| format!("{{\"topic\":\"t\",\"key\":\"k\",\"payload\":\"m{i}\"}}\n"))
+        .collect::<String>();
+    assert!(
+        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines)
+            .status
+            .success()
+    );
+
+    let status = text(&outbox(&config.path, &["status"]).stdout);
+    assert!(
+        status.contains(&format!(
+            "horizon: 3 committed waiting behind backend pid {pid}"
+        )),
+        "{status}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_slice(&outbox(&config.path, &["status", "--output", "json"]).stdout)
+            .expect("status as JSON");
+    assert_eq!(json["horizon"]["waiting"], 3, "{json}");
+
+    let relay = RelayProcess::start(&config.path);
+    wait_for_http(&addr).await;
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let (_, metrics) = http_get(&addr, "/metrics");
+        let waiting = metrics
+            .lines()
+            .find(|l| l.starts_with("outbox_horizon_waiting{"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        let held = metrics
+            .lines()
+            .find(|l| l.starts_with("outbox_horizon_held_seconds{"))
+            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        if waiting == Some(3.0) && held.is_some_and(|s| s > 0.0) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no horizon gauges of 3 waiting in:\n{metrics}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let delivered = || {
+        std::fs::read_to_string(&out)
+            .unwrap_or_default()
+            .lines()
+            .count()
+    };
+    assert_eq!(delivered(), 0, "delivered past an open older transaction");
+
+    holder.rollback().await.expect("end the holder");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while delivered() < 3 {
+        assert!(
+            Instant::now() < deadline,
+            "never delivered after the holder ended"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = text(&outbox(&config.path, &["status"]).stdout);
+    assert!(status.contains("horizon: 0 committed waiting"), "{status}");
+    assert_eq!(relay.terminate().0, Some(0));
+    let _ = std::fs::remove_dir_all(&dir);
+    drop_schema(&pool, &schema).await;
+}
+
+/// `migrate = true` with the database unreachable at start-up: the relay waits, retrying,
+/// instead of exiting, then migrates and delivers once the database answers.
+#[cfg(feature = "file")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_migrating_relay_waits_for_a_database_down_at_start_up() {
+    let pool = pool().await;
+    let schema = unique_name("cli_dbdown");
+    let target = postgres_url();
+    let host_port = outbox_tests::host_port(&target);
+    let proxy = outbox_tests::Proxy::start(&host_port).await;
+    proxy.cut();
+    let dir = std::env::temp_dir().join(unique_name("dbdown_out"));
+    std::fs::create_dir_all(&dir).expect("output dir");
+    let out = dir.join("out.jsonl");
+    let storage =
+        |url: &str| format!("[storage]\nurl = \"{url}\"\nschema = \"{schema}\"\nmigrate = true\n");
+    let sink = format!("[sink]\ntype = \"file\"\npath = \"{}\"\n", out.display());
+    let through = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{sink}",
+        storage(&target.replace(&host_port, &proxy.addr()))
+    ));
+    let mut relay = RelayProcess::start(&through.path);
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        relay.0.try_wait().expect("wait").is_none(),
+        "the relay exited while the database was unreachable"
+    );
+    proxy.restore();
+    let tables = format!(
+        "SELECT count(*) FROM pg_tables WHERE schemaname = '{schema}' AND tablename = 'outbox'"
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&pool, &tables).await == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "never migrated once the database answered"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let direct = ConfigFile::new(&format!("{}{sink}", storage(&target)));
+    assert!(
+        outbox_with_stdin(
+            &direct.path,
+            &["enqueue", "--stdin"],
+            "{\"topic\":\"t\",\"key\":\"k\",\"payload\":\"after\"}\n"
+        )
+        .status
+        .success()
+    );
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&out)
+        .unwrap_or_default()
+        .contains("after")
+    {
+        assert!(Instant::now() < deadline, "never delivered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(relay.terminate().0, Some(0));
+    let _ = std::fs::remove_dir_all(&dir);
+    drop_schema(&pool, &schema).await;
+}

@@ -14,8 +14,9 @@ use outbox_core::{
     CancellationToken, Claim, DeadLetter, Delivery, Error, NewMessage, QueueStats, Receipt,
     Settlement, Sink, Storage, StorageAdmin, Worker, WorkerConfig,
 };
-use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
-use outbox_tests::{Service, postgres_url, test_worker_config, unique_name};
+use outbox_postgres::{LogStart, OutboxTable, PgStorage, PostgresConfig, StorageMode};
+use outbox_test_support::through;
+use outbox_tests::{Proxy, Service, host_port, postgres_url, test_worker_config, unique_name};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -735,6 +736,11 @@ async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
             NewMessage::new("t", "k-2").key("k"),
         ])
         .await;
+    // Nothing read yet: the key's three rows are past its shard's cursor.
+    assert_eq!(
+        outbox.storage.log_waiting_behind("k").await.unwrap(),
+        Some(3)
+    );
     let sink = Arc::new(MemorySink::new());
     sink.fail_when(|m| (m.payload == b"bad").then(|| Error::permanent("too large")));
     let relay = outbox.relay("w", sink.clone());
@@ -743,9 +749,22 @@ async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
         assert!(tokio::time::Instant::now() < deadline, "never parked");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Behind the parked key: its two later rows (held aside, or still past the cursor).
+    assert_eq!(
+        outbox.storage.log_waiting_behind("k").await.unwrap(),
+        Some(2)
+    );
+    assert_eq!(
+        outbox.storage.log_waiting_behind("other").await.unwrap(),
+        Some(0)
+    );
     assert!(outbox.storage.release_parked_key("k").await.unwrap());
     outbox.wait_until_delivered(Duration::from_secs(10)).await;
     outbox.wait_until_unparked(Duration::from_secs(10)).await;
+    assert_eq!(
+        outbox.storage.log_waiting_behind("k").await.unwrap(),
+        Some(0)
+    );
     relay.stop().await;
     assert_eq!(by_key(&sink)["k"], ["k-1", "k-2"]);
     assert_eq!(outbox.dead_letters().await.len(), 1);
@@ -1122,4 +1141,113 @@ mod conformance {
     }
 
     outbox_tests::storage_conformance_tests!(LogHarness);
+}
+
+/// `start = "now"`: the first relay to take a new table's shards skips the rows of
+/// transactions that ended before it, and delivers those of a transaction still running
+/// then (committed later) and everything after. A later relay resumes from the cursors.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn starting_from_now_skips_what_ended_before_and_keeps_what_was_running() {
+    let outbox = LogOutbox::new(2, |c| c.start = LogStart::Now).await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "old-1").key("k"),
+            NewMessage::new("t", "old-2").key("j"),
+        ])
+        .await;
+    let mut running = outbox.pool.begin().await.unwrap();
+    outbox
+        .table
+        .enqueue(&mut running, &NewMessage::new("t", "running").key("k"))
+        .await
+        .unwrap();
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay("w", sink.clone());
+    // Both shards taken (their cursors set) before anything else commits.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while shards(&outbox).await.iter().any(|s| s.2 == 0) {
+        assert!(tokio::time::Instant::now() < deadline, "shards not taken");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    outbox
+        .enqueue(&[NewMessage::new("t", "new-1").key("k")])
+        .await;
+    running.commit().await.unwrap();
+    outbox.wait_until_delivered(Duration::from_secs(20)).await;
+    relay.stop().await;
+    assert_eq!(
+        by_key(&sink),
+        BTreeMap::from([("k".to_string(), vec!["running".to_string(), "new-1".into()])]),
+        "rows that ended before the start are skipped; the running one is not"
+    );
+
+    // The shards have been owned: a new relay with `start = "now"` resumes from the cursors.
+    outbox
+        .enqueue(&[NewMessage::new("t", "later").key("j")])
+        .await;
+    let relay = outbox.relay_on(
+        outbox.another_relay(),
+        test_worker_config("w2"),
+        sink.clone(),
+    );
+    outbox.wait_until_delivered(Duration::from_secs(20)).await;
+    relay.stop().await;
+    assert_eq!(by_key(&sink)["j"], ["later"]);
+    assert_eq!(sink.published().len(), 3);
+}
+
+/// A relay that starts while the database cannot be reached retries in place, without
+/// exiting, and delivers once it can.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_started_while_the_database_is_unreachable_waits_then_delivers() {
+    let outbox = log_outbox(2).await;
+    let proxy = Proxy::start(&host_port(&outbox.url)).await;
+    proxy.cut();
+    let config = PostgresConfig {
+        url: through(&outbox.url, &proxy.addr()),
+        connect_timeout: Duration::from_secs(1),
+        ..outbox.storage.config().clone()
+    };
+    let storage = Arc::new(PgStorage::new(config).expect("valid configuration"));
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay_on(storage, test_worker_config("w"), sink.clone());
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "a").key("k"),
+            NewMessage::new("t", "b").key("k"),
+        ])
+        .await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(sink.published().is_empty());
+    assert!(
+        !relay.handle.is_finished(),
+        "the relay stopped while the database was unreachable"
+    );
+    proxy.restore();
+    outbox.wait_until_delivered(Duration::from_secs(30)).await;
+    relay.stop().await;
+    assert_eq!(by_key(&sink)["k"], ["a", "b"]);
+}
+
+/// The count behind a key looks in the key's own shard (the generated column's hash).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_behind_counts_a_keys_rows_in_its_shard() {
+    let outbox = log_outbox(16).await;
+    let keys: Vec<String> = (0..8).map(|i| format!("key-{i}")).collect();
+    let messages: Vec<NewMessage> = keys
+        .iter()
+        .flat_map(|k| (0..3).map(move |i| NewMessage::new("t", format!("{k}-{i}")).key(k)))
+        .collect();
+    outbox.enqueue(&messages).await;
+    for key in &keys {
+        assert_eq!(
+            outbox.storage.log_waiting_behind(key).await.unwrap(),
+            Some(3),
+            "{key}"
+        );
+    }
+    assert_eq!(
+        outbox.storage.log_waiting_behind("none").await.unwrap(),
+        Some(0)
+    );
 }

@@ -180,6 +180,9 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
         stats.dead_lettered,
         stats.parked_keys
     );
+    if let Some(horizon) = storage.horizon().await? {
+        println!("  {}", horizon_line(&horizon));
+    }
     let topics = storage.topic_stats().await?;
     if !topics.is_empty() {
         println!(
@@ -206,6 +209,18 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
     Ok(())
 }
 
+/// Log mode's horizon for people: how many committed messages wait behind it, and why.
+fn horizon_line(horizon: &outbox::HorizonLag) -> String {
+    let mut line = format!("horizon: {} committed waiting", horizon.waiting);
+    if let Some(by) = &horizon.held_by {
+        line.push_str(&format!(" behind {by}"));
+        if let Some(age) = horizon.held_for {
+            line.push_str(&format!(", open {:.1}s", age.as_secs_f64()));
+        }
+    }
+    line
+}
+
 /// The figures of `print_status` as one JSON object.
 async fn status_json(
     def: &RelayDef,
@@ -227,6 +242,13 @@ async fn status_json(
     let parked: Vec<serde_json::Value> = (storage.parked_keys().await?.into_iter())
         .map(|p| serde_json::json!({ "key": p.key, "dead_letter": p.dead_letter }))
         .collect();
+    let horizon = storage.horizon().await?.map(|h| {
+        serde_json::json!({
+            "waiting": h.waiting,
+            "held_by": h.held_by,
+            "held_for_seconds": h.held_for.map(|d| d.as_secs_f64()),
+        })
+    });
     Ok(serde_json::json!({
         "relay": def.name,
         "storage": storage.describe(),
@@ -238,6 +260,7 @@ async fn status_json(
         "parked_keys": stats.parked_keys,
         "topics": topics,
         "parked": parked,
+        "horizon": horizon,
     }))
 }
 

@@ -1,0 +1,470 @@
+//! Log mode reading from a read replica (`replica_url`): the local streaming replica that
+//! `cargo xtask services` starts on 127.0.0.1:5433 (`OUTBOX_TEST_POSTGRES_REPLICA_URL`
+//! points elsewhere). Rows and the horizon come from the replica, everything else stays on
+//! the primary. Each test has its own database.
+//!
+//! Only `replay_paused_on_the_replica_delays_but_loses_nothing` pauses the replica's replay;
+//! the other tests wait long enough to ride out such a pause.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::memory::MemorySink;
+use outbox_core::{CancellationToken, NewMessage, Sink, Worker};
+use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
+use outbox_tests::{Service, postgres_url, test_worker_config, unique_name};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+use tokio::time::Instant;
+
+/// How long anything may take to reach the replica and be delivered (a paused replay in
+/// another test of this file included).
+const PATIENCE: Duration = Duration::from_secs(90);
+
+/// The replica's server URL (database `postgres`).
+fn replica_server() -> String {
+    std::env::var("OUTBOX_TEST_POSTGRES_REPLICA_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5433/postgres".into())
+}
+
+/// `url` with its database replaced by `database`.
+fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, format!("?{query}")),
+        None => (url, String::new()),
+    };
+    match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}{query}"),
+        None => panic!("postgres URL without a database: {url}"),
+    }
+}
+
+/// A connection to the replica's server, or a loud failure naming how to start it.
+async fn replica_admin() -> PgPool {
+    let url = replica_server();
+    let pool = PgPoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&url)
+        .await
+        .unwrap_or_else(|e| {
+            panic!(
+                "the PostgreSQL read replica must run at {} (start it with `cargo xtask \
+                 services`, or set OUTBOX_TEST_POSTGRES_REPLICA_URL): {e}",
+                outbox_core::redact_url(&url)
+            )
+        });
+    let standby: bool = sqlx::query_scalar("SELECT pg_is_in_recovery()")
+        .fetch_one(&pool)
+        .await
+        .expect("ask the replica whether it is a standby");
+    assert!(
+        standby,
+        "{} is not a standby (pg_is_in_recovery() is false): it must be a streaming replica \
+         of the tests' PostgreSQL",
+        outbox_core::redact_url(&url)
+    );
+    pool
+}
+
+fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+/// Per key, the payloads in the order the sink saw them.
+fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
+    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in sink.published() {
+        keys.entry(m.key.clone().unwrap_or_default())
+            .or_default()
+            .push(text(&m.payload));
+    }
+    keys
+}
+
+/// A log-mode outbox in a database of its own whose relay reads from the replica.
+struct ReplicaOutbox {
+    table: OutboxTable,
+    /// The application's pool, on the primary.
+    pool: PgPool,
+    storage: Arc<PgStorage>,
+    database: String,
+}
+
+impl ReplicaOutbox {
+    async fn new(shards: u32) -> ReplicaOutbox {
+        let replica = replica_admin().await;
+        let server = postgres_url();
+        let database = unique_name("outbox_replica");
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&server)
+            .await
+            .unwrap_or_else(|e| Service::Postgres.missing(e));
+        sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
+            .execute(&admin)
+            .await
+            .expect("create the test's database");
+        admin.close().await;
+        let url = with_database(&server, &database);
+        let mut config = PostgresConfig::new(&url);
+        config.mode = StorageMode::Log;
+        config.shards = shards;
+        config.replica_url = Some(with_database(&replica_server(), &database));
+        let storage = PgStorage::new(config).expect("valid test configuration");
+        storage.migrate().await.expect("migrate for log mode");
+        let pool = PgPoolOptions::new()
+            .max_connections(10)
+            .connect(&url)
+            .await
+            .expect("connect to the test's database");
+        // The replica has the tables once it has replayed the migration.
+        let shards_table = storage.table().qualified("_shards");
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let on_replica = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&with_database(&replica_server(), &database))
+                .await;
+            if let Ok(on_replica) = on_replica {
+                let ok = sqlx::query(&format!("SELECT 1 FROM {shards_table} LIMIT 1"))
+                    .fetch_optional(&on_replica)
+                    .await
+                    .is_ok_and(|row| row.is_some());
+                on_replica.close().await;
+                if ok {
+                    break;
+                }
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replica did not replay the test's database and tables within {PATIENCE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        replica.close().await;
+        ReplicaOutbox {
+            table: storage.table().clone(),
+            pool,
+            storage: Arc::new(storage),
+            database,
+        }
+    }
+
+    async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.pool.begin().await.expect("begin");
+        self.table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+
+    fn relay(&self, sink: Arc<dyn Sink>) -> Relay {
+        let worker = Worker::new(
+            test_worker_config("replica-test"),
+            self.storage.clone(),
+            sink,
+        )
+        .expect("valid worker configuration");
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { worker.run(shutdown).await }
+        });
+        Relay { shutdown, handle }
+    }
+
+    /// Rows not yet behind a cursor, and rows kept aside, on the primary.
+    async fn undelivered(&self) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT (SELECT count(*) FROM {o} o JOIN {s} s ON s.shard = o.shard
+                     WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq))
+                  + (SELECT count(*) FROM {h})",
+            o = self.table.qualified(""),
+            s = self.table.qualified("_shards"),
+            h = self.table.qualified("_held"),
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .expect("count undelivered rows")
+    }
+
+    /// Waits until the sink has `n` messages and every row is behind a cursor.
+    async fn wait_until_delivered(&self, sink: &MemorySink, n: usize) {
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let left = self.undelivered().await;
+            if left == 0 && sink.published().len() >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{left} rows not delivered after {PATIENCE:?} ({} of {n} published)",
+                sink.published().len()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until the replica has replayed this database's rows up to `n` rows in the log.
+    async fn wait_until_replica_has(&self, n: i64) {
+        let on_replica = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&with_database(&replica_server(), &self.database))
+            .await
+            .expect("connect to the replica");
+        let deadline = Instant::now() + PATIENCE;
+        loop {
+            let rows: i64 = sqlx::query_scalar(&format!(
+                "SELECT count(*) FROM {}",
+                self.table.qualified("")
+            ))
+            .fetch_one(&on_replica)
+            .await
+            .expect("count rows on the replica");
+            if rows >= n {
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the replica has {rows} of {n} rows after {PATIENCE:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        on_replica.close().await;
+    }
+}
+
+impl Drop for ReplicaOutbox {
+    fn drop(&mut self) {
+        let sql = format!(
+            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
+            self.database
+        );
+        let url = postgres_url();
+        let cleanup = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let pool = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .ok()?;
+                sqlx::query(&sql).execute(&pool).await.ok()
+            })
+        });
+        let _ = cleanup.join();
+    }
+}
+
+struct Relay {
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Relay {
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.expect("relay task panicked");
+    }
+}
+
+/// Resumes the replica's replay when dropped, so a failing test leaves it running.
+struct Paused;
+
+impl Paused {
+    async fn pause(replica: &PgPool) -> Paused {
+        sqlx::query("SELECT pg_wal_replay_pause()")
+            .execute(replica)
+            .await
+            .expect("pause replay on the replica");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let state: String = sqlx::query_scalar("SELECT pg_get_wal_replay_pause_state()")
+                .fetch_one(replica)
+                .await
+                .expect("read the replica's pause state");
+            if state == "paused" {
+                return Paused;
+            }
+            assert!(Instant::now() < deadline, "replay did not pause: {state}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let url = replica_server();
+        let resume = std::thread::spawn(move || {
+            let runtime = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .ok()?;
+            runtime.block_on(async {
+                let pool = PgPoolOptions::new()
+                    .max_connections(1)
+                    .connect(&url)
+                    .await
+                    .ok()?;
+                sqlx::query("SELECT pg_wal_replay_resume()")
+                    .execute(&pool)
+                    .await
+                    .ok()
+            })
+        });
+        let _ = resume.join();
+    }
+}
+
+fn keyed(key: &str, payload: String) -> NewMessage {
+    NewMessage::new("t", payload.into_bytes()).key(key)
+}
+
+/// `count` messages over `keys` keys, `prefix-<n>`, in per-key order.
+fn batch(prefix: &str, count: usize, keys: usize) -> Vec<NewMessage> {
+    (0..count)
+        .map(|i| keyed(&format!("k{}", i % keys), format!("{prefix}-{i:04}")))
+        .collect()
+}
+
+/// Every key's payloads are in increasing order, none twice.
+fn assert_in_order(sink: &MemorySink) {
+    for (key, payloads) in by_key(sink) {
+        let mut sorted = payloads.clone();
+        sorted.sort();
+        sorted.dedup();
+        assert_eq!(payloads, sorted, "key {key} out of order or repeated");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_relay_reading_from_the_replica_delivers_everything_in_key_order() {
+    let outbox = ReplicaOutbox::new(4).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay(sink.clone());
+    let mut expected = 0;
+    for round in 0..10 {
+        let messages = batch(&format!("m{round:02}"), 30, 7);
+        expected += messages.len();
+        outbox.enqueue(&messages).await;
+    }
+    outbox.wait_until_delivered(&sink, expected).await;
+    assert_eq!(sink.published().len(), expected, "each message once");
+    assert_in_order(&sink);
+
+    // The rows came from the replica: the relay's read sessions are there.
+    let replica = replica_admin().await;
+    let sessions: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_stat_activity
+         WHERE datname = $1 AND application_name = 'outbox-relay'",
+    )
+    .bind(&outbox.database)
+    .fetch_one(&replica)
+    .await
+    .expect("count the relay's sessions on the replica");
+    assert!(sessions > 0, "the relay has no session on the replica");
+    relay.stop().await;
+}
+
+/// Paused replay freezes the replica's rows and horizon: the relay delivers nothing new
+/// while its ownership and cursors on the primary carry on; once replay resumes, every
+/// message comes, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
+    let outbox = ReplicaOutbox::new(4).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay(sink.clone());
+    let before = batch("a", 40, 5);
+    outbox.enqueue(&before).await;
+    outbox.wait_until_delivered(&sink, before.len()).await;
+
+    let replica = replica_admin().await;
+    let paused = Paused::pause(&replica).await;
+    let mut during = 0;
+    for round in 0..5 {
+        let messages = batch(&format!("b{round}"), 20, 5);
+        during += messages.len();
+        outbox.enqueue(&messages).await;
+    }
+    // Committed on the primary, invisible on the paused replica: nothing new goes out.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_eq!(
+        sink.published().len(),
+        before.len(),
+        "messages were delivered while the replica's replay was paused"
+    );
+    assert_eq!(outbox.undelivered().await, during as i64);
+    // The horizon is the replica's: the rows it has not replayed count as waiting.
+    let lag = outbox
+        .storage
+        .horizon_lag()
+        .await
+        .expect("horizon lag")
+        .expect("log mode");
+    assert!(lag.waiting_rows >= during as u64, "{lag:?}");
+
+    drop(paused);
+    outbox
+        .wait_until_delivered(&sink, before.len() + during)
+        .await;
+    assert_eq!(sink.published().len(), before.len() + during);
+    assert_in_order(&sink);
+    relay.stop().await;
+}
+
+/// A transaction that took its id before later ones committed, and commits last: the
+/// replica knows its id is running (from the later ids it replayed), so its horizon stays
+/// below it, and the row is delivered first in its key's order, not skipped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_late_committing_transaction_is_delivered_from_the_replica() {
+    let outbox = ReplicaOutbox::new(2).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay(sink.clone());
+
+    // Its id is taken before the others, with nothing written to the WAL for it yet.
+    let mut late = outbox.pool.begin().await.expect("begin");
+    let _xid: String = sqlx::query_scalar("SELECT pg_current_xact_id()::text")
+        .fetch_one(&mut *late)
+        .await
+        .expect("take a transaction id");
+    for i in 1..=5 {
+        outbox
+            .enqueue(&[
+                keyed("k", format!("after-{i}")),
+                keyed("other", format!("other-{i}")),
+            ])
+            .await;
+    }
+    // The replica has the later rows, and the horizon keeps them back.
+    outbox.wait_until_replica_has(10).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert!(
+        sink.published().is_empty(),
+        "rows above a running transaction were delivered: {:?}",
+        by_key(&sink)
+    );
+
+    outbox
+        .table
+        .enqueue(&mut late, &keyed("k", "late".into()))
+        .await
+        .expect("enqueue in the late transaction");
+    late.commit().await.expect("commit the late transaction");
+    outbox.wait_until_delivered(&sink, 11).await;
+    let keys = by_key(&sink);
+    assert_eq!(
+        keys["k"],
+        [
+            "late", "after-1", "after-2", "after-3", "after-4", "after-5"
+        ],
+        "the late row comes first in its key's order (its transaction id is the oldest)"
+    );
+    assert_eq!(keys["other"].len(), 5);
+    relay.stop().await;
+}
