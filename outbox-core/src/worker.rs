@@ -185,6 +185,16 @@ struct Published {
 }
 
 impl Published {
+    /// The messages this batch already has an outcome for.
+    fn recorded_ids(&self) -> HashSet<Uuid> {
+        let s = &self.settlement;
+        (s.delivered.iter().map(|d| d.id))
+            .chain(s.retries.iter().map(|r| r.id))
+            .chain(s.dead.iter().map(|d| d.id))
+            .chain(s.released.iter().copied())
+            .collect()
+    }
+
     /// Adds this batch's outcomes to the per-topic counters, one increment per topic, and
     /// each delivery's latency from its creation to its acknowledgement.
     fn count(
@@ -443,19 +453,31 @@ impl Worker {
             ids: ids.clone(),
             expires: asked_at + self.config.lease,
         };
-        let publish = self.publish(claim.messages, &mut lease);
-        tokio::pin!(publish);
-        let published = tokio::select! {
-            published = &mut publish => published,
-            _ = async {
-                shutdown.cancelled().await;
-                sleep(self.config.shutdown_timeout).await;
-            } => {
-                tracing::warn!(worker = %self.config.worker_id, messages = ids.len(), "shutdown time-out: releasing the batch in flight");
-                self.storage.release(&token, &ids).await?;
-                return Ok(true);
+        // The outcomes are gathered outside the publishing future, so a shutdown time-out
+        // that drops it still records the rounds already published (their deliveries and
+        // charged failures) and releases only what has no outcome yet.
+        let mut published = Published::default();
+        let timed_out = {
+            let publish = self.publish(claim.messages, &mut lease, &mut published);
+            tokio::pin!(publish);
+            tokio::select! {
+                () = &mut publish => false,
+                () = async {
+                    shutdown.cancelled().await;
+                    sleep(self.config.shutdown_timeout).await;
+                } => true,
             }
         };
+        if timed_out {
+            let settled = published.recorded_ids();
+            let unsettled: Vec<Uuid> = ids
+                .iter()
+                .filter(|id| !settled.contains(id))
+                .copied()
+                .collect();
+            tracing::warn!(worker = %self.config.worker_id, released = unsettled.len(), recorded = settled.len(), "shutdown time-out: releasing what the batch in flight has not published");
+            published.settlement.released.extend(unsettled);
+        }
         self.record(&token, &published).await?;
         published.count(self.config.relay_label(), &topics, &self.topic_labels);
         metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
@@ -467,14 +489,13 @@ impl Worker {
     /// per key (all of them when the sink keeps a key's run in order and stops it at its
     /// first failure), and a key whose message failed publishes nothing more in this batch.
     /// The lease is renewed while a round is out; once it is lost nothing more is published.
-    async fn publish(&self, messages: Vec<Message>, lease: &mut Lease) -> Published {
+    async fn publish(&self, messages: Vec<Message>, lease: &mut Lease, published: &mut Published) {
         let per_key_order = self.storage.capabilities().per_key_order;
         let rounds = if per_key_order && !self.sink.capabilities().ordered_key_runs {
             split_into_rounds(messages)
         } else {
             vec![messages]
         };
-        let mut published = Published::default();
         let mut stopped_keys: HashSet<String> = HashSet::new();
         for round in rounds {
             if !published.lease_lost && Instant::now() >= lease.expires {
@@ -551,12 +572,11 @@ impl Worker {
                         if let Some(key) = &message.key {
                             stopped_keys.insert(key.clone());
                         }
-                        self.settle_failure(&message, &error, &mut published);
+                        self.settle_failure(&message, &error, published);
                     }
                 }
             }
         }
-        published
     }
 
     /// Renews `lease` each time a third of it is left; resolves only once it is lost: taken
@@ -595,6 +615,14 @@ impl Worker {
         match error.kind() {
             ErrorKind::Unavailable => {
                 tracing::warn!(%worker, id = %message.id, %error, "sink unavailable; releasing without charging an attempt");
+                published.sink_unavailable = true;
+                settlement.released.push(message.id);
+            }
+            // The operator must fix the configuration or the schema: the message is not at
+            // fault, so it is not charged or dead-lettered; the worker backs off as for an
+            // unavailable sink until the fix.
+            ErrorKind::Config | ErrorKind::Schema => {
+                tracing::error!(%worker, id = %message.id, %error, "the sink reports a configuration problem; releasing without charging an attempt");
                 published.sink_unavailable = true;
                 settlement.released.push(message.id);
             }
