@@ -8,6 +8,11 @@ use crate::{MySqlConfig, OutboxTable};
 /// Every relay connection runs its transactions at READ COMMITTED (see `connection.rs`).
 pub(crate) const READ_COMMITTED: &str = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
 
+/// The `claim_token` of a row no claim holds (the column's default since migration 3): as
+/// long as a token, so the claim overwrites it in place. NULL (rows of older versions,
+/// retries, releases) means the same. Never a claim's token: those are UUID v7.
+pub(crate) const UNCLAIMED: &str = "00000000-0000-0000-0000-000000000000";
+
 /// The health check.
 pub(crate) const PING: &str = "SELECT 1";
 
@@ -39,15 +44,26 @@ pub(crate) struct Statements {
     /// index: on a small table the optimizer may prefer a scan, and a scan by a DELETE
     /// would wait for rows an application transaction has inserted and not committed.
     pub(crate) outbox_by_id: String,
+    /// The hint that forces the outbox table onto its `(partition_key, seq)` index (written
+    /// after the table's alias), for the reads of one key's first rows: with `ORDER BY seq
+    /// LIMIT n` the optimizer may otherwise walk the primary key in `seq` order until it
+    /// meets the key, which read up to 385,000 rows per sweep in the benchmark once
+    /// deletions had changed the table's statistics.
+    pub(crate) by_key: String,
     pub(crate) dead: String,
     pub(crate) parked: String,
     /// The claim lock, taken exclusively by an ordered claim; it returns the database's
     /// clock once the lock is held, so a lease counts from the claim, not from the wait.
     pub(crate) lock_for_claim: String,
+    /// The key where the next ordered claim starts its sweep, shared by the relays (read
+    /// and written under the claim lock).
+    pub(crate) shared_cursor: String,
+    /// `?` key: moves the shared cursor.
+    pub(crate) move_cursor: String,
     /// The claim lock, shared, by writes that hold a key back (retries, dead letters,
     /// lease renewals, replays); returns the clock too.
     pub(crate) lock_shared: String,
-    /// `?` now, `?` limit: the oldest due rows without a key.
+    /// `?` now, `?` limit: the oldest due rows without a key (every column).
     pub(crate) unkeyed: String,
     /// `?` limit: the oldest due rows (every column), with per-key order off, skipping rows
     /// other relays' claims have locked; locked until the claim commits.
@@ -81,6 +97,7 @@ impl Statements {
         let shared = t.qualified("_stats");
         let delivered = t.qualified("_delivered");
         let lock = t.qualified("_claim_lock");
+        let cursor = t.qualified("_claim_cursor");
         let from_o = COPY_COLUMNS
             .split(", ")
             .map(|c| format!("o.{c}"))
@@ -90,14 +107,18 @@ impl Statements {
         let in_flight = "(o.claim_token IS NOT NULL AND o.available_at > n.now)";
         Statements {
             outbox_by_id: format!("{outbox} AS o FORCE INDEX (`{}_id`)", t.table()),
+            by_key: format!("FORCE INDEX (`{}_key_seq`)", t.table()),
             lock_for_claim: format!("SELECT UTC_TIMESTAMP(6) FROM {lock} WHERE id = 1 FOR UPDATE"),
+            shared_cursor: format!("SELECT partition_key FROM {cursor} WHERE id = 1"),
+            move_cursor: format!("UPDATE {cursor} SET partition_key = ? WHERE id = 1"),
             lock_shared: format!(
                 "SELECT UTC_TIMESTAMP(6) FROM {lock} WHERE id = 1 LOCK IN SHARE MODE"
             ),
             unkeyed: format!(
-                "SELECT o.seq FROM {outbox} o
+                "SELECT {MESSAGE_COLUMNS} FROM {outbox} o FORCE INDEX (`{}_key_seq`)
                  WHERE o.partition_key IS NULL AND o.available_at <= ?
-                 ORDER BY o.seq LIMIT ?"
+                 ORDER BY o.seq LIMIT ?",
+                t.table()
             ),
             unordered: format!(
                 "SELECT {MESSAGE_COLUMNS} FROM {outbox} o WHERE o.available_at <= UTC_TIMESTAMP(6)
@@ -183,7 +204,7 @@ impl Statements {
     /// first row is due at `?` (now, bound first) and whether it is parked. One index
     /// descent per key (loose index scan of `(partition_key, seq)`).
     pub(crate) fn sweep_keys(&self, after: bool, up_to: bool) -> String {
-        let (outbox, parked) = (&self.outbox, &self.parked);
+        let (outbox, by_key, parked) = (&self.outbox, &self.by_key, &self.parked);
         let after = if after {
             "o.partition_key > ?"
         } else {
@@ -196,7 +217,7 @@ impl Statements {
         };
         format!(
             "SELECT k.partition_key,
-                    COALESCE((SELECT h.available_at <= ? FROM {outbox} h
+                    COALESCE((SELECT h.available_at <= ? FROM {outbox} h {by_key}
                               WHERE h.partition_key = k.partition_key
                               ORDER BY h.seq LIMIT 1), 0) AS head_due,
                     EXISTS (SELECT 1 FROM {parked} p WHERE p.partition_key = k.partition_key)
@@ -207,22 +228,25 @@ impl Statements {
         )
     }
 
-    /// The first `max_per_key` rows of each of `keys` keys (`seq`, key, and whether due at
-    /// `?`; each part binds now, then its key).
+    /// The first `max_per_key` rows of each of `keys` keys (every column, and `due`: whether
+    /// due at `?`; each part binds now, then its key).
     pub(crate) fn first_rows(&self, keys: usize, max_per_key: usize) -> String {
         let part = format!(
-            "(SELECT o.seq, o.partition_key, o.available_at <= ? AS due FROM {} o
+            "(SELECT {MESSAGE_COLUMNS}, o.available_at <= ? AS due FROM {} o {}
               WHERE o.partition_key = ? ORDER BY o.seq LIMIT {max_per_key})",
-            self.outbox
+            self.outbox, self.by_key
         );
         vec![part; keys.max(1)].join(" UNION ALL ")
     }
 
-    /// Takes `n` picked rows under a claim: `?` token, `?` worker, `?` lease (µs), seqs. The
-    /// lease counts from this statement, on the database's clock.
+    /// Takes `n` picked rows under a claim: `?` token, `?` lease (µs), seqs. The lease counts
+    /// from this statement, on the database's clock. It writes only what keeps the row's size
+    /// (the token over the `UNCLAIMED` default, the lease time), so InnoDB updates the rows
+    /// in place: a claim that grew its rows (`claimed_by`, a token over NULL) split their full
+    /// pages and cost 2 to 10 times as much (docs/storage/mysql.md).
     pub(crate) fn take(&self, n: usize) -> String {
         format!(
-            "UPDATE {} SET claim_token = ?, claimed_by = ?,
+            "UPDATE {} SET claim_token = ?,
                     available_at = UTC_TIMESTAMP(6) + INTERVAL ? MICROSECOND
              WHERE seq IN ({})",
             self.outbox,
@@ -261,6 +285,17 @@ impl Statements {
         format!(
             "DELETE o FROM {} WHERE o.claim_token = ? AND o.id IN ({})",
             self.outbox_by_id,
+            list(n)
+        )
+    }
+
+    /// Deletes `n` rows held under a token by their seqs (`?` token, seqs): the primary key
+    /// finds them without the `id` index, which made an acknowledgement of 500 rows cost
+    /// three to five times the ceiling's DELETE.
+    pub(crate) fn delete_held_seqs(&self, n: usize) -> String {
+        format!(
+            "DELETE o FROM {} AS o FORCE INDEX (PRIMARY) WHERE o.claim_token = ? AND o.seq IN ({})",
+            self.outbox,
             list(n)
         )
     }

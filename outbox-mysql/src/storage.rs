@@ -11,7 +11,7 @@ use outbox_core::{
     Claim, ClaimToken, Error, ErrorKind, QueueStats, Result, Settlement, Storage,
     StorageCapabilities, redact_url,
 };
-use sqlx::mysql::{MySqlPool, MySqlRow};
+use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{MySql, Row, Transaction};
 use uuid::Uuid;
 
@@ -25,6 +25,10 @@ const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// Keys the sweep reads per statement, at most.
 const SWEEP_CHUNK: usize = 500;
 
+/// Messages whose seq a storage remembers at most (see `MySqlStorage::seqs`); past it the
+/// memory is cleared (claims abandoned without a settlement leave entries behind).
+const MAX_REMEMBERED: usize = 100_000;
+
 /// The MySQL / MariaDB [`Storage`]: claims under leases on the database's clock, fences
 /// every later write with the claim's token, keeps per-key order (ordered claims take a
 /// lock row of the table, so two relays never both see a key as free), and takes rows with
@@ -36,8 +40,16 @@ pub struct MySqlStorage {
     origin: Origin,
     /// Also used by the operator's repairs (`admin.rs`).
     pub(crate) sql: Statements,
-    /// The partition key after which the next ordered claim starts its sweep.
+    /// The partition key after which the next ordered claim starts its sweep, when the
+    /// shared one (`<table>_claim_cursor`) is missing (tables of migration 2).
     cursor: std::sync::Mutex<Vec<u8>>,
+    /// Whether `<table>_claim_cursor` was found missing: the private cursor is used.
+    no_shared_cursor: std::sync::atomic::AtomicBool,
+    /// The seq of each message this storage claimed and has not settled yet, so that an
+    /// acknowledgement deletes by primary key. A message keeps its seq for life (a replay
+    /// restores it), and every claim records it again, so an entry is never wrong; one
+    /// missing sends the settlement through the `id` index.
+    seqs: std::sync::Mutex<HashMap<Uuid, i64>>,
 }
 
 impl std::fmt::Debug for MySqlStorage {
@@ -94,6 +106,8 @@ impl MySqlStorage {
             origin,
             sql,
             cursor: std::sync::Mutex::new(Vec::new()),
+            no_shared_cursor: std::sync::atomic::AtomicBool::new(false),
+            seqs: std::sync::Mutex::new(HashMap::new()),
         })
     }
 
@@ -198,6 +212,40 @@ impl MySqlStorage {
             .then_some(self.sql.lock_shared.as_str())
     }
 
+    /// Remembers the seqs of claimed rows (read from `MESSAGE_COLUMNS`).
+    fn remember(&self, rows: &[MySqlRow], messages: &[outbox_core::Message]) -> Result<()> {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        if seqs.len() + rows.len() > MAX_REMEMBERED {
+            seqs.clear();
+        }
+        for (row, message) in rows.iter().zip(messages) {
+            let seq: i64 = row
+                .try_get("seq")
+                .map_err(|e| self.error("cannot read a message row", e))?;
+            seqs.insert(message.id, seq);
+        }
+        Ok(())
+    }
+
+    /// Forgets the messages of a settlement; returns the seqs of `delivered`, when it
+    /// remembered all of them.
+    fn forget(&self, s: &Settlement) -> Option<Vec<i64>> {
+        let mut seqs = self.seqs.lock().unwrap_or_else(|e| e.into_inner());
+        let delivered: Option<Vec<i64>> = s.delivered.iter().map(|d| seqs.remove(&d.id)).collect();
+        for id in s.retries.iter().map(|r| r.id) {
+            seqs.remove(&id);
+        }
+        for id in s
+            .dead
+            .iter()
+            .map(|d| d.id)
+            .chain(s.released.iter().copied())
+        {
+            seqs.remove(&id);
+        }
+        delivered
+    }
+
     /// Ends a write: commits it when `result` is `Ok`, rolls it back when it is an error.
     pub(crate) async fn finish<T>(&self, what: &str, write: Write, result: Result<T>) -> Result<T> {
         match result {
@@ -223,19 +271,16 @@ impl MySqlStorage {
         tx: &mut Transaction<'static, MySql>,
         now: NaiveDateTime,
         limit: usize,
+        cursor: &[u8],
+        read: &mut HashMap<i64, MySqlRow>,
     ) -> std::result::Result<Vec<(i64, Vec<u8>)>, sqlx::Error> {
-        let cursor = self
-            .cursor
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
         let max_per_key = self.config.max_per_key;
         // Enough keys for a batch if each gives `max_per_key`, twice over (some are held).
         let chunk = (limit.div_ceil(max_per_key) * 2).clamp(32, SWEEP_CHUNK);
         let mut taken: Vec<(i64, Vec<u8>)> = Vec::new();
         let mut keys_taken = 0usize;
         for wrapped in [false, true] {
-            let mut after: Option<Vec<u8>> = (!wrapped).then(|| cursor.clone());
+            let mut after: Option<Vec<u8>> = (!wrapped).then(|| cursor.to_vec());
             loop {
                 if taken.len() >= limit {
                     break;
@@ -246,7 +291,7 @@ impl MySqlStorage {
                     query = query.bind(after.as_slice());
                 }
                 if wrapped {
-                    query = query.bind(cursor.as_slice());
+                    query = query.bind(cursor);
                 }
                 let keys = query.bind(chunk as i64).fetch_all(&mut **tx).await?;
                 let mut free = Vec::new();
@@ -278,11 +323,13 @@ impl MySqlStorage {
                     }
                     let mut by_key: HashMap<Vec<u8>, Vec<(i64, bool)>> = HashMap::new();
                     for row in query.fetch_all(&mut **tx).await? {
-                        let due: Option<i64> = row.try_get(2)?;
+                        let due: Option<i64> = row.try_get("due")?;
+                        let seq: i64 = row.try_get("seq")?;
                         by_key
-                            .entry(row.try_get(1)?)
+                            .entry(row.try_get("partition_key")?)
                             .or_default()
-                            .push((row.try_get(0)?, due.unwrap_or(0) != 0));
+                            .push((seq, due.unwrap_or(0) != 0));
+                        read.insert(seq, row);
                     }
                     for key in group {
                         let Some(mut rows) = by_key.remove(key) else {
@@ -307,20 +354,29 @@ impl MySqlStorage {
     }
 
     /// Claims with per-key order: under the claim lock, the sweep, the rows without a key
-    /// taking turns with the keyed ones, then the UPDATE that takes them all.
+    /// taking turns with the keyed ones, then the UPDATE that takes them all. The rows the
+    /// sweep read (every column) go into `read`.
     async fn claim_ordered(
         &self,
         write: &mut Write,
         limit: usize,
+        read: &mut HashMap<i64, MySqlRow>,
     ) -> std::result::Result<(Vec<i64>, Option<Vec<u8>>), sqlx::Error> {
         // Always set: the claim lock returns the clock (the epoch would claim nothing).
         let now = write.now.unwrap_or_default();
-        let keyed = self.sweep(&mut write.tx, now, limit).await?;
-        let unkeyed: Vec<i64> = sqlx::query_scalar(&self.sql.unkeyed)
+        let cursor = self.cursor_of(write).await?;
+        let keyed = self.sweep(&mut write.tx, now, limit, &cursor, read).await?;
+        let mut unkeyed = Vec::new();
+        for row in sqlx::query(&self.sql.unkeyed)
             .bind(now)
             .bind(limit as i64)
             .fetch_all(&mut *write.tx)
-            .await?;
+            .await?
+        {
+            let seq: i64 = row.try_get("seq")?;
+            unkeyed.push(seq);
+            read.insert(seq, row);
+        }
         // Turns: the i-th row without a key, then the i-th keyed row. A cut at the limit
         // drops only the last rows of the sweep, never a row ahead of one it keeps.
         let mut picked = Vec::with_capacity(limit);
@@ -347,43 +403,100 @@ impl MySqlStorage {
         Ok((picked, last_key))
     }
 
-    /// Sets the claim's token and lease on the picked rows.
+    /// Where the sweep starts: the key the last ordered claim of any relay ended on, read
+    /// under the claim lock (so relays do not sweep over the keys the others just took), or
+    /// this storage's own when the table of it is missing.
+    async fn cursor_of(&self, write: &mut Write) -> std::result::Result<Vec<u8>, sqlx::Error> {
+        use std::sync::atomic::Ordering;
+        if !self.no_shared_cursor.load(Ordering::Relaxed) {
+            match sqlx::query_scalar::<_, Vec<u8>>(&self.sql.shared_cursor)
+                .fetch_optional(&mut *write.tx)
+                .await
+            {
+                Ok(Some(key)) => return Ok(key),
+                // MySQL keeps the transaction (and the lock) after a failed statement.
+                Ok(None) => {}
+                Err(e) if no_such_table(&e) => {
+                    tracing::warn!(
+                        "mysql: {} is missing (run `outbox migrate`); each relay sweeps keys \
+                         from its own cursor",
+                        self.table.qualified("_claim_cursor")
+                    );
+                    self.no_shared_cursor.store(true, Ordering::Relaxed);
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(self
+            .cursor
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone())
+    }
+
+    /// Records where the next ordered claim starts, in the claim's transaction.
+    async fn move_cursor(
+        &self,
+        write: &mut Write,
+        key: &[u8],
+    ) -> std::result::Result<(), sqlx::Error> {
+        if !self
+            .no_shared_cursor
+            .load(std::sync::atomic::Ordering::Relaxed)
+        {
+            sqlx::query(&self.sql.move_cursor)
+                .bind(key)
+                .execute(&mut *write.tx)
+                .await?;
+        }
+        Ok(())
+    }
+
+    /// Sets the claim's token and lease on the picked rows. `claimed_by` is not written: it
+    /// would grow the rows (see `Statements::take`).
     async fn mark(
         &self,
         write: &mut Write,
         picked: &[i64],
         token: &str,
-        worker_id: &str,
         lease: Duration,
-    ) -> std::result::Result<(), sqlx::Error> {
+    ) -> std::result::Result<u64, sqlx::Error> {
         if picked.is_empty() {
-            return Ok(());
+            return Ok(0);
         }
         let take = self.sql.take(picked.len());
-        let mut query = sqlx::query(&take)
-            .bind(token)
-            .bind(worker_id)
-            .bind(micros(lease));
+        let mut query = sqlx::query(&take).bind(token).bind(micros(lease));
         for seq in picked {
             query = query.bind(seq);
         }
-        query.execute(&mut *write.tx).await?;
-        Ok(())
+        Ok(query.execute(&mut *write.tx).await?.rows_affected())
     }
 
-    /// Takes the picked rows under the claim's token and reads them back.
+    /// Takes the picked rows under the claim's token; returns them in seq order, as `read`
+    /// holds them when the UPDATE took every one (nothing it returns changed since: writes
+    /// that change a row's columns take the claim lock, and the claim changes only the
+    /// token and the lease), else as read back under the token (a relay whose lease had
+    /// run out deleted one meanwhile).
     async fn take(
         &self,
         write: &mut Write,
         picked: &[i64],
         token: &str,
-        worker_id: &str,
         lease: Duration,
+        mut read: HashMap<i64, MySqlRow>,
     ) -> std::result::Result<Vec<MySqlRow>, sqlx::Error> {
         if picked.is_empty() {
             return Ok(Vec::new());
         }
-        self.mark(write, picked, token, worker_id, lease).await?;
+        let took = self.mark(write, picked, token, lease).await?;
+        if took == picked.len() as u64 {
+            let mut seqs = picked.to_vec();
+            seqs.sort_unstable();
+            let rows: Option<Vec<MySqlRow>> = seqs.iter().map(|seq| read.remove(seq)).collect();
+            if let Some(rows) = rows {
+                return Ok(rows);
+            }
+        }
         let claimed = self.sql.claimed(picked.len());
         let mut query = sqlx::query(&claimed).bind(token);
         for seq in picked {
@@ -403,10 +516,14 @@ impl Storage for MySqlStorage {
         if self.config.per_key_order {
             let mut write = self.write(what, Some(&self.sql.lock_for_claim)).await?;
             let result = async {
-                let (picked, last_key) = self.claim_ordered(&mut write, limit).await?;
+                let mut read = HashMap::new();
+                let (picked, last_key) = self.claim_ordered(&mut write, limit, &mut read).await?;
                 let rows = self
-                    .take(&mut write, &picked, &token_text, worker_id, lease)
+                    .take(&mut write, &picked, &token_text, lease, read)
                     .await?;
+                if let Some(key) = &last_key {
+                    self.move_cursor(&mut write, key).await?;
+                }
                 Ok((rows, last_key))
             }
             .await
@@ -415,7 +532,9 @@ impl Storage for MySqlStorage {
             if let Some(key) = last_key {
                 *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = key;
             }
-            let messages = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            let messages: Vec<_> = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            self.remember(&rows, &messages)?;
+            claimed(worker_id, &token, &messages);
             Ok(Claim { token, messages })
         } else {
             let mut write = self.write(what, None).await?;
@@ -428,14 +547,15 @@ impl Storage for MySqlStorage {
                     .iter()
                     .map(|row| row.try_get::<i64, _>("seq"))
                     .collect::<std::result::Result<Vec<_>, _>>()?;
-                self.mark(&mut write, &picked, &token_text, worker_id, lease)
-                    .await?;
+                self.mark(&mut write, &picked, &token_text, lease).await?;
                 Ok(rows)
             }
             .await
             .map_err(|e| self.error(what, e));
             let rows = self.finish(what, write, result).await?;
-            let messages = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            let messages: Vec<_> = rows.iter().map(rows::message).collect::<Result<_>>()?;
+            self.remember(&rows, &messages)?;
+            claimed(worker_id, &token, &messages);
             Ok(Claim { token, messages })
         }
     }
@@ -445,6 +565,17 @@ impl Storage for MySqlStorage {
             return Ok(0);
         }
         let what = "settling a batch failed";
+        let seqs = self.forget(settlement);
+        let seqs = seqs.as_deref();
+        if self.one_statement(settlement) {
+            // Nothing to make atomic: the statement commits on its own, which saves the
+            // BEGIN and COMMIT round trips of most batches.
+            let mut conn = self.pool.acquire().await.map_err(|e| self.error(what, e))?;
+            return self
+                .settle_in(&mut conn, token, settlement, seqs)
+                .await
+                .map_err(|e| self.error(what, e));
+        }
         let lock = if settlement.holds_back() {
             self.holding_back()
         } else {
@@ -452,7 +583,7 @@ impl Storage for MySqlStorage {
         };
         let mut write = self.write(what, lock).await?;
         let result = self
-            .settle_in(&mut write, token, settlement)
+            .settle_in(&mut write.tx, token, settlement, seqs)
             .await
             .map_err(|e| self.error(what, e));
         self.finish(what, write, result).await
@@ -584,17 +715,28 @@ impl Storage for MySqlStorage {
 }
 
 impl MySqlStorage {
-    /// The statements of a settlement, in its transaction: dead letters (keys parked,
-    /// copied, deleted), retries, deliveries (kept with retention, deleted) and releases,
-    /// each only for rows still held under the token.
+    /// Whether `settlement` is one statement: only deliveries (deleted, no retention) or
+    /// only releases.
+    fn one_statement(&self, s: &Settlement) -> bool {
+        s.retries.is_empty()
+            && s.dead.is_empty()
+            && (s.delivered.is_empty()
+                || (s.released.is_empty() && self.sql.delivered_keep.is_none()))
+    }
+
+    /// The statements of a settlement, on `tx` (its transaction, or a plain connection when
+    /// it is [one statement](Self::one_statement)): dead letters (keys parked, copied,
+    /// deleted), retries, deliveries (kept with retention, deleted) and releases, each only
+    /// for rows still held under the token. `delivered_seqs`, when known, are the seqs of
+    /// `s.delivered`, which are then deleted by primary key.
     async fn settle_in(
         &self,
-        write: &mut Write,
+        tx: &mut MySqlConnection,
         token: &ClaimToken,
         s: &Settlement,
+        delivered_seqs: Option<&[i64]>,
     ) -> std::result::Result<u64, sqlx::Error> {
         let token = id_text(&token.0);
-        let tx = &mut write.tx;
         let mut changed = 0;
         let dead = first_of_each(&s.dead, |d| d.id);
         if !dead.is_empty() {
@@ -604,14 +746,14 @@ impl MySqlStorage {
                 for d in &dead {
                     query = query.bind(id_text(&d.id));
                 }
-                query.execute(&mut **tx).await?;
+                query.execute(&mut *tx).await?;
             }
             for d in &dead {
                 sqlx::query(&self.sql.dead_copy)
                     .bind(d.error.as_str())
                     .bind(id_text(&d.id))
                     .bind(token.as_str())
-                    .execute(&mut **tx)
+                    .execute(&mut *tx)
                     .await?;
             }
             let delete = self.sql.delete_held(dead.len());
@@ -619,7 +761,7 @@ impl MySqlStorage {
             for d in &dead {
                 query = query.bind(id_text(&d.id));
             }
-            changed += query.execute(&mut **tx).await?.rows_affected();
+            changed += query.execute(&mut *tx).await?.rows_affected();
         }
         for retry in first_of_each(&s.retries, |r| r.id) {
             changed += sqlx::query(&self.sql.retry)
@@ -627,7 +769,7 @@ impl MySqlStorage {
                 .bind(micros(retry.delay))
                 .bind(id_text(&retry.id))
                 .bind(token.as_str())
-                .execute(&mut **tx)
+                .execute(&mut *tx)
                 .await?
                 .rows_affected();
         }
@@ -639,16 +781,28 @@ impl MySqlStorage {
                         .bind(d.receipt.0.as_str())
                         .bind(id_text(&d.id))
                         .bind(token.as_str())
-                        .execute(&mut **tx)
+                        .execute(&mut *tx)
                         .await?;
                 }
             }
-            let delete = self.sql.delete_held(delivered.len());
-            let mut query = sqlx::query(&delete).bind(token.as_str());
-            for d in &delivered {
-                query = query.bind(id_text(&d.id));
-            }
-            changed += query.execute(&mut **tx).await?.rows_affected();
+            changed += match delivered_seqs {
+                Some(seqs) if seqs.len() == delivered.len() => {
+                    let delete = self.sql.delete_held_seqs(seqs.len());
+                    let mut query = sqlx::query(&delete).bind(token.as_str());
+                    for seq in seqs {
+                        query = query.bind(seq);
+                    }
+                    query.execute(&mut *tx).await?.rows_affected()
+                }
+                _ => {
+                    let delete = self.sql.delete_held(delivered.len());
+                    let mut query = sqlx::query(&delete).bind(token.as_str());
+                    for d in &delivered {
+                        query = query.bind(id_text(&d.id));
+                    }
+                    query.execute(&mut *tx).await?.rows_affected()
+                }
+            };
         }
         let released = first_of_each(&s.released, |id| *id);
         if !released.is_empty() {
@@ -657,9 +811,16 @@ impl MySqlStorage {
             for id in &released {
                 query = query.bind(id_text(id));
             }
-            changed += query.execute(&mut **tx).await?.rows_affected();
+            changed += query.execute(&mut *tx).await?.rows_affected();
         }
         Ok(changed)
+    }
+}
+
+/// Logs which worker holds a claim: `claimed_by` is not written (see `Statements::take`).
+fn claimed(worker_id: &str, token: &ClaimToken, messages: &[outbox_core::Message]) {
+    if !messages.is_empty() {
+        tracing::debug!(worker = worker_id, token = %token.0, messages = messages.len(), "mysql: claimed");
     }
 }
 

@@ -23,8 +23,8 @@ pub(crate) const INSERT_COLUMNS: &str =
     "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
 /// The outbox table and its companions (`<table>_dead_letters`, `<table>_parked_keys`,
-/// `<table>_delivered`, `<table>_claim_lock`, `<table>_migrations`) in one MySQL or MariaDB
-/// database, with the SQL that writes into it. The names are validated, then quoted with
+/// `<table>_delivered`, `<table>_claim_lock`, `<table>_claim_cursor`, `<table>_stats`,
+/// `<table>_migrations`) in one MySQL or MariaDB database, with the SQL that writes into it. The names are validated, then quoted with
 /// backticks and qualified with the database; they are never spliced in unchecked.
 #[derive(Debug, Clone)]
 pub struct OutboxTable {
@@ -277,8 +277,10 @@ impl OutboxTable {
             .replace("{parked_keys}", &self.qualified("_parked_keys"))
             .replace("{delivered}", &self.qualified("_delivered"))
             .replace("{claim_lock}", &self.qualified("_claim_lock"))
+            .replace("{claim_cursor}", &self.qualified("_claim_cursor"))
             .replace("{stats}", &self.qualified("_stats"))
             .replace("{table}", &self.table)
+            .replace("{unclaimed}", crate::sql::UNCLAIMED)
     }
 }
 
@@ -415,6 +417,21 @@ const MIGRATIONS: &[&[&str]] = &[
 ) ENGINE=InnoDB",
         r"INSERT IGNORE INTO {stats} (id) VALUES (1)",
     ],
+    &[
+        // A row no claim holds carries a token-sized placeholder (`sql::UNCLAIMED`), so the
+        // claim overwrites it in place instead of growing the row and splitting its page.
+        // Only the default changes (no table rebuild); older rows keep NULL, which means
+        // the same.
+        r"ALTER TABLE {outbox}
+    ALTER COLUMN claim_token SET DEFAULT '{unclaimed}'",
+        // One row: the key the last ordered claim ended on, where the next one (of any
+        // relay) starts its sweep; read and written under the claim lock.
+        r"CREATE TABLE IF NOT EXISTS {claim_cursor} (
+    id            TINYINT NOT NULL PRIMARY KEY,
+    partition_key VARBINARY(255) NOT NULL
+) ENGINE=InnoDB",
+        r"INSERT IGNORE INTO {claim_cursor} (id, partition_key) VALUES (1, '')",
+    ],
 ];
 
 #[cfg(test)]
@@ -455,8 +472,10 @@ mod tests {
                     "{parked_keys}",
                     "{delivered}",
                     "{claim_lock}",
+                    "{claim_cursor}",
                     "{stats}",
                     "{table}",
+                    "{unclaimed}",
                 ] {
                     assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");
                 }

@@ -30,6 +30,8 @@ impl Drop for Tables {
             "_parked_keys",
             "_delivered",
             "_claim_lock",
+            "_claim_cursor",
+            "_stats",
             "_migrations",
         ]
         .iter()

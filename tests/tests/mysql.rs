@@ -107,6 +107,8 @@ impl Drop for TestOutbox {
             "_parked_keys",
             "_delivered",
             "_claim_lock",
+            "_claim_cursor",
+            "_stats",
             "_migrations",
         ]
         .iter()
@@ -481,6 +483,173 @@ async fn any_language_enqueues_with_a_plain_insert() {
     );
     assert_eq!(claim.messages[1].payload, vec![0u8, 255]);
     assert!(claim.messages[1].headers.is_empty());
+}
+
+/// Deliveries of `messages`, with made-up receipts.
+fn deliveries(messages: &[outbox_core::Message]) -> Vec<outbox_core::Delivery> {
+    messages
+        .iter()
+        .map(|m| outbox_core::Delivery {
+            id: m.id,
+            receipt: outbox_core::Receipt(format!("r-{}", m.id)),
+        })
+        .collect()
+}
+
+/// The claim rewrites a row without growing it (a grown row splits its full page, which
+/// made claims several times dearer): a row waits with a token-sized placeholder, the claim
+/// writes only the token and the lease. Acknowledgements delete by primary key when the
+/// storage claimed the rows itself and through the `id` index when another instance did;
+/// either way only under the claim's token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_rewrite_rows_in_place_and_acks_are_fenced_on_either_path() {
+    let outbox = TestOutbox::with_config(|_| {}).await;
+    let table = outbox.table.qualified("");
+    outbox
+        .enqueue(
+            &(0..4)
+                .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{i}")))
+                .collect::<Vec<_>>(),
+        )
+        .await;
+    sqlx::query(&format!(
+        "INSERT INTO {table} (topic, payload) VALUES ('plain', 'x')"
+    ))
+    .execute(&outbox.pool)
+    .await
+    .expect("a plain INSERT");
+    let sizes = |what: &'static str| {
+        let sql = format!(
+            "SELECT CAST(COALESCE(SUM(LENGTH(claim_token) = 36), 0) AS SIGNED),
+                    CAST(COALESCE(SUM(claimed_by IS NOT NULL), 0) AS SIGNED) FROM {table}"
+        );
+        let pool = outbox.pool.clone();
+        async move {
+            let (tokens, named): (i64, i64) = sqlx::query_as(&sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            (tokens, named)
+        }
+    };
+    assert_eq!(
+        sizes("waiting").await,
+        (5, 0),
+        "waiting rows carry a token-sized placeholder, whoever wrote them"
+    );
+    let stats = outbox.storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight),
+        (5, 0),
+        "the placeholder holds nothing"
+    );
+
+    // A claim of this storage, acknowledged by another instance (which never saw the seqs).
+    let other = MySqlStorage::new(outbox.storage.config().clone()).expect("second storage");
+    let first = outbox
+        .storage
+        .claim("a", 2, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert_eq!(first.messages.len(), 2);
+    assert_eq!(sizes("claimed").await, (5, 0), "the claim grows no row");
+    assert_eq!(
+        other
+            .ack(&first.token, &deliveries(&first.messages))
+            .await
+            .expect("ack by id"),
+        2
+    );
+
+    // A stale token changes nothing on the primary-key path; the live one deletes.
+    let stale = outbox
+        .storage
+        .claim("a", 3, Duration::from_millis(200))
+        .await
+        .expect("claim");
+    assert_eq!(stale.messages.len(), 3);
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    let live = other
+        .claim("b", 3, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert_eq!(
+        live.messages.len(),
+        3,
+        "the expired lease gives the rows to the other relay"
+    );
+    assert_eq!(
+        outbox
+            .storage
+            .ack(&stale.token, &deliveries(&stale.messages))
+            .await
+            .expect("stale ack"),
+        0,
+        "an acknowledgement under an expired token deletes nothing"
+    );
+    assert_eq!(
+        other
+            .ack(&live.token, &deliveries(&live.messages))
+            .await
+            .expect("ack by seq"),
+        3
+    );
+    let left: i64 = sqlx::query_scalar(&format!("SELECT COUNT(*) FROM {table}"))
+        .fetch_one(&outbox.pool)
+        .await
+        .expect("count");
+    assert_eq!(left, 0);
+}
+
+/// Relays share the sweep's cursor: a claim starts after the key the last claim of any relay
+/// ended on, not where this relay's own last claim did (then each relay swept again over
+/// the keys the others had just taken). Without the cursor's table claims still work.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_share_where_the_next_sweep_starts() {
+    let outbox = TestOutbox::with_config(|c| c.max_per_key = 1).await;
+    outbox
+        .enqueue(
+            &(0..12)
+                .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 6)))
+                .collect::<Vec<_>>(),
+        )
+        .await;
+    let other = MySqlStorage::new(outbox.storage.config().clone()).expect("second storage");
+    let keys = |claim: &outbox_core::Claim| {
+        claim
+            .messages
+            .iter()
+            .map(|m| m.key.clone().unwrap_or_default())
+            .collect::<Vec<_>>()
+    };
+    let lease = Duration::from_secs(30);
+    let first = outbox.storage.claim("a", 2, lease).await.expect("claim");
+    assert_eq!(keys(&first), ["k0", "k1"]);
+    outbox
+        .storage
+        .ack(&first.token, &deliveries(&first.messages))
+        .await
+        .expect("ack");
+    // k0 and k1 are free again (each has a second message): the other relay goes on after
+    // k1 all the same.
+    let second = other.claim("b", 2, lease).await.expect("claim");
+    assert_eq!(
+        keys(&second),
+        ["k2", "k3"],
+        "the other relay starts where the last claim ended"
+    );
+    sqlx::query(&format!(
+        "DROP TABLE {}",
+        outbox.table.qualified("_claim_cursor")
+    ))
+    .execute(&outbox.pool)
+    .await
+    .expect("drop the cursor's table");
+    let third = other
+        .claim("b", 2, lease)
+        .await
+        .expect("claim without the shared cursor");
+    assert_eq!(keys(&third), ["k4", "k5"], "its own cursor, after k3");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
