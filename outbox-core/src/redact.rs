@@ -23,7 +23,13 @@ fn redact(url: &str, lone_user_is_secret: bool) -> String {
         return url.to_string();
     };
     let rest = &url[scheme_end + 3..];
-    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    // A password typed raw may hold `/`, `?`, `#` or `@`, so the user info ends at the last
+    // `@` of the URL, not at the first delimiter. An `@` in a path or query then hides more
+    // than needed, which is the safe side.
+    let authority_end = match rest.rfind('@') {
+        Some(at) => at + rest[at..].find(['/', '?', '#']).unwrap_or(rest.len() - at),
+        None => rest.find(['/', '?', '#']).unwrap_or(rest.len()),
+    };
     let (authority, tail) = rest.split_at(authority_end);
     let authority = match authority.rfind('@') {
         Some(at) => {
@@ -82,6 +88,25 @@ mod tests {
         );
         assert_eq!(redact_url("redis://127.0.0.1/a@b"), "redis://127.0.0.1/a@b");
         assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn hides_a_raw_password_holding_url_delimiters() {
+        for (url, hidden) in [
+            (
+                "postgres://app:x#S3c@127.0.0.1:1/test",
+                "postgres://app:***@127.0.0.1:1/test",
+            ),
+            (
+                "postgres://app:x/S3c@h:1/t?sslmode=require",
+                "postgres://app:***@h:1/t?sslmode=require",
+            ),
+            ("redis://:x?S3c@127.0.0.1:1", "redis://:***@127.0.0.1:1"),
+            ("amqp://guest:x@S3c@h:1/%2f", "amqp://guest:***@h:1/%2f"),
+        ] {
+            assert_eq!(redact_url(url), hidden);
+            assert!(!redact_url_token(url).contains("S3c"), "{url}");
+        }
     }
 
     #[test]

@@ -797,6 +797,7 @@ mod storage {
                     "_parked_keys",
                     "_delivered",
                     "_claim_lock",
+                    "_claim_cursor",
                     "_stats",
                     "_migrations",
                 ]
