@@ -258,22 +258,32 @@ impl Worker {
         if let Some(timeout) = sink.publish_timeout() {
             let capabilities = storage.capabilities();
             let key_runs = sink.capabilities().ordered_key_runs;
-            let (rounds, setting) = match (capabilities.per_key_order, capabilities.max_per_key) {
-                (false, _) => (1, "one round without per-key order"),
-                (true, _) if key_runs => (1, "one round: the sink takes a key's messages together"),
-                (true, Some(n)) => (n.min(config.batch_size), "the storage's max_per_key"),
-                (true, None) => (config.batch_size, "batch_size"),
+            // The rounds of the worst batch, why, and the setting that lowers them (if any).
+            let (rounds, why, lower) = match (capabilities.per_key_order, capabilities.max_per_key)
+            {
+                (false, _) => (1, "one round without per-key order", None),
+                (true, _) if key_runs => (
+                    1,
+                    "one round: the sink takes a key's messages together",
+                    None,
+                ),
+                (true, Some(n)) => (
+                    n.min(config.batch_size),
+                    "the storage's max_per_key",
+                    Some("the storage's max_per_key"),
+                ),
+                (true, None) => (config.batch_size, "batch_size", Some("batch_size")),
             };
             let worst = timeout.saturating_mul(u32::try_from(rounds).unwrap_or(u32::MAX));
             if config.lease < worst {
                 return Err(Error::setting(
                     "lease",
                     format!(
-                        "is {:?}, shorter than the worst case of a batch: {rounds} rounds \
-                         ({setting}) × the sink's publish time-out of {timeout:?} = {worst:?}; \
-                         raise lease to at least {worst:?}, or lower {setting} or the sink's \
-                         time-out",
-                        config.lease
+                        "is {:?}, shorter than the worst case of a batch: {rounds} round(s) \
+                         ({why}) × the sink's publish time-out of {timeout:?} = {worst:?}; \
+                         raise lease to at least {worst:?}, or lower {}the sink's time-out",
+                        config.lease,
+                        lower.map_or(String::new(), |s| format!("{s} or "))
                     ),
                 ));
             }

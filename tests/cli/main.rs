@@ -176,9 +176,13 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         (format!("{storage}[relay]\npoll_intervall = \"1s\"\n[sink]\ntype = \"redis\"\n"), "poll_intervall"),
         (format!("{storage}[sink]\ntype = \"redis\"\nurl = \"http://nope\"\n"), "sink.url"),
         ("[storage]\nurl = \"postgres://app:hunter2@127.0.0.1:1/x\"\nschema = \"Bad\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.schema"),
-        // 8 rounds (storage.max_per_key) × Redis's 5 s publish time-out do not fit a 10 s lease.
-        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "relay.lease is 10s, shorter than the worst case of a batch"),
-        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "or lower the storage's max_per_key or the sink's time-out"),
+        // Redis takes a key's messages in one call: one round × its 5 s publish time-out.
+        (format!("{storage}[relay]\nlease = \"4s\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n"), "relay.lease is 4s, shorter than the worst case of a batch: 1 round(s)"),
+        // 8 rounds (storage.max_per_key) × AMQP's 15 s publish time-out do not fit a 10 s lease.
+        #[cfg(feature = "amqp")]
+        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"amq.topic\"\n"), "relay.lease is 10s, shorter than the worst case of a batch: 8 round(s)"),
+        #[cfg(feature = "amqp")]
+        (format!("{storage}[relay]\nlease = \"10s\"\n[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"amq.topic\"\n"), "or lower the storage's max_per_key or the sink's time-out"),
         (format!("{storage}[relay]\nper_key_order = false\n[sink]\ntype = \"redis\"\n"), "relay.per_key_order is a setting of the storage: move it to [storage]"),
         #[cfg(feature = "sqlite")]
         ("[storage]\ntype = \"sqlite\"\npath = \"/nonexistent/outbox/app.db\"\n[sink]\ntype = \"redis\"\n".to_string(), "storage.path"),
