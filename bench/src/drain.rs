@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox_core::{CancellationToken, Worker, WorkerConfig};
+use outbox_postgres::StorageMode;
 
 use crate::baselines;
 use crate::report::{Report, Resources};
@@ -94,14 +95,15 @@ pub async fn run_workers(
     })
 }
 
-/// A fresh preloaded outbox, one drain, cleaned up.
-async fn one_drain(
+/// A fresh preloaded outbox in `mode`, one drain, cleaned up.
+pub async fn one_drain(
     scale: Scale,
     kind: SinkKind,
     relays: usize,
     per_key_order: bool,
+    mode: StorageMode,
 ) -> Result<Drain, String> {
-    let outbox = BenchOutbox::new().await?;
+    let outbox = BenchOutbox::new_in(mode).await?;
     outbox.preload(scale.drain_messages, scale.keys).await?;
     let run = outbox.schema.clone();
     kind.prepare(&run).await?;
@@ -188,7 +190,8 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
             for &relays in relay_counts {
                 let mut rates = Vec::new();
                 for _ in 0..runs {
-                    let drained = one_drain(scale, kind, relays, per_key_order).await?;
+                    let drained =
+                        one_drain(scale, kind, relays, per_key_order, StorageMode::Lease).await?;
                     if kind == SinkKind::Redis && relays == 1 && per_key_order {
                         report.resources = Some(drained.resources);
                     }
@@ -262,7 +265,7 @@ pub async fn backlog(scale: Scale, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
-async fn repeat<F, Fut>(runs: usize, f: F) -> Result<Vec<f64>, String>
+pub async fn repeat<F, Fut>(runs: usize, f: F) -> Result<Vec<f64>, String>
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = Result<f64, String>>,

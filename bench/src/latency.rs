@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use outbox_core::{CancellationToken, NewMessage, Worker, WorkerConfig};
+use outbox_postgres::StorageMode;
 use outbox_redis::redis::{self, AsyncCommands};
 use uuid::Uuid;
 
@@ -18,7 +19,8 @@ const PRODUCERS: u64 = 16;
 pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
     println!("\n== latency: commit to arrival in the Redis stream, one relay, wake-up on ==");
     for rate in [500u64, 5_000] {
-        let (achieved, latencies) = measure(rate, scale.latency_duration).await?;
+        let (achieved, latencies) =
+            measure(rate, scale.latency_duration, StorageMode::Lease).await?;
         let pct = |p: f64| latencies[((latencies.len() as f64 - 1.0) * p).round() as usize];
         let name = format!("{rate}/s offered ({achieved:.0}/s achieved)");
         report.add("latency", &format!("{name} p50"), pct(0.50), "ms", None);
@@ -29,8 +31,15 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
-async fn measure(rate: u64, duration: Duration) -> Result<(f64, Vec<f64>), String> {
-    let outbox = BenchOutbox::new().await?;
+/// Offers `rate` single-message transactions per second for `duration` to a table in `mode`
+/// with one library relay publishing to Redis. Returns the achieved rate and the sorted
+/// latencies in milliseconds.
+pub async fn measure(
+    rate: u64,
+    duration: Duration,
+    mode: StorageMode,
+) -> Result<(f64, Vec<f64>), String> {
+    let outbox = BenchOutbox::new_in(mode).await?;
     let run = outbox.schema.clone();
     let stream = format!("{run}:latency");
     let worker = Worker::new(

@@ -2,15 +2,18 @@
 //! is reported next to a baseline measured in the same run, as a ratio: the machines are
 //! shared and noisy, so absolute numbers mean little on their own.
 //!
-//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite] [mysql]` (all
-//! when none named).
+//! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite] [mysql] [log]`
+//! (all when none named); `log-drain`, `log-cleanup`, `log-enqueue`, `log-latency`,
+//! `log-txn`, `log-binary` run one part of `log` (PostgreSQL log mode).
 //! Writes a table to the terminal, `target/bench/results.json`, and the generated part of
 //! BENCHMARKS.md with `bench/drain.svg`.
 
 mod baselines;
+mod binary;
 mod drain;
 mod enqueue;
 mod latency;
+mod log_mode;
 mod mysql;
 mod report;
 mod setup;
@@ -69,6 +72,12 @@ async fn main() {
         .collect();
     let wanted = |name: &str| named.is_empty() || named.contains(&name);
     let mut report = report::Report::new(scale);
+    report.args = args.join(" ");
+    let log_parts: Vec<&str> = named
+        .iter()
+        .copied()
+        .filter(|n| *n == "log" || n.starts_with("log-"))
+        .collect();
     println!("{}", report.machine);
     let result: Result<(), String> = async {
         if wanted("drain") {
@@ -88,6 +97,9 @@ async fn main() {
         }
         if wanted("mysql") {
             mysql::run(scale, &mut report).await?;
+        }
+        if named.is_empty() || !log_parts.is_empty() {
+            log_mode::run(scale, &mut report, &log_parts).await?;
         }
         Ok(())
     }

@@ -88,6 +88,8 @@ impl Table {
             "_parked_keys",
             "_delivered",
             "_claim_lock",
+            "_claim_cursor",
+            "_stats",
             "_migrations",
         ]
         .map(|suffix| self.table.qualified(suffix))

@@ -87,6 +87,13 @@ pub struct Report {
     plot: Vec<PlotPoint>,
     ceilings: Option<(f64, f64, f64)>,
     started: Instant,
+    /// The arguments the benchmark ran with, for the generated text.
+    pub args: String,
+}
+
+/// Sections whose rows go to the log-mode block of BENCHMARKS.md, not the main table.
+fn log_block(section: &str) -> bool {
+    section.starts_with("log")
 }
 
 impl Report {
@@ -124,6 +131,7 @@ impl Report {
             plot: Vec::new(),
             ceilings: None,
             started: Instant::now(),
+            args: String::new(),
         }
     }
 
@@ -219,14 +227,27 @@ impl Report {
         self.update_markdown(&root.join("BENCHMARKS.md"))
     }
 
-    fn table(&self) -> String {
+    fn table(&self, log: bool) -> String {
         let mut out = String::new();
-        let _ = writeln!(out, "{}\n", self.machine);
+        if log {
+            let date = std::process::Command::new("date")
+                .args(["-u", "+%Y-%m-%d %H:%M UTC"])
+                .output()
+                .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+                .unwrap_or_default();
+            let _ = writeln!(
+                out,
+                "{date}, `cargo xtask bench {}`; {}\n",
+                self.args, self.machine
+            );
+        } else {
+            let _ = writeln!(out, "{}\n", self.machine);
+        }
         let _ = writeln!(
             out,
             "| section | measurement | value | unit | ratio |\n|---|---|---:|---|---|"
         );
-        for r in &self.rows {
+        for r in self.rows.iter().filter(|r| log_block(&r.section) == log) {
             let ratio = r
                 .ratio
                 .as_ref()
@@ -238,14 +259,14 @@ impl Report {
                 r.section, r.name, r.value, r.unit, ratio
             );
         }
-        if let Some(r) = self.resources {
+        if let Some(r) = self.resources.filter(|_| !log) {
             let _ = writeln!(
                 out,
                 "\nOne relay → Redis, key order on: {:.1} ms CPU per 1,000 messages; peak resident memory {:.1} MB (the bench process: relay plus an idle harness).",
                 r.cpu_ms_per_1000, r.peak_rss_mb
             );
         }
-        if !self.plot.is_empty() {
+        if !self.plot.is_empty() && !log {
             let _ = writeln!(
                 out,
                 "\n![drain rate per sink against its ceilings](bench/drain.svg)"
@@ -254,20 +275,29 @@ impl Report {
         out
     }
 
-    /// Replaces the generated part of BENCHMARKS.md, keeping the hand-written analysis.
+    /// Replaces the generated parts of BENCHMARKS.md that this run measured (the main table,
+    /// the log-mode table), keeping the hand-written analysis and the other part.
     fn update_markdown(&self, path: &std::path::Path) -> Result<(), String> {
-        const START: &str = "<!-- bench:start -->";
-        const END: &str = "<!-- bench:end -->";
-        let old = std::fs::read_to_string(path)
-            .unwrap_or_else(|_| format!("# Benchmarks\n\n{START}\n{END}\n"));
-        let (before, rest) = old
-            .split_once(START)
-            .ok_or("BENCHMARKS.md lacks the bench:start marker")?;
-        let (_, after) = rest
-            .split_once(END)
-            .ok_or("BENCHMARKS.md lacks the bench:end marker")?;
-        let new = format!("{before}{START}\n{}{END}{after}", self.table());
-        std::fs::write(path, new).map_err(|e| e.to_string())
+        let mut text = std::fs::read_to_string(path).unwrap_or_else(|_| {
+            "# Benchmarks\n\n<!-- bench:start -->\n<!-- bench:end -->\n\n<!-- bench:log:start -->\n<!-- bench:log:end -->\n".into()
+        });
+        for (log, marker) in [(false, "bench"), (true, "bench:log")] {
+            if !self.rows.iter().any(|r| log_block(&r.section) == log) {
+                continue;
+            }
+            let (start, end) = (
+                format!("<!-- {marker}:start -->"),
+                format!("<!-- {marker}:end -->"),
+            );
+            let (before, rest) = text
+                .split_once(&start)
+                .ok_or(format!("BENCHMARKS.md lacks the {start} marker"))?;
+            let (_, after) = rest
+                .split_once(&end)
+                .ok_or(format!("BENCHMARKS.md lacks the {end} marker"))?;
+            text = format!("{before}{start}\n{}{end}{after}", self.table(log));
+        }
+        std::fs::write(path, text).map_err(|e| e.to_string())
     }
 
     /// Bars of the drain rates per sink and relay count, with the ceilings as lines.

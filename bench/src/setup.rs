@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
 use outbox_core::{Message, Outcome, Receipt, Result as OutboxResult, Sink, SinkCapabilities};
-use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
+use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -27,14 +27,23 @@ pub struct BenchOutbox {
     pub schema: String,
     pub table: OutboxTable,
     pub pool: PgPool,
+    /// How the table was migrated, and how its relays run it.
+    pub mode: StorageMode,
 }
 
 impl BenchOutbox {
+    /// A lease-mode table (the default mode).
     pub async fn new() -> Result<Self, String> {
+        Self::new_in(StorageMode::Lease).await
+    }
+
+    /// A table migrated for `mode` (log mode with the default 16 shards).
+    pub async fn new_in(mode: StorageMode) -> Result<Self, String> {
         let schema = format!("bench_{:08x}", fastrand::u32(..));
         let url = postgres_url();
-        let storage =
-            PgStorage::new(PostgresConfig::new(&url).table(&schema, "outbox")).map_err(text)?;
+        let mut config = PostgresConfig::new(&url).table(&schema, "outbox");
+        config.mode = mode;
+        let storage = PgStorage::new(config).map_err(text)?;
         storage.migrate().await.map_err(text)?;
         let pool = PgPoolOptions::new()
             .max_connections(20)
@@ -45,6 +54,7 @@ impl BenchOutbox {
             table: OutboxTable::new(&schema, "outbox").map_err(text)?,
             schema,
             pool,
+            mode,
         })
     }
 
@@ -59,10 +69,18 @@ impl BenchOutbox {
         per_key_order: bool,
         max_per_key: usize,
     ) -> Result<Arc<PgStorage>, String> {
+        Ok(Arc::new(
+            PgStorage::new(self.config(per_key_order, max_per_key)).map_err(text)?,
+        ))
+    }
+
+    /// A relay's storage settings for this table, in its mode.
+    pub fn config(&self, per_key_order: bool, max_per_key: usize) -> PostgresConfig {
         let mut config = PostgresConfig::new(postgres_url()).table(&self.schema, "outbox");
+        config.mode = self.mode;
         config.per_key_order = per_key_order;
         config.max_per_key = max_per_key;
-        Ok(Arc::new(PgStorage::new(config).map_err(text)?))
+        config
     }
 
     /// Inserts `n` messages with 200-byte payloads over `keys` keys, server-side, then

@@ -31,7 +31,7 @@ fn main() -> ExitCode {
         Some("chaos") => services().and_then(|()| chaos(&args[1..])),
         Some("container-build") => container_build(),
         _ => Err(
-            "usage: cargo xtask <services | test [cargo test args] | bench [--quick] | container-build | \
+            "usage: cargo xtask <services | test [cargo test args] | bench [--quick] [drain|latency|enqueue|backlog|sqlite|mysql|log|log-drain|…] | container-build | \
                   chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N]>"
                 .into(),
         ),

@@ -214,6 +214,7 @@ async fn drains_until_idle_without_waiting_between_full_batches() {
     }
     let cfg = WorkerConfig {
         poll_interval: Duration::from_secs(10),
+        batch_size: 100,
         ..config()
     };
     let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());

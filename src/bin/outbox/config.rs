@@ -602,7 +602,7 @@ mod tests {
         let config = parse_str(MINIMAL).unwrap();
         assert_eq!(config.relays.len(), 1);
         let relay = &config.relays[0];
-        assert_eq!(relay.worker.batch_size, 100);
+        assert_eq!(relay.worker.batch_size, 500);
         assert_eq!(relay.storage_type, "postgres");
         assert_eq!(relay.storage["url"], "postgres://u:secret@h/db");
         assert_eq!(relay.sink_type, "redis");
