@@ -82,19 +82,7 @@ impl Table {
     }
 
     async fn drop_tables(self) {
-        let tables = [
-            "",
-            "_dead_letters",
-            "_parked_keys",
-            "_delivered",
-            "_claim_lock",
-            "_claim_cursor",
-            "_stats",
-            "_migrations",
-        ]
-        .map(|suffix| self.table.qualified(suffix))
-        .join(", ");
-        if let Err(e) = sqlx::query(&format!("DROP TABLE IF EXISTS {tables}"))
+        if let Err(e) = sqlx::query(&self.table.drop_sql())
             .execute(&self.pool)
             .await
         {

@@ -260,16 +260,9 @@ impl Database {
             }
             Store::Mysql => format!(
                 "DROP TABLE IF EXISTS {}",
-                [
-                    "",
-                    "_dead_letters",
-                    "_parked_keys",
-                    "_delivered",
-                    "_claim_lock",
-                    "_migrations"
-                ]
-                .map(|suffix| self.table(suffix))
-                .join(", ")
+                outbox_mysql::TABLE_SUFFIXES
+                    .map(|suffix| self.table(suffix))
+                    .join(", ")
             ),
         };
         if let Err(error) = sqlx::query(&drop).execute(&self.pool).await {

@@ -33,4 +33,4 @@ pub use inbox::Inbox;
 /// The sqlx this crate is built with, so an application enqueues through the same version.
 pub use sqlx;
 pub use storage::MySqlStorage;
-pub use table::OutboxTable;
+pub use table::{OutboxTable, TABLE_SUFFIXES};

@@ -22,6 +22,19 @@ const MIGRATION_WAIT_SECS: u64 = 60;
 pub(crate) const INSERT_COLUMNS: &str =
     "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
+/// The suffixes of an outbox's tables: the outbox itself (`""`) and its companions, named
+/// `<table><suffix>`. Every table the migrations create is listed here.
+pub const TABLE_SUFFIXES: [&str; 8] = [
+    "",
+    "_dead_letters",
+    "_parked_keys",
+    "_delivered",
+    "_claim_lock",
+    "_claim_cursor",
+    "_stats",
+    "_migrations",
+];
+
 /// The outbox table and its companions (`<table>_dead_letters`, `<table>_parked_keys`,
 /// `<table>_delivered`, `<table>_claim_lock`, `<table>_claim_cursor`, `<table>_stats`,
 /// `<table>_migrations`) in one MySQL or MariaDB database, with the SQL that writes into it. The names are validated, then quoted with
@@ -87,6 +100,13 @@ impl OutboxTable {
     /// The outbox table name.
     pub fn table(&self) -> &str {
         &self.table
+    }
+
+    /// `DROP TABLE IF EXISTS` of the outbox table and every companion
+    /// ([`TABLE_SUFFIXES`]): what removes an outbox for good (tests, benchmarks, operators).
+    pub fn drop_sql(&self) -> String {
+        let tables: Vec<String> = TABLE_SUFFIXES.iter().map(|s| self.qualified(s)).collect();
+        format!("DROP TABLE IF EXISTS {}", tables.join(", "))
     }
 
     /// The quoted, qualified name of the outbox table (`` `db`.`outbox` ``), or of a

@@ -650,14 +650,7 @@ async fn every_sql_storage_counts_the_messages_waiting_behind_a_parked_key() {
         two_wait_behind(&mysql, "mysql").await;
         use sqlx::Connection;
         let mut conn = sqlx::MySqlConnection::connect(&url).await.expect("MySQL");
-        for suffix in [
-            "",
-            "_dead_letters",
-            "_parked_keys",
-            "_delivered",
-            "_claim_lock",
-            "_migrations",
-        ] {
+        for suffix in outbox::mysql::TABLE_SUFFIXES {
             let _ = sqlx::query(&format!("DROP TABLE IF EXISTS `{table}{suffix}`"))
                 .execute(&mut conn)
                 .await;

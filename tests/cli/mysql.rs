@@ -24,20 +24,11 @@ struct Tables(String);
 
 impl Drop for Tables {
     fn drop(&mut self) {
-        let list = [
-            "",
-            "_dead_letters",
-            "_parked_keys",
-            "_delivered",
-            "_claim_lock",
-            "_claim_cursor",
-            "_stats",
-            "_migrations",
-        ]
-        .iter()
-        .map(|suffix| format!("`{}{suffix}`", self.0))
-        .collect::<Vec<_>>()
-        .join(", ");
+        let list = outbox::mysql::TABLE_SUFFIXES
+            .iter()
+            .map(|suffix| format!("`{}{suffix}`", self.0))
+            .collect::<Vec<_>>()
+            .join(", ");
         let url = mysql_url();
         let _ = std::thread::spawn(move || {
             let runtime = tokio::runtime::Builder::new_current_thread()

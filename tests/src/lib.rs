@@ -236,6 +236,32 @@ pub fn drop_schemas(schemas: &[String]) {
     let _ = cleanup.join();
 }
 
+/// MariaDB/MySQL for tests: `$OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
+pub fn mysql_url() -> String {
+    std::env::var("OUTBOX_TEST_MYSQL_URL")
+        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
+}
+
+/// Drops a MySQL outbox's tables (every one its migrations make:
+/// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime
+/// included; errors are ignored, as in a clean-up.
+pub fn drop_mysql_tables(table: &outbox_mysql::OutboxTable) {
+    let sql = table.drop_sql();
+    let url = mysql_url();
+    // A runtime cannot block inside another: clean up from a thread with its own.
+    let cleanup = std::thread::spawn(move || {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .ok()?;
+        runtime.block_on(async {
+            let pool = outbox_mysql::sqlx::MySqlPool::connect(&url).await.ok()?;
+            outbox_mysql::sqlx::query(&sql).execute(&pool).await.ok()
+        })
+    });
+    let _ = cleanup.join();
+}
+
 /// A relay running in the background.
 pub struct Relay {
     shutdown: CancellationToken,

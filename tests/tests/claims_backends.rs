@@ -34,10 +34,7 @@ fn payloads(messages: &[Message]) -> Vec<String> {
     messages.iter().map(|m| text(&m.payload)).collect()
 }
 
-fn mysql_url() -> String {
-    std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
-}
+use outbox_tests::mysql_url;
 
 /// MariaDB tables of their own (`t_<random>`), migrated, dropped with the value.
 struct MySqlTables(Arc<outbox_mysql::MySqlStorage>);
@@ -59,36 +56,7 @@ impl MySqlTables {
 
 impl Drop for MySqlTables {
     fn drop(&mut self) {
-        let table = self.0.table();
-        let tables: Vec<String> = [
-            "",
-            "_dead_letters",
-            "_parked_keys",
-            "_delivered",
-            "_claim_lock",
-            "_claim_cursor",
-            "_stats",
-            "_migrations",
-        ]
-        .iter()
-        .map(|suffix| table.qualified(suffix))
-        .collect();
-        let url = mysql_url();
-        // From a thread of its own: Drop may run inside the runtime.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = outbox_mysql::sqlx::MySqlPool::connect(&url).await.ok()?;
-                outbox_mysql::sqlx::query(&format!("DROP TABLE IF EXISTS {}", tables.join(", ")))
-                    .execute(&pool)
-                    .await
-                    .ok()
-            })
-        })
-        .join();
+        outbox_tests::drop_mysql_tables(self.0.table());
     }
 }
 

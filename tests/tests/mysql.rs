@@ -21,10 +21,7 @@ use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
 use outbox_tests::{test_worker_config, unique_name};
 use uuid::Uuid;
 
-fn mysql_url() -> String {
-    std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
-}
+use outbox_tests::mysql_url;
 
 fn missing(error: impl std::fmt::Display) -> ! {
     panic!(
@@ -101,35 +98,7 @@ impl TestOutbox {
 
 impl Drop for TestOutbox {
     fn drop(&mut self) {
-        let tables: Vec<String> = [
-            "",
-            "_dead_letters",
-            "_parked_keys",
-            "_delivered",
-            "_claim_lock",
-            "_claim_cursor",
-            "_stats",
-            "_migrations",
-        ]
-        .iter()
-        .map(|suffix| self.table.qualified(suffix))
-        .collect();
-        let url = mysql_url();
-        // Dropped from a thread of its own: Drop may run inside the runtime.
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = MySqlPool::connect(&url).await.ok()?;
-                sqlx::query(&format!("DROP TABLE IF EXISTS {}", tables.join(", ")))
-                    .execute(&pool)
-                    .await
-                    .ok()
-            })
-        })
-        .join();
+        outbox_tests::drop_mysql_tables(&self.table);
     }
 }
 
@@ -925,4 +894,44 @@ async fn the_operators_repairs() {
     let last = storage.claim("w", 10, lease).await.expect("claim");
     let texts: Vec<String> = last.messages.iter().map(|m| text(&m.payload)).collect();
     assert_eq!(texts, ["a2"]);
+}
+
+/// `TABLE_SUFFIXES` lists every table the migrations make, so `drop_sql` removes an outbox
+/// for good (tests, benchmarks and operators rely on it).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn drop_sql_removes_every_table_the_migrations_make() {
+    let name = unique_name("t_all");
+    let storage = MySqlStorage::new(MySqlConfig::new(mysql_url()).table(&name)).expect("valid");
+    storage.migrate().await.expect("MariaDB must be running");
+    let pool = MySqlPool::connect(&mysql_url()).await.expect("MariaDB");
+    let made: Vec<String> = sqlx::query_scalar(
+        "SELECT table_name FROM information_schema.tables \
+         WHERE table_schema = DATABASE() AND table_name LIKE CONCAT(?, '%') ORDER BY table_name",
+    )
+    .bind(&name)
+    .fetch_all(&pool)
+    .await
+    .expect("list tables");
+    let mut listed: Vec<String> = outbox_mysql::TABLE_SUFFIXES
+        .iter()
+        .map(|suffix| format!("{name}{suffix}"))
+        .collect();
+    listed.sort();
+    assert_eq!(
+        made, listed,
+        "TABLE_SUFFIXES must name every table migrate makes"
+    );
+    sqlx::query(&storage.table().drop_sql())
+        .execute(&pool)
+        .await
+        .expect("drop");
+    let left: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM information_schema.tables \
+         WHERE table_schema = DATABASE() AND table_name LIKE CONCAT(?, '%')",
+    )
+    .bind(&name)
+    .fetch_one(&pool)
+    .await
+    .expect("count");
+    assert_eq!(left, 0);
 }
