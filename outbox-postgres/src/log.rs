@@ -1044,7 +1044,13 @@ impl LogEngine {
         for (&shard, s) in &inner.shards {
             // Per key: taken so far, and whether the key is stopped.
             let mut keys: HashMap<&str, (usize, bool)> = HashMap::new();
+            // A shard's picks come in position order, and the cut below keeps the `limit`
+            // oldest of all shards: a shard's picks past its first `limit` never make it.
+            let enough = picked.len() + limit;
             for (&pos, e) in &s.entries {
+                if picked.len() >= enough {
+                    break;
+                }
                 let ready = match e.state {
                     State::Ready => true,
                     State::InFlight { until, .. } => until <= now,
