@@ -30,6 +30,9 @@ pub struct TopicStats {
     pub oldest_pending: Option<DateTime<Utc>>,
     /// Messages claimed under a live lease.
     pub in_flight: u64,
+    /// Of the pending messages, those that failed at least one attempt and wait to be tried
+    /// again.
+    pub retrying: u64,
     /// Messages in the dead letters.
     pub dead_lettered: u64,
 }

@@ -329,6 +329,9 @@ impl Storage for MemoryStorage {
             pending: rows().filter(waiting).count() as u64,
             oldest_pending: rows().filter(waiting).map(|r| r.message.created_at).min(),
             in_flight: rows().filter(|r| !waiting(r)).count() as u64,
+            retrying: rows()
+                .filter(|r| waiting(r) && r.message.attempts > 0)
+                .count() as u64,
             dead_lettered: state.dead.len() as u64,
             parked_keys: state.parked.len() as u64,
             measured_at: None,

@@ -28,6 +28,8 @@ pub const SINK_UP: &str = "outbox_sink_up";
 pub const PENDING: &str = "outbox_pending";
 /// Gauge (relay): messages claimed by a relay right now.
 pub const IN_FLIGHT: &str = "outbox_in_flight";
+/// Gauge (relay): pending messages that failed at least one attempt and wait to be retried.
+pub const RETRYING: &str = "outbox_retrying";
 /// Gauge (relay): messages in the dead-letter table.
 pub const DEAD_LETTERED: &str = "outbox_dead_lettered";
 /// Gauge (relay): partition keys held back behind a dead letter.
@@ -48,7 +50,7 @@ pub const DELIVERY_LATENCY_SECONDS: &str = "outbox_delivery_latency_seconds";
 pub const BUILD_INFO: &str = "outbox_build_info";
 
 /// Every metric name above.
-pub const ALL: [&str; 16] = [
+pub const ALL: [&str; 17] = [
     DELIVERED_TOTAL,
     RETRIED_TOTAL,
     DEAD_LETTERED_TOTAL,
@@ -58,6 +60,7 @@ pub const ALL: [&str; 16] = [
     SINK_UP,
     PENDING,
     IN_FLIGHT,
+    RETRYING,
     DEAD_LETTERED,
     PARKED_KEYS,
     OLDEST_PENDING_AGE_SECONDS,

@@ -91,6 +91,9 @@ pub struct QueueStats {
     pub oldest_pending: Option<DateTime<Utc>>,
     /// Messages claimed under a lease that has not expired.
     pub in_flight: u64,
+    /// Of the pending messages, those that failed at least one attempt and wait to be tried
+    /// again (the sink refused them; they are dead-lettered after `max_attempts`).
+    pub retrying: u64,
     /// Messages in the dead letters.
     pub dead_lettered: u64,
     /// Partition keys held back because their head message was dead-lettered.

@@ -84,6 +84,8 @@ pub(crate) fn queue_stats(row: &MySqlRow) -> Result<QueueStats> {
         in_flight: count(row, 2, fail)?,
         dead_lettered: count(row, 3, fail)?,
         parked_keys: count(row, 4, fail)?,
+        // After the time of the count (index 5) in both statements that give these rows.
+        retrying: count(row, 6, fail)?,
         measured_at: None,
     })
 }
@@ -99,6 +101,7 @@ pub(crate) fn topic_stats(row: &MySqlRow) -> Result<TopicStats> {
             .map_err(fail)?
             .map(utc),
         in_flight: count(row, 3, fail)?,
+        retrying: count(row, 5, fail)?,
         dead_lettered: count(row, 4, fail)?,
     })
 }

@@ -151,7 +151,8 @@ impl Statements {
                         CAST(COALESCE(SUM({in_flight}), 0) AS SIGNED),
                         (SELECT COUNT(*) FROM {dead}),
                         (SELECT COUNT(*) FROM {parked}),
-                        MIN(n.now)
+                        MIN(n.now),
+                        CAST(COALESCE(SUM({pending} AND o.attempts > 0), 0) AS SIGNED)
                  FROM {outbox} o CROSS JOIN (SELECT UTC_TIMESTAMP(6) AS now) n"
             ),
             stats_turn: format!(
@@ -160,11 +161,12 @@ impl Statements {
             ),
             stats_store: format!(
                 "UPDATE {shared} SET measured_at = ?, pending = ?, oldest_pending = ?,
-                        in_flight = ?, dead_lettered = ?, parked_keys = ?
+                        in_flight = ?, dead_lettered = ?, parked_keys = ?, retrying = ?
                  WHERE id = 1"
             ),
             stats_read: format!(
-                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, measured_at
+                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, measured_at,
+                        retrying
                  FROM {shared} WHERE id = 1"
             ),
             topic_stats: format!(
@@ -172,14 +174,16 @@ impl Statements {
                     SELECT o.topic,
                            CAST(SUM({pending}) AS SIGNED) AS pending,
                            MIN(CASE WHEN {pending} THEN o.created_at END) AS oldest,
-                           CAST(SUM({in_flight}) AS SIGNED) AS in_flight
+                           CAST(SUM({in_flight}) AS SIGNED) AS in_flight,
+                           CAST(SUM({pending} AND o.attempts > 0) AS SIGNED) AS retrying
                     FROM {outbox} o CROSS JOIN (SELECT UTC_TIMESTAMP(6) AS now) n
                     GROUP BY o.topic),
                  dead AS (SELECT topic, COUNT(*) AS dead FROM {dead} GROUP BY topic),
                  topics AS (SELECT topic FROM live UNION SELECT topic FROM dead)
                  SELECT t.topic AS topic, CAST(COALESCE(l.pending, 0) AS SIGNED) AS pending,
                         l.oldest AS oldest, CAST(COALESCE(l.in_flight, 0) AS SIGNED) AS in_flight,
-                        CAST(COALESCE(d.dead, 0) AS SIGNED) AS dead
+                        CAST(COALESCE(d.dead, 0) AS SIGNED) AS dead,
+                        CAST(COALESCE(l.retrying, 0) AS SIGNED) AS retrying
                  FROM topics t LEFT JOIN live l ON l.topic = t.topic
                       LEFT JOIN dead d ON d.topic = t.topic
                  ORDER BY t.topic"

@@ -635,14 +635,18 @@ impl Storage for MySqlStorage {
         let ours = match turn {
             Ok(done) => done.rows_affected() > 0,
             // Migrated by an older release (a DBA applies the new step later): count here.
-            Err(e) if no_such_table(&e) => return self.stats().await,
+            Err(e) if older_schema(&e) => return self.stats().await,
             Err(e) => return Err(fail(e)),
         };
         if !ours {
-            let row = sqlx::query(&self.sql.stats_read)
+            let row = match sqlx::query(&self.sql.stats_read)
                 .fetch_one(&self.pool)
                 .await
-                .map_err(fail)?;
+            {
+                Ok(row) => row,
+                Err(e) if older_schema(&e) => return self.stats().await,
+                Err(e) => return Err(fail(e)),
+            };
             let measured_at: Option<NaiveDateTime> = row.try_get(5).map_err(fail)?;
             if let Some(at) = measured_at {
                 return Ok(QueueStats {
@@ -659,16 +663,22 @@ impl Storage for MySqlStorage {
             .map_err(fail)?;
         let stats = rows::queue_stats(&row)?;
         let measured_at: NaiveDateTime = row.try_get(5).map_err(fail)?;
-        sqlx::query(&self.sql.stats_store)
+        let stored = sqlx::query(&self.sql.stats_store)
             .bind(measured_at)
             .bind(stats.pending as i64)
             .bind(stats.oldest_pending.map(|t| t.naive_utc()))
             .bind(stats.in_flight as i64)
             .bind(stats.dead_lettered as i64)
             .bind(stats.parked_keys as i64)
+            .bind(stats.retrying as i64)
             .execute(&self.pool)
-            .await
-            .map_err(|e| self.error("cannot store queue figures", e))?;
+            .await;
+        match stored {
+            Ok(_) => {}
+            // Without the `retrying` column (an older release's schema): figures just counted.
+            Err(e) if older_schema(&e) => return Ok(stats),
+            Err(e) => return Err(self.error("cannot store queue figures", e)),
+        }
         Ok(QueueStats {
             measured_at: Some(rows::utc(measured_at)),
             ..stats
@@ -827,6 +837,14 @@ fn claimed(worker_id: &str, token: &ClaimToken, messages: &[outbox_core::Message
 /// Whether `error` says a table does not exist (ER_NO_SUCH_TABLE).
 fn no_such_table(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S02"))
+}
+
+/// The shared figures' table is missing, or lacks a column a later migration adds (SQLSTATE
+/// 42S02, no such table; 42S22, unknown column): the schema is an older release's, which
+/// relays accept until a DBA applies the new steps.
+fn older_schema(error: &sqlx::Error) -> bool {
+    no_such_table(error)
+        || matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S22"))
 }
 
 #[cfg(test)]

@@ -267,9 +267,13 @@ impl OutboxTable {
             }
             tracing::info!(table = %self.qualified(""), version, "applying outbox migration");
             for step in *steps {
-                conn.execute(self.render(step).as_str())
-                    .await
-                    .map_err(fail)?;
+                match conn.execute(self.render(step).as_str()).await {
+                    Ok(_) => {}
+                    // DDL is not transactional here: an `ADD COLUMN` that ran before a crash
+                    // (its version unrecorded) is done, not an error.
+                    Err(e) if duplicate_column(&e) => {}
+                    Err(e) => return Err(fail(e)),
+                }
             }
             conn.execute(sqlx::query(&record).bind(version))
                 .await
@@ -307,6 +311,11 @@ impl OutboxTable {
 /// Classifies an error of a migration statement.
 fn fail(error: sqlx::Error) -> Error {
     db_error(None, "migration failed", error)
+}
+
+/// `ADD COLUMN` of a column that is there (SQLSTATE 42S21, error 1060).
+fn duplicate_column(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S21"))
 }
 
 /// One message as the columns of the outbox table hold it.
@@ -451,6 +460,12 @@ const MIGRATIONS: &[&[&str]] = &[
     partition_key VARBINARY(255) NOT NULL
 ) ENGINE=InnoDB",
         r"INSERT IGNORE INTO {claim_cursor} (id, partition_key) VALUES (1, '')",
+    ],
+    &[
+        // The shared figures gain the pending messages waiting to retry
+        // (`QueueStats::retrying`). Run again after a crash before the version was recorded,
+        // it fails with a duplicate column, which `migrate` takes as done.
+        r"ALTER TABLE {stats} ADD COLUMN retrying BIGINT NOT NULL DEFAULT 0",
     ],
 ];
 

@@ -49,11 +49,10 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
-        let sql = match &self.log {
-            Some(log) => &log.sql.topic_stats,
-            None => &self.sql.topic_stats,
-        };
-        let rows = sqlx::query(sql)
+        if let Some(log) = &self.log {
+            return log.topic_stats(self.pool()).await;
+        }
+        let rows = sqlx::query(&self.sql.topic_stats)
             .fetch_all(self.pool())
             .await
             .map_err(|e| db_error("cannot read topic figures", e))?;

@@ -11,7 +11,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
 
-use outbox_core::{Claim, ClaimToken, Error, Message, QueueStats, Result, Settlement};
+use outbox_core::{Claim, ClaimToken, Error, Message, QueueStats, Result, Settlement, TopicStats};
 use sqlx::Row;
 use sqlx::postgres::{PgPool, PgRow};
 use tokio::time::Instant;
@@ -224,7 +224,7 @@ pub(crate) struct LogSql {
     // The operator's side (`admin.rs`).
     pub(crate) replay: String,
     pub(crate) release: String,
-    pub(crate) topic_stats: String,
+    topic_stats: String,
 }
 
 /// The horizon rule: a row is readable once its transaction id is below every transaction
@@ -409,11 +409,13 @@ impl LogSql {
             ),
             // Rows past each shard's position: this relay's read position for its shards
             // (what it has read is counted from memory), the stored cursor for the others.
+            // Retries: held rows not read into memory (`$5`) that failed before.
             stats: format!(
                 "SELECT coalesce(sum(c.n), 0)::bigint, min(c.oldest),
                         (SELECT count(*) FROM {held} WHERE seq <> ALL($4)),
                         (SELECT min(created_at) FROM {held} WHERE seq <> ALL($4)),
-                        (SELECT count(*) FROM {dead}), (SELECT count(*) FROM {parked})
+                        (SELECT count(*) FROM {dead}), (SELECT count(*) FROM {parked}),
+                        (SELECT count(*) FROM {held} WHERE seq <> ALL($5) AND attempts > 0)
                  FROM {shards} s
                  LEFT JOIN unnest($1::int[], $2::text[], $3::bigint[]) AS p(shard, xid, seq)
                      ON p.shard = s.shard
@@ -503,10 +505,14 @@ impl LogSql {
                         WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq)
                         UNION ALL SELECT topic, created_at FROM {held}) x
                     GROUP BY topic),
+                 retrying AS (SELECT topic, count(*) AS retrying FROM {held}
+                    WHERE seq <> ALL($1) AND attempts > 0 GROUP BY topic),
                  dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic)
                  SELECT coalesce(live.topic, dead.topic) AS topic, coalesce(pending, 0) AS pending,
-                        oldest, 0::bigint AS in_flight, coalesce(dead.dead, 0) AS dead
-                 FROM live FULL JOIN dead ON live.topic = dead.topic ORDER BY 1"
+                        oldest, 0::bigint AS in_flight, coalesce(retrying.retrying, 0) AS retrying,
+                        coalesce(dead.dead, 0) AS dead
+                 FROM live FULL JOIN dead ON live.topic = dead.topic
+                 LEFT JOIN retrying ON retrying.topic = live.topic ORDER BY 1"
             ),
         }
     }
@@ -1529,17 +1535,28 @@ impl LogEngine {
         let mut in_flight = 0_u64;
         // Held entries in flight are left out of the held rows' count by their seq.
         let mut held_in_flight: Vec<i64> = Vec::new();
+        // Held rows read into memory: their attempts are counted here, not from the table.
+        let mut held_read: Vec<i64> = Vec::new();
         let mut pending = 0_u64;
+        let mut retrying = 0_u64;
         let mut oldest = None;
         for s in inner.shards.values() {
             for (pos, e) in &s.entries {
                 let flying = matches!(e.state, State::InFlight { until, .. } if until > now);
+                if e.held {
+                    held_read.push(pos.1);
+                }
                 if flying {
                     in_flight += 1;
                     if e.held {
                         held_in_flight.push(pos.1);
                     }
-                } else if !e.held {
+                    continue;
+                }
+                if e.message.attempts > 0 {
+                    retrying += 1;
+                }
+                if !e.held {
                     pending += 1;
                     oldest = min_time(oldest, Some(e.message.created_at));
                 }
@@ -1550,6 +1567,7 @@ impl LogEngine {
             .bind(&xids)
             .bind(&seqs)
             .bind(&held_in_flight)
+            .bind(&held_read)
             .fetch_one(pool)
             .await
             .map_err(fail)?;
@@ -1562,10 +1580,52 @@ impl LogEngine {
                 min_time(row.try_get(1).map_err(fail)?, row.try_get(3).map_err(fail)?),
             ),
             in_flight,
+            retrying: retrying + count(6)?,
             dead_lettered: count(4)?,
             parked_keys: count(5)?,
             measured_at: None,
         })
+    }
+
+    /// The figures per topic: rows past the stored cursors and held rows from the table,
+    /// what this relay has in flight or waiting to retry from its memory (`$1`: the held
+    /// rows read into memory, whose attempts are counted there).
+    pub(crate) async fn topic_stats(&self, pool: &PgPool) -> Result<Vec<TopicStats>> {
+        let inner = self.inner.lock().await;
+        let now = self.now();
+        let mut held_read: Vec<i64> = Vec::new();
+        // By topic: (in flight, retrying).
+        let mut mine: HashMap<&str, (u64, u64)> = HashMap::new();
+        for s in inner.shards.values() {
+            for (pos, e) in &s.entries {
+                if e.held {
+                    held_read.push(pos.1);
+                }
+                let counts = mine.entry(e.message.topic.as_str()).or_default();
+                if matches!(e.state, State::InFlight { until, .. } if until > now) {
+                    counts.0 += 1;
+                } else if e.message.attempts > 0 {
+                    counts.1 += 1;
+                }
+            }
+        }
+        let rows = sqlx::query(&self.sql.topic_stats)
+            .bind(&held_read)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| db_error("cannot read topic figures", e))?;
+        rows.iter()
+            .map(|row| {
+                let mut t = rows::topic_stats(row)?;
+                if let Some(&(in_flight, retrying)) = mine.get(t.topic.as_str()) {
+                    // The rows past the cursors include those in flight: pending is the rest.
+                    t.pending = t.pending.saturating_sub(in_flight);
+                    t.in_flight = in_flight;
+                    t.retrying += retrying;
+                }
+                Ok(t)
+            })
+            .collect()
     }
 
     /// Removes delivered rows behind the cursors of the owned shards, in one ranged delete

@@ -63,6 +63,7 @@ pub(crate) fn queue_stats(row: &PgRow) -> Result<QueueStats> {
         in_flight: count(2)?,
         dead_lettered: count(3)?,
         parked_keys: count(4)?,
+        retrying: count(5)?,
         measured_at: None,
     })
 }
@@ -78,6 +79,7 @@ pub(crate) fn topic_stats(row: &PgRow) -> Result<TopicStats> {
         pending: count("pending")?,
         oldest_pending: row.try_get("oldest").map_err(fail)?,
         in_flight: count("in_flight")?,
+        retrying: count("retrying")?,
         dead_lettered: count("dead")?,
     })
 }

@@ -124,7 +124,8 @@ impl Statements {
                     min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()),
                     count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()),
                     (SELECT count(*) FROM {}),
-                    (SELECT count(*) FROM {})
+                    (SELECT count(*) FROM {}),
+                    count(*) FILTER (WHERE attempts > 0 AND (claim_token IS NULL OR available_at <= now()))
              FROM {outbox}",
             t.qualified("_dead_letters"),
             t.qualified("_parked_keys"),
@@ -141,11 +142,12 @@ impl Statements {
             ),
             stats_store: format!(
                 "UPDATE {shared} SET measured_at = now(), pending = $1, oldest_pending = $2,
-                        in_flight = $3, dead_lettered = $4, parked_keys = $5
+                        in_flight = $3, dead_lettered = $4, parked_keys = $5, retrying = $6
                  RETURNING measured_at"
             ),
             stats_read: format!(
-                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, measured_at
+                "SELECT pending, oldest_pending, in_flight, dead_lettered, parked_keys, retrying,
+                        measured_at
                  FROM {shared}"
             ),
             purge_delivered: format!(
@@ -368,11 +370,13 @@ impl Statements {
                 SELECT topic,
                        count(*) FILTER (WHERE claim_token IS NULL OR available_at <= now()) AS pending,
                        min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= now()) AS oldest,
-                       count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()) AS in_flight
+                       count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > now()) AS in_flight,
+                       count(*) FILTER (WHERE attempts > 0 AND (claim_token IS NULL OR available_at <= now())) AS retrying
                 FROM {outbox} GROUP BY topic),
              dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic)
              SELECT coalesce(live.topic, dead.topic) AS topic, coalesce(pending, 0) AS pending, oldest,
-                    coalesce(in_flight, 0) AS in_flight, coalesce(dead.dead, 0) AS dead
+                    coalesce(in_flight, 0) AS in_flight, coalesce(retrying, 0) AS retrying,
+                    coalesce(dead.dead, 0) AS dead
              FROM live FULL JOIN dead ON live.topic = dead.topic ORDER BY 1",
             outbox = t.qualified(""),
             dead = t.qualified("_dead_letters"),

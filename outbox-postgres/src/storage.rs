@@ -373,16 +373,20 @@ impl Storage for PgStorage {
         let ours = match turn {
             Ok(done) => done.rows_affected() > 0,
             // Migrated by an older release (a DBA applies the new step later): count here.
-            Err(e) if undefined_table(&e) => return self.stats().await,
+            Err(e) if older_schema(&e) => return self.stats().await,
             Err(e) => return Err(db_error("cannot read queue figures", e)),
         };
         if !ours {
-            let row = sqlx::query(&self.sql.stats_read)
+            let row = match sqlx::query(&self.sql.stats_read)
                 .fetch_one(&self.pool)
                 .await
-                .map_err(|e| db_error("cannot read queue figures", e))?;
+            {
+                Ok(row) => row,
+                Err(e) if older_schema(&e) => return self.stats().await,
+                Err(e) => return Err(db_error("cannot read queue figures", e)),
+            };
             let measured_at: Option<chrono::DateTime<chrono::Utc>> = row
-                .try_get(5)
+                .try_get(6)
                 .map_err(|e| db_error("cannot read queue figures", e))?;
             if measured_at.is_some() {
                 return Ok(QueueStats {
@@ -394,16 +398,22 @@ impl Storage for PgStorage {
             return self.stats().await;
         }
         let stats = self.stats().await?;
-        let measured_at: chrono::DateTime<chrono::Utc> = sqlx::query(&self.sql.stats_store)
+        let stored = sqlx::query(&self.sql.stats_store)
             .bind(stats.pending as i64)
             .bind(stats.oldest_pending)
             .bind(stats.in_flight as i64)
             .bind(stats.dead_lettered as i64)
             .bind(stats.parked_keys as i64)
+            .bind(stats.retrying as i64)
             .fetch_one(&self.pool)
             .await
-            .and_then(|row| row.try_get(0))
-            .map_err(|e| db_error("cannot store queue figures", e))?;
+            .and_then(|row| row.try_get(0));
+        let measured_at: chrono::DateTime<chrono::Utc> = match stored {
+            Ok(at) => at,
+            // Without the `retrying` column (an older release's schema): figures just counted.
+            Err(e) if older_schema(&e) => return Ok(stats),
+            Err(e) => return Err(db_error("cannot store queue figures", e)),
+        };
         Ok(QueueStats {
             measured_at: Some(measured_at),
             ..stats
@@ -446,7 +456,10 @@ impl Storage for PgStorage {
     }
 }
 
-/// Whether `error` says a table does not exist (SQLSTATE 42P01).
-fn undefined_table(error: &sqlx::Error) -> bool {
-    matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42P01"))
+/// The shared figures' table is missing, or lacks a column a later migration adds (SQLSTATE
+/// 42P01, undefined table; 42703, undefined column): the schema is an older release's,
+/// which relays accept until a DBA applies the new steps.
+fn older_schema(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(db)
+        if matches!(db.code().as_deref(), Some("42P01" | "42703")))
 }

@@ -734,6 +734,7 @@ $fn$;
 "#,
     ),
     Step::Sql(SHARED_STATS),
+    Step::Sql(STATS_RETRYING),
 ];
 
 /// The queue figures that relays share (`Storage::shared_stats`): the first relay past
@@ -752,6 +753,9 @@ CREATE TABLE {stats} (
 );
 INSERT INTO {stats} DEFAULT VALUES;
 "#;
+
+/// The shared figures gain the pending messages waiting to retry (`QueueStats::retrying`).
+const STATS_RETRYING: &str = "ALTER TABLE {stats} ADD COLUMN retrying bigint NOT NULL DEFAULT 0;";
 
 /// Log-mode migrations are numbered from here, so a table's versions say its mode.
 const LOG_FIRST_VERSION: i32 = 1001;
@@ -875,6 +879,7 @@ CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
     FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
 "#,
     SHARED_STATS,
+    STATS_RETRYING,
 ];
 
 #[cfg(test)]

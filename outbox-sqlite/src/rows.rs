@@ -97,6 +97,7 @@ pub(crate) fn queue_stats(row: &SqliteRow) -> Result<QueueStats> {
         in_flight: count(row, 2, fail)?,
         dead_lettered: count(row, 3, fail)?,
         parked_keys: count(row, 4, fail)?,
+        retrying: count(row, 5, fail)?,
         measured_at: None,
     })
 }
@@ -112,6 +113,7 @@ pub(crate) fn topic_stats(row: &SqliteRow) -> Result<TopicStats> {
             .map_err(fail)?
             .map(from_micros),
         in_flight: count(row, 3, fail)?,
+        retrying: count(row, 5, fail)?,
         dead_lettered: count(row, 4, fail)?,
     })
 }

@@ -161,7 +161,8 @@ impl Statements {
                         min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= ?1),
                         count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > ?1),
                         (SELECT count(*) FROM {dead}),
-                        (SELECT count(*) FROM {parked})
+                        (SELECT count(*) FROM {parked}),
+                        count(*) FILTER (WHERE attempts > 0 AND (claim_token IS NULL OR available_at <= ?1))
                  FROM {outbox}"
             ),
             purge_delivered: format!(
@@ -198,12 +199,14 @@ impl Statements {
                     SELECT topic,
                            count(*) FILTER (WHERE claim_token IS NULL OR available_at <= ?1) AS pending,
                            min(created_at) FILTER (WHERE claim_token IS NULL OR available_at <= ?1) AS oldest,
-                           count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > ?1) AS in_flight
+                           count(*) FILTER (WHERE claim_token IS NOT NULL AND available_at > ?1) AS in_flight,
+                           count(*) FILTER (WHERE attempts > 0 AND (claim_token IS NULL OR available_at <= ?1)) AS retrying
                     FROM {outbox} GROUP BY topic),
                  dead AS (SELECT topic, count(*) AS dead FROM {dead} GROUP BY topic),
                  topics AS (SELECT topic FROM live UNION SELECT topic FROM dead)
                  SELECT t.topic AS topic, coalesce(l.pending, 0) AS pending, l.oldest AS oldest,
-                        coalesce(l.in_flight, 0) AS in_flight, coalesce(d.dead, 0) AS dead
+                        coalesce(l.in_flight, 0) AS in_flight, coalesce(d.dead, 0) AS dead,
+                        coalesce(l.retrying, 0) AS retrying
                  FROM topics t LEFT JOIN live l ON l.topic = t.topic
                       LEFT JOIN dead d ON d.topic = t.topic
                  ORDER BY t.topic"

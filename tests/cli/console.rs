@@ -99,6 +99,16 @@ fn redis_sink(name: &str, max_payload: usize) -> String {
     )
 }
 
+/// A relay on `schema`'s outbox with the console on `addr`, to a Redis sink that takes
+/// any payload (streams prefixed `name:`).
+fn console_config(schema: &str, name: &str, addr: &str) -> ConfigFile {
+    ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n{}",
+        storage_section(schema),
+        redis_sink(name, 1_000_000)
+    ))
+}
+
 /// Makes key `a`'s head a dead letter (Redis refuses it as too large), with `a2` and `a3`
 /// parked behind it and `b1` delivered. Returns the dead letter's id.
 async fn poisoned(pool: &PgPool, schema: &str, name: &str) -> String {
@@ -175,11 +185,7 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
 
     // The operator raised the limit; the console on loopback needs no token.
     let addr = format!("127.0.0.1:{}", free_port());
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 1_000_000)
-    ));
+    let config = console_config(&schema, &name, &addr);
     let relay = RelayProcess::start(&config.path);
     let page = overview(&addr, &[]).await;
     assert_eq!(page.status, 200, "{}", page.body);
@@ -618,42 +624,213 @@ async fn two_wait_behind(storage: &dyn outbox::StorageAdmin, what: &str) {
     );
 }
 
+/// A fresh table in every SQL storage this build has, each named for the assertions;
+/// [`SqlStorages::drop`] removes the tables.
+struct SqlStorages {
+    all: Vec<(String, Box<dyn outbox::StorageAdmin>)>,
+    schemas: Vec<String>,
+    #[cfg(feature = "mysql")]
+    mysql_table: String,
+    /// The SQLite file's directory, removed with it.
+    _dir: ConfigFile,
+}
+
+impl SqlStorages {
+    /// PostgreSQL in lease mode (and in log mode too with `log_mode`), SQLite, MySQL.
+    async fn new(log_mode: bool) -> SqlStorages {
+        let mut all: Vec<(String, Box<dyn outbox::StorageAdmin>)> = Vec::new();
+        let mut schemas = Vec::new();
+        let modes = [
+            outbox::postgres::StorageMode::Lease,
+            outbox::postgres::StorageMode::Log,
+        ];
+        for mode in &modes[..if log_mode { 2 } else { 1 }] {
+            let schema = unique_name("cli_console_storages");
+            let mut config =
+                outbox::postgres::PostgresConfig::new(postgres_url()).table(&schema, "outbox");
+            config.mode = *mode;
+            let storage = outbox::postgres::PgStorage::new(config).expect("a PostgreSQL storage");
+            all.push((format!("postgres, {mode:?} mode"), Box::new(storage)));
+            schemas.push(schema);
+        }
+        let dir = ConfigFile::new("");
+        #[cfg(feature = "sqlite")]
+        {
+            let sqlite = outbox::sqlite::SqliteStorage::open(outbox::sqlite::SqliteConfig::new(
+                dir.dir.join("outbox.db"),
+            ))
+            .await
+            .expect("a SQLite storage");
+            all.push(("sqlite".into(), Box::new(sqlite)));
+        }
+        #[cfg(feature = "mysql")]
+        let mysql_table = unique_name("console_storages");
+        #[cfg(feature = "mysql")]
+        {
+            let config =
+                outbox::mysql::MySqlConfig::new(outbox_tests::mysql_url()).table(&mysql_table);
+            let mysql = outbox::mysql::MySqlStorage::new(config).expect("a MySQL storage");
+            all.push(("mysql".into(), Box::new(mysql)));
+        }
+        SqlStorages {
+            all,
+            schemas,
+            #[cfg(feature = "mysql")]
+            mysql_table,
+            _dir: dir,
+        }
+    }
+
+    async fn drop(self) {
+        let pool = pool().await;
+        for schema in &self.schemas {
+            drop_schema(&pool, schema).await;
+        }
+        #[cfg(feature = "mysql")]
+        {
+            use sqlx::Connection;
+            let mut conn = sqlx::MySqlConnection::connect(&outbox_tests::mysql_url())
+                .await
+                .expect("MySQL");
+            for suffix in outbox::mysql::TABLE_SUFFIXES {
+                let _ = sqlx::query(&format!(
+                    "DROP TABLE IF EXISTS `{}{suffix}`",
+                    self.mysql_table
+                ))
+                .execute(&mut conn)
+                .await;
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_sql_storage_counts_the_messages_waiting_behind_a_parked_key() {
-    let schema = unique_name("cli_console_waiting");
-    let postgres = outbox::postgres::PgStorage::new(
+    // Log mode cannot tell (the console shows `?`).
+    let storages = SqlStorages::new(false).await;
+    for (what, storage) in &storages.all {
+        two_wait_behind(storage.as_ref(), what).await;
+    }
+    storages.drop().await;
+}
+
+/// Topic `t`'s first message refused once (waiting an hour to retry), its second delivered,
+/// topic `u`'s one pending: every SQL storage counts one retrying message, in `t`.
+async fn one_retrying(storage: &dyn outbox::StorageAdmin, what: &str) {
+    storage.migrate().await.expect("migrate");
+    let messages = [
+        outbox::NewMessage::new("t", "t1").key("a"),
+        outbox::NewMessage::new("t", "t2").key("b"),
+        outbox::NewMessage::new("u", "u1").key("c"),
+    ];
+    storage.enqueue(&messages).await.expect("enqueue");
+    let claim = storage
+        .claim("console-test", 2, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    let [first, second] = claim.messages.as_slice() else {
+        panic!("{what}: claimed {:?}", claim.messages);
+    };
+    assert_eq!(
+        (&first.payload[..], &second.payload[..]),
+        (&b"t1"[..], &b"t2"[..]),
+        "{what}"
+    );
+    let refused = outbox::Retry {
+        id: first.id,
+        delay: Duration::from_secs(3600),
+        error: "refused".into(),
+    };
+    assert_eq!(
+        storage
+            .retry(&claim.token, &[refused])
+            .await
+            .expect("retry"),
+        1,
+        "{what}"
+    );
+    let delivered = outbox::Delivery {
+        id: second.id,
+        receipt: outbox::Receipt::default(),
+    };
+    assert_eq!(
+        storage.ack(&claim.token, &[delivered]).await.expect("ack"),
+        1,
+        "{what}"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.retrying),
+        (2, 0, 1),
+        "{what}: {stats:?}"
+    );
+    let topics: Vec<(String, u64, u64, u64)> = storage
+        .topic_stats()
+        .await
+        .expect("topic figures")
+        .into_iter()
+        .map(|t| (t.topic, t.pending, t.in_flight, t.retrying))
+        .collect();
+    assert_eq!(
+        topics,
+        [("t".to_string(), 1, 0, 1), ("u".to_string(), 1, 0, 0)],
+        "{what}: (topic, pending, in flight, retrying)"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_sql_storage_counts_the_messages_waiting_to_retry() {
+    let storages = SqlStorages::new(true).await;
+    for (what, storage) in &storages.all {
+        one_retrying(storage.as_ref(), what).await;
+    }
+    storages.drop().await;
+}
+
+/// The overview shows a message waiting to retry, in all and in its topic, as does
+/// `outbox status --json`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_overview_shows_the_messages_waiting_to_retry() {
+    let pool = pool().await;
+    let schema = unique_name("cli_console_retry_page");
+    let name = unique_name("console_retry");
+    let storage = outbox::postgres::PgStorage::new(
         outbox::postgres::PostgresConfig::new(postgres_url()).table(&schema, "outbox"),
     )
     .expect("a PostgreSQL storage");
-    two_wait_behind(&postgres, "postgres").await;
-    drop_schema(&pool().await, &schema).await;
+    one_retrying(&storage, "before the relay").await;
 
-    #[cfg(feature = "sqlite")]
-    {
-        let dir = ConfigFile::new("");
-        let sqlite = outbox::sqlite::SqliteStorage::open(outbox::sqlite::SqliteConfig::new(
-            dir.dir.join("outbox.db"),
-        ))
-        .await
-        .expect("a SQLite storage");
-        two_wait_behind(&sqlite, "sqlite").await;
+    let addr = format!("127.0.0.1:{}", free_port());
+    let config = console_config(&schema, &name, &addr);
+    let relay = RelayProcess::start(&config.path);
+    // The relay delivers `u1`; `t1` waits out its hour.
+    let left = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while count(&pool, &left).await != 1 {
+        assert!(Instant::now() < deadline, "u1 never delivered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
-
-    #[cfg(feature = "mysql")]
-    {
-        let url = std::env::var("OUTBOX_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".into());
-        let table = unique_name("console_waiting");
-        let mysql =
-            outbox::mysql::MySqlStorage::new(outbox::mysql::MySqlConfig::new(&url).table(&table))
-                .expect("a MySQL storage");
-        two_wait_behind(&mysql, "mysql").await;
-        use sqlx::Connection;
-        let mut conn = sqlx::MySqlConnection::connect(&url).await.expect("MySQL");
-        for suffix in outbox::mysql::TABLE_SUFFIXES {
-            let _ = sqlx::query(&format!("DROP TABLE IF EXISTS `{table}{suffix}`"))
-                .execute(&mut conn)
-                .await;
-        }
+    let page = overview(&addr, &[]).await;
+    assert_eq!(page.status, 200, "{}", page.body);
+    for figure in [
+        r#"data-figure="pending">1<"#,
+        r#"data-figure="retrying">1<"#,
+        r#"data-figure="retrying-t">1<"#,
+    ] {
+        assert!(
+            page.body.contains(figure),
+            "{figure} not in:\n{}",
+            page.body
+        );
     }
+    let status = outbox(&config.path, &["status", "--output", "json"]);
+    assert!(status.status.success(), "status: {}", text(&status.stderr));
+    let json: serde_json::Value = serde_json::from_slice(&status.stdout).expect("status as JSON");
+    assert_eq!(
+        (&json["retrying"], &json["topics"][0]["retrying"]),
+        (&serde_json::json!(1), &serde_json::json!(1)),
+        "{json}"
+    );
+    assert_eq!(relay.terminate().0, Some(0));
+    drop_schema(&pool, &schema).await;
 }

@@ -119,11 +119,7 @@ async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_repl
     let name = unique_name("console_browser");
     let id = poisoned(&pool, &schema, &name).await;
     let addr = format!("127.0.0.1:{}", free_port());
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 1_000_000)
-    ));
+    let config = console_config(&schema, &name, &addr);
     let relay = RelayProcess::start(&config.path);
     // Past "Starting": the relays are built.
     assert_eq!(overview(&addr, &[]).await.status, 200);

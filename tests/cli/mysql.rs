@@ -9,15 +9,12 @@ use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use outbox_tests::mysql_url;
+
 use super::{ConfigFile, EXIT_CONFIG, RelayProcess, outbox, text};
 
 const KEYS: usize = 50;
 const PER_KEY: usize = 60;
-
-fn mysql_url() -> String {
-    std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
-}
 
 /// Drops the tables of outbox table `table` when dropped.
 struct Tables(String);

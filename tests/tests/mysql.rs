@@ -935,3 +935,70 @@ async fn drop_sql_removes_every_table_the_migrations_make() {
     .expect("count");
     assert_eq!(left, 0);
 }
+
+/// A table at the version before `retrying` was shared: relays count the figures themselves
+/// rather than fail; `migrate` adds the column, and adds it again without an error when a
+/// crash came between the `ALTER TABLE` (not transactional here) and the version's record.
+#[tokio::test]
+async fn the_retrying_column_migration_is_optional_for_relays_and_safe_to_rerun() {
+    let outbox = TestOutbox::with_config(|_| {}).await;
+    outbox.enqueue(&[NewMessage::new("t", b"x".to_vec())]).await;
+    let stats = outbox.table.qualified("_stats");
+    sqlx::query(&format!("ALTER TABLE {stats} DROP COLUMN retrying"))
+        .execute(&outbox.pool)
+        .await
+        .expect("drop the column");
+    for turn in ["its turn to count", "another relay counted"] {
+        let figures = outbox
+            .storage
+            .shared_stats(Duration::from_secs(3600))
+            .await
+            .expect("figures counted here");
+        assert_eq!(
+            (figures.pending, figures.measured_at),
+            (1, None),
+            "{turn}: {figures:?}"
+        );
+    }
+    let versions = outbox.table.qualified("_migrations");
+    let latest: i64 = sqlx::query_scalar(&format!(
+        "SELECT CAST(MAX(version) AS SIGNED) FROM {versions}"
+    ))
+    .fetch_one(&outbox.pool)
+    .await
+    .expect("latest version");
+    let forget = |version: i64| {
+        let sql = format!("DELETE FROM {versions} WHERE version = {version}");
+        let pool = outbox.pool.clone();
+        async move {
+            sqlx::query(&sql)
+                .execute(&pool)
+                .await
+                .expect("forget the latest version");
+        }
+    };
+    forget(latest).await;
+    outbox
+        .storage
+        .migrate()
+        .await
+        .expect("migrate adds the column");
+    // Forgotten again with the column there: the crash case.
+    forget(latest).await;
+    outbox
+        .storage
+        .migrate()
+        .await
+        .expect("a column already there is a step done");
+    // The next relay's turn comes (the hour of the calls above is over).
+    sqlx::query(&format!("UPDATE {stats} SET refresh_after = '1970-01-01'"))
+        .execute(&outbox.pool)
+        .await
+        .expect("end the interval");
+    let figures = outbox
+        .storage
+        .shared_stats(Duration::from_secs(3600))
+        .await
+        .expect("shared figures");
+    assert!(figures.measured_at.is_some(), "shared again: {figures:?}");
+}

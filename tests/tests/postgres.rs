@@ -980,3 +980,29 @@ async fn shared_stats_without_the_stats_table_count_here() {
         .unwrap();
     assert_eq!((stats.pending, stats.measured_at), (1, None), "{stats:?}");
 }
+
+/// A table at the version before `retrying` was shared (`<table>_stats` without the column):
+/// the relay whose turn it is, and one that would read the stored row, both count the figures
+/// themselves rather than fail.
+#[tokio::test]
+async fn shared_stats_without_the_retrying_column_count_here() {
+    let outbox = TestOutbox::new().await;
+    outbox.enqueue(&[NewMessage::new("t", b"x".to_vec())]).await;
+    let stats = outbox.table.qualified("_stats");
+    sqlx::query(&format!("ALTER TABLE {stats} DROP COLUMN retrying"))
+        .execute(&outbox.pool)
+        .await
+        .unwrap();
+    for turn in ["its turn to count", "another relay counted"] {
+        let figures = outbox
+            .storage
+            .shared_stats(Duration::from_secs(3600))
+            .await
+            .unwrap();
+        assert_eq!(
+            (figures.pending, figures.measured_at),
+            (1, None),
+            "{turn}: {figures:?}"
+        );
+    }
+}

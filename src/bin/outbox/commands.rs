@@ -173,10 +173,11 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
     };
     println!("relay {} ({})", def.name, storage.describe());
     println!(
-        "  pending {}  oldest pending age {}  in flight {}  dead-lettered {}  parked keys {}",
+        "  pending {}  oldest pending age {}  in flight {}  retrying {}  dead-lettered {}  parked keys {}",
         stats.pending,
         age(stats.oldest_pending),
         stats.in_flight,
+        stats.retrying,
         stats.dead_lettered,
         stats.parked_keys
     );
@@ -186,16 +187,17 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
     let topics = storage.topic_stats().await?;
     if !topics.is_empty() {
         println!(
-            "  {:<32} {:>10} {:>12} {:>10} {:>14}",
-            "topic", "pending", "oldest age", "in flight", "dead-lettered"
+            "  {:<32} {:>10} {:>12} {:>10} {:>10} {:>14}",
+            "topic", "pending", "oldest age", "in flight", "retrying", "dead-lettered"
         );
         for t in topics {
             println!(
-                "  {:<32} {:>10} {:>12} {:>10} {:>14}",
+                "  {:<32} {:>10} {:>12} {:>10} {:>10} {:>14}",
                 t.topic,
                 t.pending,
                 age(t.oldest_pending),
                 t.in_flight,
+                t.retrying,
                 t.dead_lettered
             );
         }
@@ -235,6 +237,7 @@ async fn status_json(
                 "oldest_pending": time_json(t.oldest_pending),
                 "oldest_pending_age_seconds": age_seconds(t.oldest_pending),
                 "in_flight": t.in_flight,
+                "retrying": t.retrying,
                 "dead_lettered": t.dead_lettered,
             })
         })
@@ -256,6 +259,7 @@ async fn status_json(
         "oldest_pending": time_json(stats.oldest_pending),
         "oldest_pending_age_seconds": age_seconds(stats.oldest_pending),
         "in_flight": stats.in_flight,
+        "retrying": stats.retrying,
         "dead_lettered": stats.dead_lettered,
         "parked_keys": stats.parked_keys,
         "topics": topics,

@@ -400,11 +400,12 @@ async fn overview(
             Ok(s) => {
                 let _ = write!(
                     body,
-                    r#"<table><tr><th>pending</th><th>oldest pending age</th><th>in flight</th><th>dead-lettered</th><th>parked keys</th></tr>
-<tr><td class="n" data-figure="pending">{}</td><td class="n" data-figure="oldest-pending-age">{}</td><td class="n" data-figure="in-flight">{}</td><td class="n" data-figure="dead-lettered">{}</td><td class="n" data-figure="parked-keys">{}</td></tr></table>"#,
+                    r#"<table><tr><th>pending</th><th>oldest pending age</th><th>in flight</th><th>retrying</th><th>dead-lettered</th><th>parked keys</th></tr>
+<tr><td class="n" data-figure="pending">{}</td><td class="n" data-figure="oldest-pending-age">{}</td><td class="n" data-figure="in-flight">{}</td><td class="n" data-figure="retrying">{}</td><td class="n" data-figure="dead-lettered">{}</td><td class="n" data-figure="parked-keys">{}</td></tr></table>"#,
                     s.pending,
                     age_of(s.oldest_pending),
                     s.in_flight,
+                    s.retrying,
                     s.dead_lettered,
                     s.parked_keys
                 );
@@ -414,17 +415,19 @@ async fn overview(
         match ask(relay.storage.topic_stats()).await {
             Ok(topics) if topics.is_empty() => body.push_str("<p>No messages in any topic.</p>"),
             Ok(topics) => {
-                body.push_str("<table><tr><th>topic</th><th>pending</th><th>oldest pending age</th><th>in flight</th><th>dead-lettered</th></tr>");
+                body.push_str("<table><tr><th>topic</th><th>pending</th><th>oldest pending age</th><th>in flight</th><th>retrying</th><th>dead-lettered</th></tr>");
                 for t in topics {
                     let _ = write!(
                         body,
-                        r#"<tr><td><a href="/dead-letters?relay={}&amp;topic={}">{}</a></td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td></tr>"#,
+                        r#"<tr><td><a href="/dead-letters?relay={}&amp;topic={}">{}</a></td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n" data-figure="retrying-{}">{}</td><td class="n">{}</td></tr>"#,
                         esc(&url(&relay.def.name)),
                         esc(&url(&t.topic)),
                         esc(&t.topic),
                         t.pending,
                         age_of(t.oldest_pending),
                         t.in_flight,
+                        esc(&t.topic),
+                        t.retrying,
                         t.dead_lettered
                     );
                 }

@@ -252,6 +252,8 @@ async fn report_stats(
                     .set(stats.pending as f64);
                 metrics::gauge!(names::IN_FLIGHT, names::RELAY => label.clone())
                     .set(stats.in_flight as f64);
+                metrics::gauge!(names::RETRYING, names::RELAY => label.clone())
+                    .set(stats.retrying as f64);
                 metrics::gauge!(names::DEAD_LETTERED, names::RELAY => label.clone())
                     .set(stats.dead_lettered as f64);
                 metrics::gauge!(names::PARKED_KEYS, names::RELAY => label.clone())
@@ -264,6 +266,7 @@ async fn report_stats(
                         relay = %name,
                         pending = stats.pending,
                         in_flight = stats.in_flight,
+                        retrying = stats.retrying,
                         dead_lettered = stats.dead_lettered,
                         parked_keys = stats.parked_keys,
                         oldest_pending_age_s = age,

@@ -660,6 +660,32 @@ pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
         Some(sent[2].created_at.timestamp_micros()),
         "{check}: the oldest pending message, in-flight ones not counted"
     );
+    assert_eq!(stats.retrying, 0, "{check}: nothing failed yet: {stats:?}");
+    storage
+        .retry(
+            &c.token,
+            &[retry(&c.messages[0], Duration::from_secs(3600))],
+        )
+        .await
+        .expect("retry");
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight, stats.retrying),
+        (4, 0, 1),
+        "{check}: a refused message waits to retry, counted as pending and retrying: {stats:?}"
+    );
+    // Counted and stored by the first call, read back by the second where figures are shared.
+    for call in ["counts", "reads"] {
+        let shared = storage
+            .shared_stats(Duration::from_secs(3600))
+            .await
+            .expect("shared_stats");
+        assert_eq!(
+            (shared.pending, shared.retrying),
+            (4, 1),
+            "{check}: shared figures, the call that {call}: {shared:?}"
+        );
+    }
 }
 
 /// `shared_stats`: within the interval every relay reads the figures one of them counted;
