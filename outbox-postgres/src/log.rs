@@ -8,7 +8,9 @@
 //! key's rows move to `<table>_held` so the cursor can pass them. See docs/ARCHITECTURE.md
 //! (log mode) for why the horizon rule loses nothing.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, btree_map};
+use std::iter::Peekable;
 use std::time::Duration;
 
 use outbox_core::{Claim, ClaimToken, Error, Message, QueueStats, Result, Settlement, TopicStats};
@@ -52,8 +54,10 @@ impl HorizonLag {
 type Pos = (u64, i64);
 
 /// How often a claiming relay renews its shards, counts the relays and rebalances (more
-/// often with a lease under 3 s: three times per lease). A claim that hands messages out
-/// renews their shards in any case, so a shard is held at least as long as its claims.
+/// often with a lease under 3 s: three times per lease). A round holds the shards for the
+/// lease plus this interval, so every claim made before the next round ends (its lease
+/// counted from the claim) before its shards' lease does; renewing a claim (`extend_lease`)
+/// renews its shards.
 const ROUND_EVERY: Duration = Duration::from_secs(1);
 
 /// The most rows a relay keeps read but unsettled per shard: this many claims' limits, and
@@ -140,6 +144,8 @@ struct Inner {
     ids: HashMap<Uuid, (i32, Pos)>,
     parked: HashMap<String, Parked>,
     last_round: Option<Instant>,
+    /// The `limit` of the last claim: a settlement reads ahead for the next one.
+    claim_limit: usize,
 }
 
 impl Inner {
@@ -298,9 +304,11 @@ impl LogSql {
                  ON CONFLICT (relay) DO UPDATE SET expires_at = excluded.expires_at"
             ),
             // The epoch fences: a shard another relay took since has a new one. A lease that
-            // ran out with nobody taking the shard is renewed.
+            // ran out with nobody taking the shard is renewed. A renewal never shortens a
+            // lease (a round's runs a round interval longer than a claim's).
             renew: format!(
-                "UPDATE {shards} s SET expires_at = statement_timestamp() + $3 {ms}
+                "UPDATE {shards} s SET expires_at = greatest(s.expires_at,
+                                                statement_timestamp() + $3 {ms})
                  FROM unnest($1::int[], $2::bigint[]) AS o(shard, epoch)
                  WHERE s.shard = o.shard AND s.epoch = o.epoch AND s.owner = $4
                  RETURNING s.shard"
@@ -683,14 +691,13 @@ impl LogEngine {
     /// Reads which keys of the owned shards are parked; loads the held rows of keys that
     /// became draining (released or replayed) or were replayed again; unparks draining keys
     /// whose held rows are all settled.
-    async fn refresh_parked(&self, pool: &PgPool, inner: &mut Inner) -> Result<()> {
+    async fn refresh_parked(
+        &self,
+        pool: &PgPool,
+        inner: &mut Inner,
+        rows: Vec<(String, bool, i64)>,
+    ) -> Result<()> {
         let fail = |e| db_error("cannot read parked keys", e);
-        let owned: Vec<i32> = inner.shards.keys().copied().collect();
-        let rows: Vec<(String, bool, i64)> = sqlx::query_as(&self.sql.parked_in)
-            .bind(&owned)
-            .fetch_all(pool)
-            .await
-            .map_err(fail)?;
         let mut seen = HashSet::new();
         for (key, draining, generation) in rows {
             let before = inner.parked.get(&key).copied();
@@ -761,40 +768,60 @@ impl LogEngine {
         Ok(())
     }
 
-    /// Reads new rows below the horizon into memory, from `source` (the primary `pool` or a
-    /// replica: either way every row below its horizon is there, see `HORIZON`); rows of
-    /// parked keys are kept aside in the held rows at once (fenced, on the primary), before
-    /// the cursor can move past them. Which keys are parked comes from memory, refreshed
-    /// from the primary.
-    async fn read(
+    /// The parked keys of the owned shards, as stored on the primary.
+    async fn parked_rows(&self, pool: &PgPool, inner: &Inner) -> Result<Vec<(String, bool, i64)>> {
+        let owned: Vec<i32> = inner.shards.keys().copied().collect();
+        sqlx::query_as(&self.sql.parked_in)
+            .bind(&owned)
+            .fetch_all(pool)
+            .await
+            .map_err(|e| db_error("cannot read parked keys", e))
+    }
+
+    /// Reads new rows below the horizon from `source` (the primary or a replica: either way
+    /// every row below its horizon is there, see `HORIZON`), as many as fill each shard's
+    /// buffer once `leaving` of its rows (per shard, about to be settled) are gone.
+    /// Changes nothing: [`take`](Self::take) puts the rows in memory.
+    async fn fetch(
         &self,
-        pool: &PgPool,
         source: &PgPool,
-        inner: &mut Inner,
+        inner: &Inner,
         limit: usize,
-    ) -> Result<()> {
-        let fail = |e| db_error("cannot read the outbox log", e);
+        leaving: &HashMap<i32, usize>,
+    ) -> Result<Vec<PgRow>> {
         let cap = limit.saturating_mul(BUFFER_CLAIMS).max(BUFFER_MIN);
         let mut want: Vec<(i32, Pos)> = Vec::new();
         let mut room: Vec<i64> = Vec::new();
         for (&shard, s) in &inner.shards {
-            if s.entries.len() < cap && !s.leaving {
+            let staying = s
+                .entries
+                .len()
+                .saturating_sub(leaving.get(&shard).copied().unwrap_or(0));
+            if staying < cap && !s.leaving {
                 want.push((shard, s.read));
-                room.push(i64::try_from(cap - s.entries.len()).unwrap_or(i64::MAX));
+                room.push(i64::try_from(cap - staying).unwrap_or(i64::MAX));
             }
         }
         if want.is_empty() {
-            return Ok(());
+            return Ok(Vec::new());
         }
         let (shards, xids, seqs) = split(&want);
-        let rows = sqlx::query(&self.sql.read)
+        sqlx::query(&self.sql.read)
             .bind(&shards)
             .bind(&xids)
             .bind(&seqs)
             .bind(&room)
             .fetch_all(source)
             .await
-            .map_err(fail)?;
+            .map_err(|e| db_error("cannot read the outbox log", e))
+    }
+
+    /// Puts rows [`fetch`](Self::fetch)ed into memory; rows of parked keys are kept aside in
+    /// the held rows at once (fenced, on the primary `pool`), before the cursor can move past
+    /// them. Which keys are parked comes from memory, refreshed from the primary. Rows of a
+    /// shard no longer owned are dropped.
+    async fn take(&self, pool: &PgPool, inner: &mut Inner, rows: Vec<PgRow>) -> Result<()> {
+        let fail = |e| db_error("cannot read the outbox log", e);
         // Decode everything first and write the held rows, then change memory: a failure
         // on the way must leave no row behind the read position that is neither in memory
         // nor kept aside.
@@ -858,6 +885,11 @@ impl LogEngine {
     /// Keeps aside the rows in memory of parked keys that no live claim holds (a claim whose
     /// lease ran out, rows read just before the key was parked), so that the cursor can move.
     async fn hold_parked(&self, pool: &PgPool, inner: &mut Inner) -> Result<()> {
+        // Without a parked key in memory there is nothing to keep aside: skip the walk over
+        // every entry read.
+        if !inner.parked.values().any(|p| !p.draining) {
+            return Ok(());
+        }
         let now = self.now();
         let mut hold: Vec<(i32, Pos, i32)> = Vec::new();
         let mut drop: HashSet<Pos> = HashSet::new();
@@ -1022,20 +1054,40 @@ impl LogEngine {
             .last_round
             .is_none_or(|at| now.saturating_duration_since(at) >= every);
         if round_due {
-            self.round(pool, inner, lease).await?;
+            // Shards are held for a round interval beyond the lease: every claim until the
+            // next round then ends, lease and all, before its shards' lease does, so a claim
+            // needs no renewal of its own (the worker renews at two thirds of its lease,
+            // which renews the shards too, see `extend_lease`).
+            self.round(pool, inner, lease + every).await?;
         }
         let token = ClaimToken(Uuid::now_v7());
+        inner.claim_limit = limit;
         if inner.shards.is_empty() {
             return Ok(Claim {
                 token,
                 messages: Vec::new(),
             });
         }
-        if config.per_key_order {
-            self.refresh_parked(pool, inner).await?;
+        // Which keys are parked (from the primary) and the new rows are read at once, on
+        // two connections; the parked keys are applied first, so the rows of a parked key
+        // go to the held rows.
+        let (parked, rows) = {
+            let shared: &Inner = inner;
+            let no_rows = HashMap::new();
+            tokio::try_join!(
+                async {
+                    match config.per_key_order {
+                        true => self.parked_rows(pool, shared).await.map(Some),
+                        false => Ok(None),
+                    }
+                },
+                self.fetch(replica.unwrap_or(pool), shared, limit, &no_rows),
+            )?
+        };
+        if let Some(parked) = parked {
+            self.refresh_parked(pool, inner, parked).await?;
         }
-        self.read(pool, replica.unwrap_or(pool), inner, limit)
-            .await?;
+        self.take(pool, inner, rows).await?;
         if config.per_key_order {
             self.hold_parked(pool, inner).await?;
         }
@@ -1046,51 +1098,7 @@ impl LogEngine {
         } else {
             usize::MAX
         };
-        let mut picked: Vec<(Pos, i32)> = Vec::new();
-        for (&shard, s) in &inner.shards {
-            // Per key: taken so far, and whether the key is stopped.
-            let mut keys: HashMap<&str, (usize, bool)> = HashMap::new();
-            // A shard's picks come in position order, and the cut below keeps the `limit`
-            // oldest of all shards: a shard's picks past its first `limit` never make it.
-            let enough = picked.len() + limit;
-            for (&pos, e) in &s.entries {
-                if picked.len() >= enough {
-                    break;
-                }
-                let ready = match e.state {
-                    State::Ready => true,
-                    State::InFlight { until, .. } => until <= now,
-                    State::Waiting { at } => at <= now,
-                };
-                match e.message.key.as_deref() {
-                    Some(key) if config.per_key_order => {
-                        let parked = inner.parked.get(key).is_some_and(|p| !p.draining);
-                        let k = keys.entry(key).or_insert((0, parked));
-                        if k.1 {
-                            continue;
-                        }
-                        if !ready || k.0 >= max_per_key {
-                            k.1 = true;
-                            continue;
-                        }
-                        k.0 += 1;
-                        picked.push((pos, shard));
-                    }
-                    _ if ready => picked.push((pos, shard)),
-                    _ => {}
-                }
-            }
-        }
-        // Oldest first across shards; the cut drops only the last rows of a key.
-        picked.sort_unstable();
-        picked.truncate(limit);
-        // The shards of what goes out are held for a whole lease from now (the worker counts
-        // its lease from before this call), so no other relay may take them meanwhile.
-        if !picked.is_empty() && !round_due {
-            let shards: HashSet<i32> = picked.iter().map(|(_, s)| *s).collect();
-            let kept = self.renew(pool, inner, &shards, lease).await?;
-            picked.retain(|(_, s)| kept.contains(s));
-        }
+        let picked = pick(inner, limit, max_per_key, config.per_key_order, now);
         let until = now + lease;
         let mut messages = Vec::with_capacity(picked.len());
         for (pos, shard) in picked {
@@ -1112,6 +1120,7 @@ impl LogEngine {
     pub(crate) async fn settle(
         &self,
         pool: &PgPool,
+        replica: Option<&PgPool>,
         config: &PostgresConfig,
         token: &ClaimToken,
         s: &Settlement,
@@ -1174,8 +1183,18 @@ impl LogEngine {
 
         // What leaves memory: deliveries, dead letters, and (with per-key order) every other
         // row of a dead letter's key, which is kept aside in the held rows.
-        let mut removed: HashSet<Pos> = delivered.iter().map(|(_, p)| *p).collect();
-        removed.extend(dead.iter().map(|(_, p, _)| *p));
+        // `removed_at`: the same, with each row's shard.
+        let mut removed: HashSet<Pos> = HashSet::new();
+        let mut removed_at: Vec<(i32, Pos)> = Vec::new();
+        for (shard, pos) in delivered
+            .iter()
+            .copied()
+            .chain(dead.iter().map(|(s, p, _)| (*s, *p)))
+        {
+            if removed.insert(pos) {
+                removed_at.push((shard, pos));
+            }
+        }
         let mut parks: Vec<(String, Uuid, i32)> = Vec::new();
         let mut hold: Vec<(i32, Pos, i32)> = Vec::new();
         if config.per_key_order {
@@ -1216,6 +1235,7 @@ impl LogEngine {
                             continue;
                         }
                         removed.insert(pos);
+                        removed_at.push((shard, pos));
                         if !e.held {
                             hold.push((shard, pos, e.message.attempts as i32));
                         }
@@ -1245,6 +1265,8 @@ impl LogEngine {
                 parks.push((a.key.clone(), *id, a.shard));
             }
         }
+        // Rows read ahead; left unread (to be read again) if this read fails.
+        let mut ahead: Result<Vec<PgRow>> = Ok(Vec::new());
         if !touched.is_empty() {
             let needs_tx = !dead.is_empty()
                 || !hold.is_empty()
@@ -1258,8 +1280,26 @@ impl LogEngine {
             let kept = match tx.as_mut() {
                 Some(tx) => self.fence(tx, inner, &touched, &removed).await?,
                 None => {
+                    // The common case, deliveries only: the rows for the next claim are read
+                    // (on another connection) while the cursors move.
                     let mut conn = pool.acquire().await.map_err(fail)?;
-                    self.fence(&mut conn, inner, &touched, &removed).await?
+                    let (kept, rows) =
+                        tokio::join!(self.fence(&mut conn, inner, &touched, &removed), async {
+                            match inner.claim_limit {
+                                0 => Ok(Vec::new()),
+                                limit => {
+                                    // Each row settled here is in memory once.
+                                    let mut leaving: HashMap<i32, usize> = HashMap::new();
+                                    for (shard, _) in &removed_at {
+                                        *leaving.entry(*shard).or_default() += 1;
+                                    }
+                                    let source = replica.unwrap_or(pool);
+                                    self.fetch(source, inner, limit, &leaving).await
+                                }
+                            }
+                        },);
+                    ahead = rows;
+                    kept?
                 }
             };
             if let Some(tx) = tx.as_mut() {
@@ -1379,32 +1419,29 @@ impl LogEngine {
             let retried: HashMap<Pos, Duration> =
                 retries.iter().map(|(_, p, d, _)| (*p, *d)).collect();
             let given_back: HashSet<Pos> = released.iter().map(|(_, p)| *p).collect();
-            let shards: Vec<i32> = inner.shards.keys().copied().collect();
-            for &pos in &removed {
-                for &shard in &shards {
-                    if !kept.contains(&shard) {
-                        continue;
-                    }
-                    // A row moved aside keeps its state (after this settlement) for later.
-                    if !settled.contains(&pos)
-                        && let Some(e) = entry(inner, shard, pos)
-                    {
-                        let (state, attempts) = if let Some(delay) = retried.get(&pos) {
-                            (State::Waiting { at: now + *delay }, e.message.attempts + 1)
-                        } else if given_back.contains(&pos) {
-                            (State::Ready, e.message.attempts)
-                        } else {
-                            (e.state, e.message.attempts)
-                        };
-                        inner.set_aside(shard, pos, state, attempts, token);
-                    }
-                    if let Some(e) = inner
-                        .shards
-                        .get_mut(&shard)
-                        .and_then(|s| s.entries.remove(&pos))
-                    {
-                        inner.ids.remove(&e.message.id);
-                    }
+            for &(shard, pos) in &removed_at {
+                if !kept.contains(&shard) {
+                    continue;
+                }
+                // A row moved aside keeps its state (after this settlement) for later.
+                if !settled.contains(&pos)
+                    && let Some(e) = entry(inner, shard, pos)
+                {
+                    let (state, attempts) = if let Some(delay) = retried.get(&pos) {
+                        (State::Waiting { at: now + *delay }, e.message.attempts + 1)
+                    } else if given_back.contains(&pos) {
+                        (State::Ready, e.message.attempts)
+                    } else {
+                        (e.state, e.message.attempts)
+                    };
+                    inner.set_aside(shard, pos, state, attempts, token);
+                }
+                if let Some(e) = inner
+                    .shards
+                    .get_mut(&shard)
+                    .and_then(|s| s.entries.remove(&pos))
+                {
+                    inner.ids.remove(&e.message.id);
                 }
             }
             let lost = touched.iter().any(|s| !kept.contains(s));
@@ -1423,6 +1460,7 @@ impl LogEngine {
                         .filter(|(s, _)| written(s) || !touched.contains(s))
                         .count();
                 self.apply_waits(inner, &retries, &released, now);
+                self.take_ahead(pool, inner, ahead).await;
                 return Ok(n as u64);
             }
         }
@@ -1442,7 +1480,21 @@ impl LogEngine {
                 a.attempts = a.attempts.saturating_add(1);
             }
         }
+        self.take_ahead(pool, inner, ahead).await;
         Ok(count)
+    }
+
+    /// Puts the rows a settlement read ahead into memory. They are only a read ahead: if
+    /// they cannot be, nothing was changed and the next claim reads them again.
+    async fn take_ahead(&self, pool: &PgPool, inner: &mut Inner, rows: Result<Vec<PgRow>>) {
+        let taken = match rows {
+            Ok(rows) if rows.is_empty() => return,
+            Ok(rows) => self.take(pool, inner, rows).await,
+            Err(error) => Err(error),
+        };
+        if let Err(error) = taken {
+            tracing::debug!(relay = %self.owner, %error, "reading ahead failed; the next claim reads again");
+        }
     }
 
     /// Retries wait out their delay with one more attempt; releases are ready at once.
@@ -1721,6 +1773,70 @@ impl LogEngine {
         *inner = Inner::default();
         Ok(())
     }
+}
+
+/// What a claim hands out: the `limit` oldest candidates of all shards, in position order.
+/// The shards' entries are merged in that order and the walk stops at the `limit`-th
+/// candidate, so it visits about as many entries as it hands out (a shard is a key's only
+/// shard, so whether a key is stopped depends only on the earlier entries of its shard).
+/// With per-key order a key gives up to `max_per_key` rows, stopping at its first row not
+/// due; nothing of a parked key.
+fn pick(
+    inner: &Inner,
+    limit: usize,
+    max_per_key: usize,
+    per_key_order: bool,
+    now: Instant,
+) -> Vec<(Pos, i32)> {
+    let mut walks: Vec<(i32, Peekable<btree_map::Iter<'_, Pos, Entry>>)> = inner
+        .shards
+        .iter()
+        .map(|(&shard, s)| (shard, s.entries.iter().peekable()))
+        .collect();
+    let mut heads: BinaryHeap<Reverse<(Pos, usize)>> = walks
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, (_, walk))| walk.peek().map(|&(&pos, _)| Reverse((pos, i))))
+        .collect();
+    // Per shard and key: taken so far, and whether the key is stopped.
+    let mut keys: HashMap<(i32, &str), (usize, bool)> = HashMap::new();
+    let mut picked: Vec<(Pos, i32)> = Vec::new();
+    while picked.len() < limit {
+        let Some(Reverse((_, i))) = heads.pop() else {
+            break;
+        };
+        let (shard, walk) = &mut walks[i];
+        let shard = *shard;
+        let Some((&pos, e)) = walk.next() else {
+            continue;
+        };
+        if let Some(&(&next, _)) = walk.peek() {
+            heads.push(Reverse((next, i)));
+        }
+        let ready = match e.state {
+            State::Ready => true,
+            State::InFlight { until, .. } => until <= now,
+            State::Waiting { at } => at <= now,
+        };
+        match e.message.key.as_deref() {
+            Some(key) if per_key_order => {
+                let parked = inner.parked.get(key).is_some_and(|p| !p.draining);
+                let k = keys.entry((shard, key)).or_insert((0, parked));
+                if k.1 {
+                    continue;
+                }
+                if !ready || k.0 >= max_per_key {
+                    k.1 = true;
+                    continue;
+                }
+                k.0 += 1;
+                picked.push((pos, shard));
+            }
+            _ if ready => picked.push((pos, shard)),
+            _ => {}
+        }
+    }
+    picked
 }
 
 fn entry(inner: &Inner, shard: i32, pos: Pos) -> Option<&Entry> {
