@@ -640,6 +640,47 @@ async fn a_stale_owners_cursor_writes_are_refused() {
     assert_eq!(payloads(&rest), ["m3", "m4", "m5"]);
 }
 
+/// A claim renews no shard (one commit less per batch): the round, at least once a second,
+/// holds the shards for the lease plus that interval. So the shards of every claim stay this
+/// relay's until its lease has run out, however long after the last round it was made; a
+/// round that held them for the lease alone would let a claim made 0.9 s later outlive them,
+/// and another relay could take the shard and deliver the key while this one still publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_claims_shards_stay_held_until_its_lease_has_run_out() {
+    let outbox = log_outbox(4).await;
+    let relay = outbox.another_relay();
+    let lease = Duration::from_secs(5);
+    let held_until = format!(
+        "SELECT min(expires_at) FROM {} WHERE owner = $1",
+        outbox.table.qualified("_shards")
+    );
+    let mut handed_out = 0;
+    // Claims every 300 ms for 3 s: some just after a round, some just before the next.
+    for i in 0..10 {
+        outbox
+            .enqueue(&[NewMessage::new("t", format!("m{i}")).key(format!("k{i}"))])
+            .await;
+        let asked: chrono::DateTime<chrono::Utc> = sqlx::query_scalar("SELECT clock_timestamp()")
+            .fetch_one(&outbox.pool)
+            .await
+            .expect("the database clock");
+        let claim = relay.claim("w", 100, lease).await.expect("claim");
+        handed_out += claim.messages.len();
+        let until: chrono::DateTime<chrono::Utc> = sqlx::query_scalar(&held_until)
+            .bind(relay.relay_name())
+            .fetch_one(&outbox.pool)
+            .await
+            .expect("the shards' lease");
+        assert!(
+            until >= asked + lease,
+            "claim {i}: its lease runs to at least {}, its shards only to {until}",
+            asked + lease
+        );
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(handed_out > 0, "no claim handed anything out");
+}
+
 /// A poison message: retried with backoff while its key waits and other keys go on, then
 /// dead-lettered; its key is parked with its later messages kept aside (new ones too),
 /// and a replay delivers them in order.
