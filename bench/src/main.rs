@@ -36,7 +36,7 @@ pub struct Scale {
 }
 
 impl Scale {
-    fn new(quick: bool) -> Self {
+    pub(crate) fn new(quick: bool) -> Self {
         if quick {
             Scale {
                 quick,

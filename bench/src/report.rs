@@ -292,12 +292,54 @@ impl Report {
             let (before, rest) = text
                 .split_once(&start)
                 .ok_or(format!("BENCHMARKS.md lacks the {start} marker"))?;
-            let (_, after) = rest
+            let (previous, after) = rest
                 .split_once(&end)
                 .ok_or(format!("BENCHMARKS.md lacks the {end} marker"))?;
-            text = format!("{before}{start}\n{}{end}{after}", self.table(log));
+            let mut block = self.table(log);
+            if log {
+                block.push_str(&self.kept_rows(previous));
+            }
+            text = format!("{before}{start}\n{block}{end}{after}");
         }
         std::fs::write(path, text).map_err(|e| e.to_string())
+    }
+
+    /// The rows of the log-mode parts this run did not measure (a run of one part, such as
+    /// `log-drain`), from the `previous` table, each group under the line that says which
+    /// run measured it: a part's run replaces its own rows only.
+    fn kept_rows(&self, previous: &str) -> String {
+        let measured: std::collections::HashSet<&str> =
+            self.rows.iter().map(|r| r.section.as_str()).collect();
+        fn section(line: &str) -> &str {
+            line.split('|').nth(1).map(str::trim).unwrap_or_default()
+        }
+        // (which run, its rows), in the order found.
+        let mut groups: Vec<(&str, Vec<&str>)> = Vec::new();
+        let mut when = "an earlier run";
+        for line in previous.lines() {
+            if let Some(run) = line.strip_prefix("Kept from ") {
+                when = run.trim_end_matches(':');
+            } else if line.contains("`cargo xtask bench") && !line.starts_with('|') {
+                when = line;
+            } else if line.starts_with("| log") && !measured.contains(section(line)) {
+                match groups.last_mut() {
+                    Some((w, rows)) if *w == when => rows.push(line),
+                    _ => groups.push((when, vec![line])),
+                }
+            }
+        }
+        let mut out = String::new();
+        for (when, rows) in groups {
+            let _ = write!(
+                out,
+                "\nKept from {when}:\n\n| section | measurement | value | unit | ratio |\n|---|---|---:|---|---|\n"
+            );
+            for row in rows {
+                out.push_str(row);
+                out.push('\n');
+            }
+        }
+        out
     }
 
     /// Bars of the drain rates per sink and relay count, with the ceilings as lines.
@@ -369,5 +411,39 @@ impl Report {
             plot_h + 20.0
         );
         svg
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A run of one part replaces that part's rows and keeps the others', each group under
+    /// the run that measured it, through several part runs.
+    #[test]
+    fn a_part_run_keeps_the_other_parts_rows_with_their_run() {
+        let previous = "2026-12-01 19:46 UTC, `cargo xtask bench log`; machine\n\n\
+            | section | measurement | value | unit | ratio |\n|---|---|---:|---|---|\n\
+            | log drain | old drain | 1.0 | rows/s |  |\n\
+            | log enqueue | writers | 2.0 | commits/s |  |\n\
+            \nKept from 2026-11-30 10:00 UTC, `cargo xtask bench log`; machine:\n\n\
+            | section | measurement | value | unit | ratio |\n|---|---|---:|---|---|\n\
+            | log latency | p99 | 3.0 | ms |  |\n";
+        let mut report = Report::new(crate::Scale::new(true));
+        report.add("log drain", "new drain", 4.0, "rows/s", None);
+        let kept = report.kept_rows(previous);
+        assert!(!kept.contains("old drain"), "{kept}");
+        let enqueue = kept.find("| log enqueue").expect("enqueue kept");
+        let latency = kept.find("| log latency").expect("latency kept");
+        let first = kept
+            .find("Kept from 2026-12-01 19:46")
+            .expect("its run named");
+        let second = kept
+            .find("Kept from 2026-11-30 10:00")
+            .expect("its run named");
+        assert!(
+            first < enqueue && enqueue < second && second < latency,
+            "{kept}"
+        );
     }
 }
