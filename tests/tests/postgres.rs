@@ -636,8 +636,16 @@ async fn writers_do_not_notify_while_the_relay_is_busy() {
         ..test_worker_config("w")
     };
     let relay = outbox.relay_with(config, sink.clone());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(idle().await, "an idle relay asks writers to notify");
+    // An idle relay asks writers to notify (as soon as its first claim finds nothing; a
+    // loaded machine may take a while to get there).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !idle().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "an idle relay asks writers to notify"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // A full batch means the relay is busy: it tells writers to stop notifying.
     outbox
         .enqueue(
