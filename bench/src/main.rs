@@ -4,7 +4,7 @@
 //!
 //! `cargo xtask bench [--quick] [drain] [latency] [enqueue] [backlog] [sqlite] [mysql] [log]`
 //! (all when none named); `log-drain`, `log-cleanup`, `log-enqueue`, `log-latency`,
-//! `log-txn`, `log-binary` run one part of `log` (PostgreSQL log mode).
+//! `log-txn`, `log-binary`, `log-pairs` run one part of `log` (PostgreSQL log mode).
 //! Writes a table to the terminal, `target/bench/results.json`, and the generated part of
 //! BENCHMARKS.md with `bench/drain.svg`.
 

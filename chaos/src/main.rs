@@ -173,15 +173,16 @@ fn keep_binary(binary: &std::path::Path, dir: &std::path::Path) -> Result<PathBu
     Ok(kept)
 }
 
-/// How many duplicates one relay hit may explain. A hit relay's batch in flight is published
-/// again: one batch. In log mode the next owner of its shards also reads from their stored
+/// How many duplicates one relay hit may explain. A hit relay's batches in flight are published
+/// again: two batches (the worker writes a batch's settlement while the next one goes out). In
+/// log mode the next owner of its shards also reads from their stored
 /// cursors, which sit just before the oldest message not settled: what the relay delivered
 /// past a message still waiting to retry goes out again. That is counted as one batch more
 /// for each shard of a relay's share (shards ÷ relays, rounded up).
 fn redelivery_per_hit(store: Store, batch: usize, relays: usize) -> usize {
     match store {
-        Store::PostgresLog => batch * (1 + (LOG_SHARDS as usize).div_ceil(relays.max(1))),
-        Store::Postgres | Store::Mysql => batch,
+        Store::PostgresLog => batch * (2 + (LOG_SHARDS as usize).div_ceil(relays.max(1))),
+        Store::Postgres | Store::Mysql => 2 * batch,
     }
 }
 
@@ -645,11 +646,11 @@ mod tests {
     use super::{Store, redelivery_per_hit};
 
     #[test]
-    fn a_hit_may_redeliver_a_batch_and_in_log_mode_a_batch_per_shard_of_its_share() {
-        assert_eq!(redelivery_per_hit(Store::Postgres, 20, 3), 20);
-        assert_eq!(redelivery_per_hit(Store::Mysql, 20, 3), 20);
+    fn a_hit_may_redeliver_two_batches_and_in_log_mode_a_batch_per_shard_of_its_share() {
+        assert_eq!(redelivery_per_hit(Store::Postgres, 20, 3), 40);
+        assert_eq!(redelivery_per_hit(Store::Mysql, 20, 3), 40);
         // 8 shards over 3 relays: a share of 3.
-        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 3), 20 * (1 + 3));
-        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 1), 20 * (1 + 8));
+        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 3), 20 * (2 + 3));
+        assert_eq!(redelivery_per_hit(Store::PostgresLog, 20, 1), 20 * (2 + 8));
     }
 }

@@ -335,20 +335,31 @@ impl Worker {
     }
 
     /// One run: relays until `shutdown` is cancelled (`Ok`) or the storage fails (`Err`).
+    ///
+    /// Batches are pipelined two deep: a batch's outcomes are written while the next batch
+    /// is claimed and published, so the storage's commit is not on the path of every batch.
+    /// The claim runs while the last batch's messages are still claimed, so it leaves out
+    /// their keys (per-key order holds as between two relays); a claim that came back short
+    /// meanwhile is made again at once after the write, before the worker waits for work.
+    /// Anything else (maintenance, the health gate, shutdown, a sink outage, waiting for
+    /// work) waits for the write first.
     pub async fn run_once(&self, shutdown: &CancellationToken) -> Result<()> {
         let mut sink_checked = false;
         let mut sink_failures = 0;
         let mut last_maintain: Option<Instant> = None;
+        let mut settling: Option<Settling<'_>> = None;
         loop {
             if shutdown.is_cancelled() {
-                return Ok(());
+                return settled(&mut settling).await;
             }
             if last_maintain.is_none_or(|at| at.elapsed() >= MAINTAIN_EVERY) {
+                settled(&mut settling).await?;
                 self.storage.maintain().await?;
                 last_maintain = Some(Instant::now());
             }
             // Health gate: while the sink is down, claim nothing and charge nothing.
             if !sink_checked {
+                settled(&mut settling).await?;
                 let health = self.sink.health().await;
                 metrics::gauge!(names::SINK_UP, names::RELAY => self.config.relay_label().to_string())
                     .set(if health.is_ok() { 1.0 } else { 0.0 });
@@ -364,37 +375,21 @@ impl Worker {
                 sink_checked = true;
             }
 
-            // The lease runs on the storage's clock from the claim statement; counting it
-            // from before the call keeps this worker's view of it on the safe side.
-            let asked_at = Instant::now();
-            let claim_span = tracing::info_span!(
-                "outbox.claim",
-                relay = %self.config.relay_label(),
-                limit = self.config.batch_size,
-                claimed = tracing::field::Empty,
-            );
-            let claim = self
-                .storage
-                .claim(
-                    &self.config.worker_id,
-                    self.config.batch_size,
-                    self.config.lease,
-                )
-                .instrument(claim_span.clone())
-                .await?;
-            claim_span.record("claimed", claim.messages.len());
-            trace::link_messages(&claim_span, &claim.messages);
-            drop(claim_span);
-            let claimed = claim.messages.len();
-            if claimed > 0 {
-                if self.relay_batch(claim, asked_at, shutdown).await? {
-                    if sink_failures > 0 {
-                        tracing::info!(worker = %self.config.worker_id, "sink is back");
-                    }
-                    sink_failures = 0;
-                } else {
+            let overlapped = settling.is_some();
+            let next = self.claim_and_publish(shutdown);
+            // The write is polled first: it takes what it needs and is on its way before
+            // the claim starts.
+            let (last, next) = match settling.take() {
+                Some(last) => tokio::join!(last, next),
+                None => (Ok(()), next.await),
+            };
+            last?;
+            let (claimed, batch) = next?;
+            if let Some(batch) = batch {
+                if batch.published.sink_unavailable {
                     // The sink dropped out mid-publish: back off even if its health check
                     // still passes, so a half-broken broker is not hammered.
+                    self.settle(batch).await?;
                     metrics::gauge!(names::SINK_UP, names::RELAY => self.config.relay_label().to_string())
                         .set(0.0);
                     sink_failures += 1;
@@ -406,9 +401,19 @@ impl Worker {
                     sink_checked = false;
                     continue;
                 }
+                if sink_failures > 0 {
+                    tracing::info!(worker = %self.config.worker_id, "sink is back");
+                }
+                sink_failures = 0;
+                settling = Some(Box::pin(self.settle(batch)));
             }
             // Drain until idle: a full batch means more may be waiting, so claim again now.
             if claimed < self.config.batch_size {
+                settled(&mut settling).await?;
+                // The keys of the batch that was settling were left out: claim again now.
+                if overlapped {
+                    continue;
+                }
                 tokio::select! {
                     _ = sleep(self.config.poll_interval) => {}
                     woken = self.storage.wait_for_work() => woken?,
@@ -422,35 +427,61 @@ impl Worker {
         }
     }
 
-    /// Publishes one claimed batch and records the outcomes. Returns false when the sink
-    /// turned out to be unavailable. Once shutdown is requested the batch gets
-    /// `shutdown_timeout` to finish; after that its messages are released.
-    async fn relay_batch(
+    /// Claims a batch and publishes it. Returns how many messages were claimed and, if
+    /// any, the batch with its outcomes, to [`settle`](Self::settle).
+    async fn claim_and_publish(
         &self,
-        claim: Claim,
-        asked_at: Instant,
         shutdown: &CancellationToken,
-    ) -> Result<bool> {
-        // One span for the batch, linked to each message's trace; its publish rounds and its
-        // settlement are spans within it.
+    ) -> Result<(usize, Option<Batch>)> {
+        // The lease runs on the storage's clock from the claim statement; counting it
+        // from before the call keeps this worker's view of it on the safe side.
+        let asked_at = Instant::now();
+        let claim_span = tracing::info_span!(
+            "outbox.claim",
+            relay = %self.config.relay_label(),
+            limit = self.config.batch_size,
+            claimed = tracing::field::Empty,
+        );
+        let claim = self
+            .storage
+            .claim(
+                &self.config.worker_id,
+                self.config.batch_size,
+                self.config.lease,
+            )
+            .instrument(claim_span.clone())
+            .await?;
+        claim_span.record("claimed", claim.messages.len());
+        trace::link_messages(&claim_span, &claim.messages);
+        drop(claim_span);
+        let claimed = claim.messages.len();
+        if claimed == 0 {
+            return Ok((0, None));
+        }
+        // One span for the batch, linked to each message's trace; its publish rounds and
+        // its settlement are spans within it.
         let span = tracing::info_span!(
             "outbox.batch",
             relay = %self.config.relay_label(),
-            messages = claim.messages.len(),
+            messages = claimed,
         );
         trace::link_messages(&span, &claim.messages);
-        self.publish_and_settle(claim, asked_at, shutdown)
+        let batch = self
+            .publish_batch(claim, asked_at, shutdown, span.clone())
             .instrument(span)
-            .await
+            .await;
+        Ok((claimed, Some(batch)))
     }
 
-    /// The body of [`relay_batch`](Self::relay_batch).
-    async fn publish_and_settle(
+    /// Publishes one claimed batch. Once shutdown is requested the batch gets
+    /// `shutdown_timeout` to finish; after that its messages are released.
+    async fn publish_batch(
         &self,
         claim: Claim,
         asked_at: Instant,
         shutdown: &CancellationToken,
-    ) -> Result<bool> {
+        span: tracing::Span,
+    ) -> Batch {
         let started = Instant::now();
         let token = claim.token;
         let ids: Vec<Uuid> = claim.messages.iter().map(|m| m.id).collect();
@@ -489,11 +520,33 @@ impl Worker {
             tracing::warn!(worker = %self.config.worker_id, released = unsettled.len(), recorded = settled.len(), "shutdown time-out: releasing what the batch in flight has not published");
             published.settlement.released.extend(unsettled);
         }
-        self.record(&token, &published).await?;
-        published.count(self.config.relay_label(), &topics, &self.topic_labels);
-        metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
-            .record(started.elapsed().as_secs_f64());
-        Ok(!published.sink_unavailable)
+        Batch {
+            token,
+            topics,
+            published,
+            started,
+            span,
+        }
+    }
+
+    /// Records a published batch's outcomes and counts them.
+    async fn settle(&self, batch: Batch) -> Result<()> {
+        let Batch {
+            token,
+            topics,
+            published,
+            started,
+            span,
+        } = batch;
+        async {
+            self.record(&token, &published).await?;
+            published.count(self.config.relay_label(), &topics, &self.topic_labels);
+            metrics::histogram!(names::BATCH_DURATION_SECONDS, names::RELAY => self.config.relay_label().to_string())
+                .record(started.elapsed().as_secs_f64());
+            Ok(())
+        }
+        .instrument(span)
+        .await
     }
 
     /// Publishes a batch in rounds: with per-key order, each round holds at most one message
@@ -690,6 +743,27 @@ impl Worker {
         }
         Ok(())
     }
+}
+
+/// The outcomes of a batch being written while the next batch goes out.
+type Settling<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = Result<()>> + Send + 'a>>;
+
+/// Waits for the batch being settled, if any.
+async fn settled(settling: &mut Option<Settling<'_>>) -> Result<()> {
+    match settling.take() {
+        Some(settle) => settle.await,
+        None => Ok(()),
+    }
+}
+
+/// A published batch: its outcomes, to record.
+struct Batch {
+    token: ClaimToken,
+    /// Each message's topic and creation time, for the counters.
+    topics: HashMap<Uuid, (String, DateTime<Utc>)>,
+    published: Published,
+    started: Instant,
+    span: tracing::Span,
 }
 
 /// A claim's hold on its messages, as this worker counts it.

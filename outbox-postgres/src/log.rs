@@ -57,8 +57,13 @@ type Pos = (u64, i64);
 /// often with a lease under 3 s: three times per lease). A round holds the shards for the
 /// lease plus this interval, so every claim made before the next round ends (its lease
 /// counted from the claim) before its shards' lease does; renewing a claim (`extend_lease`)
-/// renews its shards.
-const ROUND_EVERY: Duration = Duration::from_secs(1);
+/// renews its shards. Four times a second, so that relays joining or leaving see their
+/// shares within a quarter of a second (a round is one short transaction).
+const ROUND_EVERY: Duration = Duration::from_millis(250);
+
+/// A relay handing a shard over gives it up at its first claim after the shard has nothing
+/// out, at most this often, rather than at its next round.
+const HAND_OVER_EVERY: Duration = Duration::from_millis(20);
 
 /// The most rows a relay keeps read but unsettled per shard: this many claims' limits, and
 /// at least [`BUFFER_MIN`]. Rows behind a shard's full buffer wait unread.
@@ -135,6 +140,26 @@ struct Aside {
     attempts: u32,
 }
 
+/// A read of the log for the next claim, running in the background (see
+/// [`LogEngine::start_read`]).
+struct ReadAhead {
+    /// Each shard's epoch and read position when the read started.
+    from: HashMap<i32, (i64, Pos)>,
+    task: tokio::task::JoinHandle<Result<Vec<ReadRow>>>,
+}
+
+/// A row read from the log: its shard, its place, the message.
+type ReadRow = (i32, Pos, Message);
+
+/// What [`read_rows`] reads: per shard, after which place and how many rows.
+struct ReadPlan {
+    shards: Vec<i32>,
+    xids: Vec<String>,
+    seqs: Vec<i64>,
+    room: Vec<i64>,
+    from: HashMap<i32, (i64, Pos)>,
+}
+
 #[derive(Default)]
 struct Inner {
     /// By message id.
@@ -144,8 +169,8 @@ struct Inner {
     ids: HashMap<Uuid, (i32, Pos)>,
     parked: HashMap<String, Parked>,
     last_round: Option<Instant>,
-    /// The `limit` of the last claim: a settlement reads ahead for the next one.
-    claim_limit: usize,
+    /// The rows for the next claim, being read while this claim's batch goes out.
+    ahead: Option<ReadAhead>,
 }
 
 impl Inner {
@@ -534,6 +559,11 @@ pub(crate) struct LogEngine {
     /// `start = "now"`: a shard never owned before starts at the horizon.
     start_now: bool,
     inner: tokio::sync::Mutex<Inner>,
+    /// Held by every write to the shards table, taken after `inner` when both are: a
+    /// settlement of deliveries moves its cursors without holding `inner` (so the worker's
+    /// next claim goes on meanwhile), and this relay's writes still never overlap: no
+    /// lock-order deadlock between its own statements, and no give-up passes a cursor write.
+    writes: tokio::sync::Mutex<()>,
     /// Added to the clock of in-memory times (leases, retry delays): for tests only.
     offset: std::sync::Mutex<Duration>,
 }
@@ -545,6 +575,7 @@ impl LogEngine {
             sql: LogSql::new(table),
             start_now,
             inner: tokio::sync::Mutex::new(Inner::default()),
+            writes: tokio::sync::Mutex::new(()),
             offset: std::sync::Mutex::new(Duration::ZERO),
         }
     }
@@ -574,6 +605,7 @@ impl LogEngine {
     /// rounded up), giving up idle ones above it.
     async fn round(&self, pool: &PgPool, inner: &mut Inner, lease: Duration) -> Result<()> {
         let fail = |e| db_error("cannot renew or take shards", e);
+        let _writing = self.writes.lock().await;
         let ms = millis(lease);
         let asked_at = self.now();
         let mut tx = pool.begin().await.map_err(fail)?;
@@ -778,20 +810,19 @@ impl LogEngine {
             .map_err(|e| db_error("cannot read parked keys", e))
     }
 
-    /// Reads new rows below the horizon from `source` (the primary or a replica: either way
-    /// every row below its horizon is there, see `HORIZON`), as many as fill each shard's
-    /// buffer once `leaving` of its rows (per shard, about to be settled) are gone.
-    /// Changes nothing: [`take`](Self::take) puts the rows in memory.
-    async fn fetch(
+    /// What to read next: each shard's read position, as many rows as fill its buffer once
+    /// `leaving` of its rows (per shard: the batch going out) are gone. `None` when every
+    /// buffer is full.
+    fn plan_read(
         &self,
-        source: &PgPool,
         inner: &Inner,
         limit: usize,
         leaving: &HashMap<i32, usize>,
-    ) -> Result<Vec<PgRow>> {
+    ) -> Option<ReadPlan> {
         let cap = limit.saturating_mul(BUFFER_CLAIMS).max(BUFFER_MIN);
         let mut want: Vec<(i32, Pos)> = Vec::new();
         let mut room: Vec<i64> = Vec::new();
+        let mut from = HashMap::new();
         for (&shard, s) in &inner.shards {
             let staying = s
                 .entries
@@ -800,46 +831,83 @@ impl LogEngine {
             if staying < cap && !s.leaving {
                 want.push((shard, s.read));
                 room.push(i64::try_from(cap - staying).unwrap_or(i64::MAX));
+                from.insert(shard, (s.epoch, s.read));
             }
         }
         if want.is_empty() {
-            return Ok(Vec::new());
+            return None;
         }
         let (shards, xids, seqs) = split(&want);
-        sqlx::query(&self.sql.read)
-            .bind(&shards)
-            .bind(&xids)
-            .bind(&seqs)
-            .bind(&room)
-            .fetch_all(source)
-            .await
-            .map_err(|e| db_error("cannot read the outbox log", e))
+        Some(ReadPlan {
+            shards,
+            xids,
+            seqs,
+            room,
+            from,
+        })
     }
 
-    /// Puts rows [`fetch`](Self::fetch)ed into memory; rows of parked keys are kept aside in
-    /// the held rows at once (fenced, on the primary `pool`), before the cursor can move past
-    /// them. Which keys are parked comes from memory, refreshed from the primary. Rows of a
-    /// shard no longer owned are dropped.
-    async fn take(&self, pool: &PgPool, inner: &mut Inner, rows: Vec<PgRow>) -> Result<()> {
+    /// Starts reading the rows for the next claim in the background, while this claim's
+    /// batch goes out: the next claim only puts them in memory.
+    fn start_read(
+        &self,
+        source: &PgPool,
+        inner: &mut Inner,
+        limit: usize,
+        leaving: &HashMap<i32, usize>,
+    ) {
+        let Some(plan) = self.plan_read(inner, limit, leaving) else {
+            return;
+        };
+        let (source, sql) = (source.clone(), self.sql.read.clone());
+        let from = plan.from.clone();
+        let task = tokio::spawn(async move { read_rows(&source, &sql, &plan).await });
+        inner.ahead = Some(ReadAhead { from, task });
+    }
+
+    /// Puts rows read (see [`plan_read`](Self::plan_read)) into memory; rows of parked keys
+    /// are kept aside in the held rows at once (fenced, on the primary `pool`), before the
+    /// cursor can move past them. Which keys are parked comes from memory, refreshed from
+    /// the primary. Only the rows of shards still at the epoch and read position they were
+    /// read from (`from`) are taken: a shard taken over, or handed over and read back from
+    /// an earlier position, since, is read again.
+    async fn take(
+        &self,
+        pool: &PgPool,
+        inner: &mut Inner,
+        rows: Vec<ReadRow>,
+        from: &HashMap<i32, (i64, Pos)>,
+    ) -> Result<()> {
         let fail = |e| db_error("cannot read the outbox log", e);
-        // Decode everything first and write the held rows, then change memory: a failure
-        // on the way must leave no row behind the read position that is neither in memory
-        // nor kept aside.
-        let mut read: Vec<(i32, Pos, Message, bool)> = Vec::with_capacity(rows.len());
-        for row in &rows {
-            let (shard, pos) = position(row)?;
-            let message = rows::message(row)?;
-            let parked = message
-                .key
-                .as_ref()
-                .and_then(|k| inner.parked.get(k))
-                .is_some_and(|p| !p.draining);
-            read.push((shard, pos, message, parked));
-        }
+        let current: HashSet<i32> = from
+            .iter()
+            .filter(|(shard, at)| {
+                inner
+                    .shards
+                    .get(shard)
+                    .is_some_and(|s| (s.epoch, s.read) == **at)
+            })
+            .map(|(shard, _)| *shard)
+            .collect();
+        // Write the held rows first, then change memory: a failure on the way must leave
+        // no row behind the read position that is neither in memory nor kept aside.
+        let read: Vec<(i32, Pos, Message, bool)> = rows
+            .into_iter()
+            .filter(|r| current.contains(&r.0))
+            .map(|(shard, pos, message)| {
+                let parked = message
+                    .key
+                    .as_ref()
+                    .and_then(|k| inner.parked.get(k))
+                    .is_some_and(|p| !p.draining);
+                (shard, pos, message, parked)
+            })
+            .collect();
         let hold: Vec<(i32, Pos)> = read.iter().filter(|r| r.3).map(|r| (r.0, r.1)).collect();
         let touched: HashSet<i32> = hold.iter().map(|(s, _)| *s).collect();
         let mut kept = HashSet::new();
         if !hold.is_empty() {
+            let _writing = self.writes.lock().await;
             let mut tx = pool.begin().await.map_err(fail)?;
             kept = self
                 .fence(&mut tx, inner, &touched, &HashSet::new())
@@ -917,6 +985,7 @@ impl LogEngine {
         let touched: HashSet<i32> = hold.iter().map(|(s, _, _)| *s).collect();
         let mut kept = HashSet::new();
         if !hold.is_empty() {
+            let _writing = self.writes.lock().await;
             let mut tx = pool.begin().await.map_err(fail)?;
             kept = self.fence(&mut tx, inner, &touched, &drop).await?;
             let hold: Vec<&(i32, Pos, i32)> =
@@ -979,25 +1048,8 @@ impl LogEngine {
         touched: &HashSet<i32>,
         removed: &HashSet<Pos>,
     ) -> Result<HashSet<i32>> {
-        let mut positions = Vec::new();
-        let mut epochs = Vec::new();
-        for shard in touched {
-            if let Some(s) = inner.shards.get(shard) {
-                positions.push((*shard, s.cursor_after(removed)));
-                epochs.push(s.epoch);
-            }
-        }
-        let (shards, xids, seqs) = split(&positions);
-        let kept: Vec<i32> = sqlx::query_scalar(&self.sql.move_cursors)
-            .bind(&shards)
-            .bind(&xids)
-            .bind(&seqs)
-            .bind(&epochs)
-            .bind(&self.owner)
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(|e| db_error("cannot move the cursor", e))?;
-        Ok(kept.into_iter().collect())
+        let (positions, epochs) = cursor_positions(inner, touched, removed);
+        move_cursors(tx, &self.sql.move_cursors, &self.owner, &positions, &epochs).await
     }
 
     /// Renews the lease of `shards` (those still this relay's, by their epoch) for `lease`
@@ -1050,9 +1102,14 @@ impl LogEngine {
         let inner = &mut *guard;
         let now = self.now();
         let every = ROUND_EVERY.min(lease / 3);
-        let round_due = inner
-            .last_round
-            .is_none_or(|at| now.saturating_duration_since(at) >= every);
+        let handing_over = inner
+            .shards
+            .values()
+            .any(|s| s.leaving && s.entries.is_empty());
+        let round_due = inner.last_round.is_none_or(|at| {
+            let since = now.saturating_duration_since(at);
+            since >= every || (handing_over && since >= HAND_OVER_EVERY)
+        });
         if round_due {
             // Shards are held for a round interval beyond the lease: every claim until the
             // next round then ends, lease and all, before its shards' lease does, so a claim
@@ -1061,7 +1118,6 @@ impl LogEngine {
             self.round(pool, inner, lease + every).await?;
         }
         let token = ClaimToken(Uuid::now_v7());
-        inner.claim_limit = limit;
         if inner.shards.is_empty() {
             return Ok(Claim {
                 token,
@@ -1070,38 +1126,72 @@ impl LogEngine {
         }
         // Which keys are parked (from the primary) and the new rows are read at once, on
         // two connections; the parked keys are applied first, so the rows of a parked key
-        // go to the held rows.
-        let (parked, rows) = {
+        // go to the held rows. With no key parked in memory they are read with each round
+        // only: this relay parks keys in memory as it writes them, the shards it takes come
+        // with a round, and an operator's replay or release acts on a key already parked.
+        // The rows come from the read started by the last claim when there is one (it ran
+        // while that claim's batch went out), else from a read now.
+        let source = replica.unwrap_or(pool);
+        let read_parked = config.per_key_order && (round_due || !inner.parked.is_empty());
+        let mut ahead = inner.ahead.take();
+        let (parked, (rows, from)) = {
             let shared: &Inner = inner;
-            let no_rows = HashMap::new();
             tokio::try_join!(
                 async {
-                    match config.per_key_order {
+                    match read_parked {
                         true => self.parked_rows(pool, shared).await.map(Some),
                         false => Ok(None),
                     }
                 },
-                self.fetch(replica.unwrap_or(pool), shared, limit, &no_rows),
+                async {
+                    if let Some(ahead) = ahead.as_mut() {
+                        let rows = (&mut ahead.task).await.map_err(|e| {
+                            Error::temporary(format!("postgres: reading the log stopped: {e}"))
+                        })??;
+                        return Ok((rows, std::mem::take(&mut ahead.from)));
+                    }
+                    match self.plan_read(shared, limit, &HashMap::new()) {
+                        Some(plan) => {
+                            Ok((read_rows(source, &self.sql.read, &plan).await?, plan.from))
+                        }
+                        None => Ok((Vec::new(), HashMap::new())),
+                    }
+                },
             )?
         };
         if let Some(parked) = parked {
             self.refresh_parked(pool, inner, parked).await?;
         }
-        self.take(pool, inner, rows).await?;
+        self.take(pool, inner, rows, &from).await?;
         if config.per_key_order {
             self.hold_parked(pool, inner).await?;
         }
 
-        let now = self.now();
         let max_per_key = if config.per_key_order {
             config.max_per_key
         } else {
             usize::MAX
         };
-        let picked = pick(inner, limit, max_per_key, config.per_key_order, now);
+        let mut picked = pick(inner, limit, max_per_key, config.per_key_order, self.now());
+        // The read ahead began before this claim: a claim it does not fill reads again, so
+        // that it hands out every row committed before it.
+        if ahead.is_some()
+            && picked.len() < limit
+            && let Some(plan) = self.plan_read(inner, limit, &HashMap::new())
+        {
+            let rows = read_rows(source, &self.sql.read, &plan).await?;
+            self.take(pool, inner, rows, &plan.from).await?;
+            if config.per_key_order {
+                self.hold_parked(pool, inner).await?;
+            }
+            picked = pick(inner, limit, max_per_key, config.per_key_order, self.now());
+        }
+        let now = self.now();
         let until = now + lease;
         let mut messages = Vec::with_capacity(picked.len());
+        let mut leaving: HashMap<i32, usize> = HashMap::new();
         for (pos, shard) in picked {
+            *leaving.entry(shard).or_default() += 1;
             if let Some(e) = inner
                 .shards
                 .get_mut(&shard)
@@ -1114,20 +1204,23 @@ impl LogEngine {
                 messages.push(e.message.clone());
             }
         }
+        // A full batch: more is likely waiting, so read it while this batch goes out.
+        if messages.len() == limit {
+            self.start_read(source, inner, limit, &leaving);
+        }
         Ok(Claim { token, messages })
     }
 
     pub(crate) async fn settle(
         &self,
         pool: &PgPool,
-        replica: Option<&PgPool>,
         config: &PostgresConfig,
         token: &ClaimToken,
         s: &Settlement,
     ) -> Result<u64> {
         let fail = |e| db_error("settling a batch failed", e);
         let mut guard = self.inner.lock().await;
-        let inner = &mut *guard;
+        let mut inner: &mut Inner = &mut guard;
         let now = self.now();
         let find = |inner: &Inner, id: &Uuid| inner.held_by(id, token);
         let delivered: Vec<(i32, Pos)> = s
@@ -1265,13 +1358,17 @@ impl LogEngine {
                 parks.push((a.key.clone(), *id, a.shard));
             }
         }
-        // Rows read ahead; left unread (to be read again) if this read fails.
-        let mut ahead: Result<Vec<PgRow>> = Ok(Vec::new());
         if !touched.is_empty() {
             let needs_tx = !dead.is_empty()
                 || !hold.is_empty()
                 || !held_delivered.is_empty()
                 || !aside_dead.is_empty();
+            let deliveries_only = !needs_tx
+                && retries.is_empty()
+                && released.is_empty()
+                && aside_retries.is_empty()
+                && aside_released.is_empty();
+            let writing = self.writes.lock().await;
             let mut tx = if needs_tx {
                 Some(pool.begin().await.map_err(fail)?)
             } else {
@@ -1279,27 +1376,33 @@ impl LogEngine {
             };
             let kept = match tx.as_mut() {
                 Some(tx) => self.fence(tx, inner, &touched, &removed).await?,
+                // The common case: the cursors move without the lock on memory, so the
+                // worker's next claim goes on while they commit (about one WAL flush). The
+                // rows settled stay in flight in memory until then.
+                None if deliveries_only => {
+                    let (positions, epochs) = cursor_positions(inner, &touched, &removed);
+                    drop(guard);
+                    let moved = async {
+                        let mut conn = pool.acquire().await.map_err(fail)?;
+                        let sql = &self.sql.move_cursors;
+                        move_cursors(&mut conn, sql, &self.owner, &positions, &epochs).await
+                    }
+                    .await;
+                    drop(writing);
+                    guard = self.inner.lock().await;
+                    inner = &mut guard;
+                    // A shard taken over and back meanwhile is not the one written.
+                    let written: HashMap<i32, i64> =
+                        positions.iter().map(|(s, _)| *s).zip(epochs).collect();
+                    let mut kept = moved?;
+                    kept.retain(|shard| {
+                        inner.shards.get(shard).map(|s| s.epoch) == written.get(shard).copied()
+                    });
+                    kept
+                }
                 None => {
-                    // The common case, deliveries only: the rows for the next claim are read
-                    // (on another connection) while the cursors move.
                     let mut conn = pool.acquire().await.map_err(fail)?;
-                    let (kept, rows) =
-                        tokio::join!(self.fence(&mut conn, inner, &touched, &removed), async {
-                            match inner.claim_limit {
-                                0 => Ok(Vec::new()),
-                                limit => {
-                                    // Each row settled here is in memory once.
-                                    let mut leaving: HashMap<i32, usize> = HashMap::new();
-                                    for (shard, _) in &removed_at {
-                                        *leaving.entry(*shard).or_default() += 1;
-                                    }
-                                    let source = replica.unwrap_or(pool);
-                                    self.fetch(source, inner, limit, &leaving).await
-                                }
-                            }
-                        },);
-                    ahead = rows;
-                    kept?
+                    self.fence(&mut conn, inner, &touched, &removed).await?
                 }
             };
             if let Some(tx) = tx.as_mut() {
@@ -1460,7 +1563,6 @@ impl LogEngine {
                         .filter(|(s, _)| written(s) || !touched.contains(s))
                         .count();
                 self.apply_waits(inner, &retries, &released, now);
-                self.take_ahead(pool, inner, ahead).await;
                 return Ok(n as u64);
             }
         }
@@ -1480,21 +1582,7 @@ impl LogEngine {
                 a.attempts = a.attempts.saturating_add(1);
             }
         }
-        self.take_ahead(pool, inner, ahead).await;
         Ok(count)
-    }
-
-    /// Puts the rows a settlement read ahead into memory. They are only a read ahead: if
-    /// they cannot be, nothing was changed and the next claim reads them again.
-    async fn take_ahead(&self, pool: &PgPool, inner: &mut Inner, rows: Result<Vec<PgRow>>) {
-        let taken = match rows {
-            Ok(rows) if rows.is_empty() => return,
-            Ok(rows) => self.take(pool, inner, rows).await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = taken {
-            tracing::debug!(relay = %self.owner, %error, "reading ahead failed; the next claim reads again");
-        }
     }
 
     /// Retries wait out their delay with one more attempt; releases are ready at once.
@@ -1557,6 +1645,7 @@ impl LogEngine {
             return Ok(aside);
         }
         let touched: HashSet<i32> = found.iter().map(|(s, _)| *s).collect();
+        let _writing = self.writes.lock().await;
         let kept = self.renew(pool, inner, &touched, lease).await?;
         let mut n = 0;
         for (shard, pos) in found {
@@ -1755,6 +1844,8 @@ impl LogEngine {
     /// the next owner.
     pub(crate) async fn give_up(&self, pool: &PgPool) -> Result<()> {
         let mut inner = self.inner.lock().await;
+        // After the last cursor write, or the next owner delivers its batch again.
+        let _writing = self.writes.lock().await;
         let (shards, epochs): (Vec<i32>, Vec<i64>) =
             inner.shards.iter().map(|(s, sh)| (*s, sh.epoch)).unzip();
         let fail = |e| db_error("cannot give shards up", e);
@@ -1852,6 +1943,66 @@ fn min_time<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
         (Some(a), Some(b)) => Some(a.min(b)),
         (a, b) => a.or(b),
     }
+}
+
+/// Reads new rows below the horizon from `source` (the primary or a replica: either way
+/// every row below its horizon is there, see `HORIZON`) as `plan` says, and decodes them.
+/// Changes nothing: [`LogEngine::take`] puts the rows in memory.
+async fn read_rows(source: &PgPool, sql: &str, plan: &ReadPlan) -> Result<Vec<ReadRow>> {
+    let rows = sqlx::query(sql)
+        .bind(&plan.shards)
+        .bind(&plan.xids)
+        .bind(&plan.seqs)
+        .bind(&plan.room)
+        .fetch_all(source)
+        .await
+        .map_err(|e| db_error("cannot read the outbox log", e))?;
+    rows.iter()
+        .map(|row| {
+            let (shard, pos) = position(row)?;
+            Ok((shard, pos, rows::message(row)?))
+        })
+        .collect()
+}
+
+/// Where the cursors of `touched` shards stand once `removed` rows are gone, in shard order
+/// (one order for the row locks, whoever else writes these rows), with their epochs.
+fn cursor_positions(
+    inner: &Inner,
+    touched: &HashSet<i32>,
+    removed: &HashSet<Pos>,
+) -> (Vec<(i32, Pos)>, Vec<i64>) {
+    let mut touched: Vec<i32> = touched.iter().copied().collect();
+    touched.sort_unstable();
+    touched
+        .into_iter()
+        .filter_map(|shard| {
+            let s = inner.shards.get(&shard)?;
+            Some(((shard, s.cursor_after(removed)), s.epoch))
+        })
+        .unzip()
+}
+
+/// Moves the cursors of shards to `positions` under the epoch fence (`epochs`, `owner`);
+/// returns the shards still owned.
+async fn move_cursors(
+    conn: &mut sqlx::PgConnection,
+    sql: &str,
+    owner: &str,
+    positions: &[(i32, Pos)],
+    epochs: &[i64],
+) -> Result<HashSet<i32>> {
+    let (shards, xids, seqs) = split(positions);
+    let kept: Vec<i32> = sqlx::query_scalar(sql)
+        .bind(&shards)
+        .bind(&xids)
+        .bind(&seqs)
+        .bind(epochs)
+        .bind(owner)
+        .fetch_all(conn)
+        .await
+        .map_err(|e| db_error("cannot move the cursor", e))?;
+    Ok(kept.into_iter().collect())
 }
 
 /// The shard and place of a row that has `shard`, `xid_text` and `seq`.

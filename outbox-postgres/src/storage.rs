@@ -298,13 +298,7 @@ impl Storage for PgStorage {
         }
         if let Some(log) = &self.log {
             return log
-                .settle(
-                    &self.pool,
-                    self.replica.as_ref(),
-                    &self.config,
-                    token,
-                    settlement,
-                )
+                .settle(&self.pool, &self.config, token, settlement)
                 .await;
         }
         let sql = if settlement.holds_back() {

@@ -574,6 +574,101 @@ async fn four_relays_one_killed_one_started_lose_nothing_and_keep_key_order() {
     );
 }
 
+/// A settlement of deliveries moves its cursor without holding the relay's memory: a claim
+/// made while that write waits (here behind a row lock on the shard) goes on, and leaves out
+/// the row being settled and the later rows of its key, which stay in flight until the
+/// write commits. (The worker claims its next batch while the last one settles.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_goes_on_while_a_settlements_cursor_write_waits() {
+    // The claim under test must come before the relay's next round (250 ms): a round
+    // renews the shard, so it waits for the lock too. A machine too slow for that tries again.
+    for attempt in 1..=5 {
+        if claim_during_a_waiting_cursor_write().await {
+            return;
+        }
+        eprintln!("attempt {attempt}: the next round came first; trying again");
+    }
+    panic!("five attempts in a row took longer than a round interval");
+}
+
+/// One attempt of the test above; false when it was too slow to say anything.
+async fn claim_during_a_waiting_cursor_write() -> bool {
+    let outbox = log_outbox(1).await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "m1").key("k"),
+            NewMessage::new("t", "m2").key("k"),
+            NewMessage::new("t", "n1").key("j"),
+        ])
+        .await;
+    let relay = outbox.another_relay();
+    // This claim runs the relay's round (taking the shard): the next is 250 ms away.
+    let first = relay.claim("w", 1, LEASE).await.unwrap();
+    let round_at = tokio::time::Instant::now();
+    assert_eq!(payloads(&first), ["m1"]);
+    let shards_table = outbox.table.qualified("_shards");
+    let mut blocker = outbox.pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT shard FROM {shards_table} FOR UPDATE"))
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let settling = tokio::spawn({
+        let relay = relay.clone();
+        let delivered = deliveries(&first);
+        let token = first.token;
+        async move { relay.ack(&token, &delivered).await }
+    });
+    // Wait until the cursor write is queued behind the lock.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%cursor_xid%' AND query LIKE $1",
+        )
+        .bind(format!("%{}%", outbox.table.schema()))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the settlement's cursor write never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    if round_at.elapsed() > Duration::from_millis(150) {
+        blocker.rollback().await.unwrap();
+        assert_eq!(settling.await.unwrap().unwrap(), 1);
+        return false;
+    }
+    let during = tokio::time::timeout(Duration::from_secs(5), relay.claim("w", 10, LEASE))
+        .await
+        .expect("a claim must not wait for a settlement's cursor write")
+        .unwrap();
+    assert_eq!(
+        payloads(&during),
+        ["n1"],
+        "m1 is being settled and m2 waits behind it; the other key goes on"
+    );
+    assert!(!settling.is_finished(), "the cursor write still waits");
+    blocker.rollback().await.unwrap();
+    assert_eq!(
+        settling.await.unwrap().unwrap(),
+        1,
+        "the settlement is written"
+    );
+    let after = relay.claim("w", 10, LEASE).await.unwrap();
+    assert_eq!(payloads(&after), ["m2"], "m1 settled: its key goes on");
+    assert_eq!(
+        shards(&outbox).await[0].3,
+        1,
+        "the cursor: just after m1 (seq 1)"
+    );
+    true
+}
+
 /// A relay stalls past its shard's lease; another takes the shard (a new epoch) and moves
 /// on. Every write of the stale owner is refused: its acknowledgement changes nothing and
 /// the cursor does not move back; it stops holding the shard.
@@ -640,10 +735,10 @@ async fn a_stale_owners_cursor_writes_are_refused() {
     assert_eq!(payloads(&rest), ["m3", "m4", "m5"]);
 }
 
-/// A claim renews no shard (one commit less per batch): the round, at least once a second,
-/// holds the shards for the lease plus that interval. So the shards of every claim stay this
+/// A claim renews no shard (one commit less per batch): the round, four times a second, holds
+/// the shards for the lease plus that interval. So the shards of every claim stay this
 /// relay's until its lease has run out, however long after the last round it was made; a
-/// round that held them for the lease alone would let a claim made 0.9 s later outlive them,
+/// round that held them for the lease alone would let a claim made 0.2 s later outlive them,
 /// and another relay could take the shard and deliver the key while this one still publishes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_claims_shards_stay_held_until_its_lease_has_run_out() {
@@ -655,8 +750,9 @@ async fn every_claims_shards_stay_held_until_its_lease_has_run_out() {
         outbox.table.qualified("_shards")
     );
     let mut handed_out = 0;
-    // Claims every 300 ms for 3 s: some just after a round, some just before the next.
-    for i in 0..10 {
+    // Claims every 70 ms for about a second: some just after a round, some just before the
+    // next.
+    for i in 0..15 {
         outbox
             .enqueue(&[NewMessage::new("t", format!("m{i}")).key(format!("k{i}"))])
             .await;
@@ -676,7 +772,7 @@ async fn every_claims_shards_stay_held_until_its_lease_has_run_out() {
             "claim {i}: its lease runs to at least {}, its shards only to {until}",
             asked + lease
         );
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        tokio::time::sleep(Duration::from_millis(70)).await;
     }
     assert!(handed_out > 0, "no claim handed anything out");
 }

@@ -626,3 +626,149 @@ fn the_topic_label_names_the_first_topics_and_counts_the_rest_as_other() {
     assert_eq!(labels.label("d"), "_other");
     assert_eq!(TopicLabels::new(0).label("a"), "_all");
 }
+
+/// The in-memory storage with a settlement that takes `delay`: counts the claims made while
+/// a settlement was out.
+struct SlowSettle {
+    inner: MemoryStorage,
+    delay: Duration,
+    settling: std::sync::atomic::AtomicUsize,
+    overlapped: std::sync::atomic::AtomicUsize,
+}
+
+impl SlowSettle {
+    fn new(per_key_order: bool, delay: Duration) -> Self {
+        SlowSettle {
+            inner: MemoryStorage::new(per_key_order),
+            delay,
+            settling: Default::default(),
+            overlapped: Default::default(),
+        }
+    }
+
+    fn overlapped(&self) -> usize {
+        self.overlapped.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+#[async_trait]
+impl Storage for SlowSettle {
+    async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        if self.settling.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            self.overlapped
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        }
+        self.inner.claim(worker, limit, lease).await
+    }
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.settling.fetch_add(1, SeqCst);
+        sleep(self.delay).await;
+        let settled = self.inner.settle(token, settlement).await;
+        self.settling.fetch_sub(1, SeqCst);
+        settled
+    }
+    async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
+        self.inner.extend_lease(token, ids, lease).await
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+    async fn stats(&self) -> Result<QueueStats> {
+        self.inner.stats().await
+    }
+    fn capabilities(&self) -> StorageCapabilities {
+        self.inner.capabilities()
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_next_batch_is_claimed_and_published_while_the_last_one_settles() {
+    let storage = Arc::new(SlowSettle::new(false, Duration::from_millis(100)));
+    let sink = Arc::new(MemorySink::new());
+    for i in 0..1000 {
+        storage.inner.enqueue(NewMessage::new("t", format!("m{i}")));
+    }
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        batch_size: 100,
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    // The first batch is published at once; the second while the first settles.
+    sleep(Duration::from_millis(50)).await;
+    assert_eq!(sink.published().len(), 200, "two batches out, one settling");
+    sleep(Duration::from_secs(2)).await;
+    assert_eq!(sink.published().len(), 1000);
+    assert_eq!(storage.inner.delivered().len(), 1000, "every batch settled");
+    // Every claim after the first ran while the batch before it settled.
+    assert!(
+        storage.overlapped() >= 9,
+        "claims made while a settlement was out: {}",
+        storage.overlapped()
+    );
+    shutdown.cancel();
+    handle.await.unwrap();
+}
+
+/// One key only: the claim made while the key's batch settles comes back empty (the key is
+/// still claimed), and the worker claims again as soon as that settlement is written instead
+/// of waiting for work.
+#[tokio::test(start_paused = true)]
+async fn a_key_held_by_a_settling_batch_is_claimed_right_after_it_without_waiting() {
+    let storage = Arc::new(SlowSettle::new(true, Duration::from_millis(100)));
+    let sink = Arc::new(MemorySink::new());
+    for i in 0..30 {
+        storage
+            .inner
+            .enqueue(NewMessage::new("t", format!("k{i}")).key("k"));
+    }
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        batch_size: 10,
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    // Three batches of the key, 100 ms of settlement each: far less than a poll interval.
+    sleep(Duration::from_secs(2)).await;
+    let order: Vec<Vec<u8>> = sink.published().into_iter().map(|m| m.payload).collect();
+    let expected: Vec<Vec<u8>> = (0..30).map(|i| format!("k{i}").into_bytes()).collect();
+    assert_eq!(order, expected, "each once, in key order");
+    assert_eq!(storage.inner.delivered().len(), 30);
+    assert!(
+        storage.overlapped() >= 1,
+        "a claim ran while a batch settled"
+    );
+    shutdown.cancel();
+    handle.await.unwrap();
+}
+
+/// Shutdown comes while the second batch is out and the first is settling: both are
+/// written before the worker stops.
+#[tokio::test(start_paused = true)]
+async fn shutdown_waits_for_the_batch_being_settled() {
+    let storage = Arc::new(SlowSettle::new(false, Duration::from_secs(1)));
+    let sink = Arc::new(MemorySink::new());
+    for i in 0..20 {
+        storage.inner.enqueue(NewMessage::new("t", format!("m{i}")));
+    }
+    let cfg = WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        batch_size: 10,
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    sleep(Duration::from_millis(500)).await;
+    assert_eq!(sink.published().len(), 20, "both batches published");
+    assert!(
+        storage.inner.delivered().is_empty(),
+        "the first still settling"
+    );
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(
+        storage.inner.delivered().len(),
+        20,
+        "both settlements were written before the worker stopped"
+    );
+}
