@@ -1126,13 +1126,13 @@ impl LogEngine {
         }
         // Which keys are parked (from the primary) and the new rows are read at once, on
         // two connections; the parked keys are applied first, so the rows of a parked key
-        // go to the held rows. With no key parked in memory they are read with each round
-        // only: this relay parks keys in memory as it writes them, the shards it takes come
-        // with a round, and an operator's replay or release acts on a key already parked.
-        // The rows come from the read started by the last claim when there is one (it ran
-        // while that claim's batch went out), else from a read now.
+        // go to the held rows. The parked keys are read by every claim: an operator's
+        // replay can park a key this relay does not hold parked (its key was released and
+        // drained since), and the next claim must put the replayed row ahead of the key's
+        // later rows. The rows come from the read started by the last claim when there is
+        // one (it ran while that claim's batch went out), else from a read now.
         let source = replica.unwrap_or(pool);
-        let read_parked = config.per_key_order && (round_due || !inner.parked.is_empty());
+        let read_parked = config.per_key_order;
         let mut ahead = inner.ahead.take();
         let (parked, (rows, from)) = {
             let shared: &Inner = inner;

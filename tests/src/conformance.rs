@@ -113,6 +113,7 @@ macro_rules! storage_conformance_tests {
             storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
             storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
             storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
+            storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
             storage_settle_writes_the_whole_outcome,
             storage_extend_lease_holds_the_claim,
             storage_random_operations_keep_key_order,

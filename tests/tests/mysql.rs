@@ -286,6 +286,7 @@ mod conformance {
         storage_shared_stats_count_once_per_interval,
         storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
         storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
+        storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
         storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
         storage_settle_writes_the_whole_outcome,
         storage_extend_lease_holds_the_claim,

@@ -4,7 +4,8 @@
 //! checked after every step against a reference model of what the contract allows.
 //!
 //! `OUTBOX_MODEL_SEED` replays one seed; `OUTBOX_MODEL_RUNS` and `OUTBOX_MODEL_STEPS` set how
-//! many sequences and how long (default 6 × 120). A failure prints the seed.
+//! many sequences and how long (default 6 × 120). A failure prints the seed;
+//! `OUTBOX_MODEL_TRACE=1` prints the model before every step.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -209,10 +210,25 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
     let mut open: Vec<(Vec<usize>, Box<dyn PendingWrite>)> = Vec::new();
     let mut claims: Vec<Option<Claim>> = (0..RELAYS).map(|_| None).collect();
     let mut written = 0usize;
+    let trace = std::env::var_os("OUTBOX_MODEL_TRACE").is_some();
 
     for step in 0..steps {
         let what = rng.u8(..100);
         let context = |op: &str| format!("seed {seed}, step {step}, {op}");
+        if trace {
+            let states: Vec<String> = model
+                .msgs
+                .iter()
+                .enumerate()
+                .map(|(i, m)| format!("#{i}{}:{:?}", m.key.as_deref().unwrap_or("-"), m.state))
+                .collect();
+            eprintln!(
+                "[model] step {step} op {what} now {:?} parked {:?}\n  {}",
+                model.now,
+                model.parked,
+                states.join(" ")
+            );
+        }
         match what {
             // An application transaction writes one to three messages.
             0..=17 if open.len() < 3 => {

@@ -896,6 +896,52 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
     );
 }
 
+/// An operator releases a parked key, the key drains, a later message of it is written, and
+/// only then is the old dead letter replayed: the replay goes ahead of that later message
+/// (a storage that caches which keys are parked must not miss a replay that parks its key
+/// again).
+pub async fn storage_a_dead_letter_replayed_after_its_key_drained_goes_first(
+    h: &dyn StorageHarness,
+) {
+    let check = "replay after the key drained";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    f.enqueue(&[keyed("k", "m1")]).await;
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), ["m1"], "{check}: the head");
+    let dead = DeadLetter {
+        id: c.messages[0].id,
+        error: "poison".into(),
+    };
+    storage.dead_letter(&c.token, &[dead]).await.expect("dead");
+    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    f.enqueue(&[keyed("k", "m2")]).await;
+    let rest = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&rest), ["m2"], "{check}: after the release");
+    storage
+        .ack(&rest.token, &deliveries(&rest))
+        .await
+        .expect("ack");
+    // Claims with nothing to hand out: the released key has drained.
+    for _ in 0..2 {
+        let empty = claim(&*storage, "w1", 10, LEASE).await;
+        assert_eq!(payloads(&empty), Vec::<String>::new(), "{check}: drained");
+    }
+    f.enqueue(&[keyed("k", "m3")]).await;
+    assert_eq!(
+        f.replay_dead_letters(&ids(&c)).await,
+        1,
+        "{check}: replayed"
+    );
+    let next = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        payloads(&next).first().map(String::as_str),
+        Some("m1"),
+        "{check}: the replayed m1 goes ahead of m3, written before the replay: {:?}",
+        payloads(&next)
+    );
+}
+
 /// `settle` writes deliveries, retries, dead letters and releases of one batch in one call,
 /// each only under the claim's token.
 pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
