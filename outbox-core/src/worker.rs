@@ -338,9 +338,11 @@ impl Worker {
     ///
     /// Batches are pipelined two deep: a batch's outcomes are written while the next batch
     /// is claimed and published, so the storage's commit is not on the path of every batch.
-    /// The claim runs while the last batch's messages are still claimed, so it leaves out
-    /// their keys (per-key order holds as between two relays); a claim that came back short
-    /// meanwhile is made again at once after the write, before the worker waits for work.
+    /// The claim runs while the last batch's outcomes are being written: a storage whose
+    /// rows stay claimed until then leaves out their keys (per-key order holds as between
+    /// two relays; log mode, which knows the rows delivered, takes their keys' next rows);
+    /// a claim that came back short meanwhile is made again at once after the write, before
+    /// the worker waits for work.
     /// Anything else (maintenance, the health gate, shutdown, a sink outage, waiting for
     /// work) waits for the write first.
     pub async fn run_once(&self, shutdown: &CancellationToken) -> Result<()> {

@@ -1378,9 +1378,22 @@ impl LogEngine {
                 Some(tx) => self.fence(tx, inner, &touched, &removed).await?,
                 // The common case: the cursors move without the lock on memory, so the
                 // worker's next claim goes on while they commit (about one WAL flush). The
-                // rows settled stay in flight in memory until then.
+                // rows are delivered, so they leave memory first: that claim may take the
+                // next rows of their keys, published after these were acknowledged. A
+                // write that fails or is refused leaves the stored cursor behind them: the
+                // shard's next cursor write passes them, or its next owner (or this relay
+                // after a restart) delivers them again, in order.
                 None if deliveries_only => {
                     let (positions, epochs) = cursor_positions(inner, &touched, &removed);
+                    for &(shard, pos) in &removed_at {
+                        if let Some(e) = inner
+                            .shards
+                            .get_mut(&shard)
+                            .and_then(|s| s.entries.remove(&pos))
+                        {
+                            inner.ids.remove(&e.message.id);
+                        }
+                    }
                     drop(guard);
                     let moved = async {
                         let mut conn = pool.acquire().await.map_err(fail)?;
