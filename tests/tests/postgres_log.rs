@@ -680,6 +680,81 @@ async fn claim_during_a_waiting_cursor_write() -> bool {
     true
 }
 
+/// A settlement's cursor write that fails (its connection killed while it waits for a row
+/// lock) loses nothing and hands out nothing twice: the delivered row stays delivered, the
+/// stored cursor stays behind it, the key's next row goes out, and that row's cursor write
+/// passes both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_cursor_write_is_passed_by_the_next_one() {
+    let outbox = log_outbox(1).await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "m1").key("k"),
+            NewMessage::new("t", "m2").key("k"),
+        ])
+        .await;
+    let relay = outbox.another_relay();
+    let first = relay.claim("w", 1, LEASE).await.unwrap();
+    assert_eq!(payloads(&first), ["m1"]);
+    let shards_table = outbox.table.qualified("_shards");
+    let mut blocker = outbox.pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT shard FROM {shards_table} FOR UPDATE"))
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let settling = tokio::spawn({
+        let relay = relay.clone();
+        let delivered = deliveries(&first);
+        let token = first.token;
+        async move { relay.ack(&token, &delivered).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let killed: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND query LIKE '%cursor_xid%' AND query LIKE $1) x",
+        )
+        .bind(format!("%{}%", outbox.table.schema()))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+        if killed > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the settlement's cursor write never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let failed = settling.await.unwrap();
+    assert!(failed.is_err(), "the cursor write failed: {failed:?}");
+    blocker.rollback().await.unwrap();
+    assert_eq!(
+        shards(&outbox).await[0].3,
+        0,
+        "the stored cursor did not move"
+    );
+    let next = relay.claim("w", 10, LEASE).await.unwrap();
+    assert_eq!(
+        payloads(&next),
+        ["m2"],
+        "m1 was delivered: it is not handed out again, and its key goes on"
+    );
+    assert_eq!(relay.ack(&next.token, &deliveries(&next)).await.unwrap(), 1);
+    assert_eq!(
+        shards(&outbox).await[0].3,
+        2,
+        "the next cursor write passes m1 and m2"
+    );
+    let after = relay.claim("w", 10, LEASE).await.unwrap();
+    assert!(
+        after.messages.is_empty(),
+        "nothing left: {:?}",
+        payloads(&after)
+    );
+}
+
 /// A relay stalls past its shard's lease; another takes the shard (a new epoch) and moves
 /// on. Every write of the stale owner is refused: its acknowledgement changes nothing and
 /// the cursor does not move back; it stops holding the shard.
