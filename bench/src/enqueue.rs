@@ -84,6 +84,8 @@ async fn enqueue_run(mode: Mode, duration: Duration) -> Result<f64, String> {
         let mut config = outbox_postgres::PostgresConfig::new(crate::setup::postgres_url())
             .table(&outbox.schema, "outbox");
         config.wakeup = mode == Mode::RelayWakeup;
+        // No writer here prepares its transactions (see `setup::Outbox::config`).
+        config.wakeup_with_prepared_transactions = true;
         let storage = Arc::new(outbox_postgres::PgStorage::new(config).map_err(text)?);
         let worker = Worker::new(
             WorkerConfig {

@@ -80,6 +80,9 @@ impl BenchOutbox {
         config.mode = self.mode;
         config.per_key_order = per_key_order;
         config.max_per_key = max_per_key;
+        // The test server allows prepared transactions (`cargo xtask services`); no writer
+        // here prepares, so the wake-up stays on, as on a server that does not.
+        config.wakeup_with_prepared_transactions = true;
         config
     }
 

@@ -58,15 +58,19 @@ impl Database {
         // Lease mode and MySQL keep delivered rows with the broker's receipt, so a lost
         // message shows whether and where the broker said it took it.
         let receipts = "retention = \"1h\"";
+        // The test server allows prepared transactions (`cargo xtask services`); no writer
+        // here prepares, so the wake-up stays on, as on a server that does not.
+        let wakeup = "wakeup_with_prepared_transactions = true";
         match self.store {
-            Store::Postgres => {
-                format!("schema = \"{}\"\ntable = \"outbox\"\n{receipts}", self.name)
-            }
+            Store::Postgres => format!(
+                "schema = \"{}\"\ntable = \"outbox\"\n{receipts}\n{wakeup}",
+                self.name
+            ),
             // Log mode keeps no receipt, and `retention` would keep every row (cleanup
             // deletes only rows older than it): without it the ranged deletes behind the
             // cursors run all along, under the faults, where a wrong one would lose rows.
             Store::PostgresLog => format!(
-                "schema = \"{}\"\ntable = \"outbox\"\nmode = \"log\"\nshards = {LOG_SHARDS}",
+                "schema = \"{}\"\ntable = \"outbox\"\nmode = \"log\"\nshards = {LOG_SHARDS}\n{wakeup}",
                 self.name
             ),
             Store::Mysql => format!("type = \"mysql\"\ntable = \"{}\"\n{receipts}", self.name),

@@ -191,6 +191,14 @@ impl MemoryStorage {
         n
     }
 
+    /// Deletes dead letters for good; their keys stay parked. Returns how many were deleted.
+    pub fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        let mut state = self.lock();
+        let before = state.dead.len();
+        state.dead.retain(|(_, m, _)| !ids.contains(&m.id));
+        (before - state.dead.len()) as u64
+    }
+
     /// Lets a parked key's messages flow again without replaying its dead letter. Returns
     /// whether the key was parked.
     pub fn release_parked_key(&self, key: &str) -> bool {

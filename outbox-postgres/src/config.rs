@@ -105,6 +105,13 @@ pub struct PostgresConfig {
     /// Wake the relay with LISTEN/NOTIFY when it is idle (default on); polling remains
     /// the fallback.
     pub wakeup: bool,
+    /// Use the wake-up also where the server allows prepared transactions
+    /// (`max_prepared_transactions` above 0; default off). PostgreSQL refuses to prepare a
+    /// transaction that ran NOTIFY, so by default a relay on such a server never asks
+    /// writers to notify, and polls every `poll_interval` while idle: a writer that uses
+    /// two-phase commit (XA, a transaction manager) works. Turn it on only when no writer
+    /// of this table prepares its transactions.
+    pub wakeup_with_prepared_transactions: bool,
     /// Keep delivered messages, with their receipt, for this long; `None` (the default)
     /// deletes them on delivery.
     #[serde(with = "humantime_serde")]
@@ -133,6 +140,10 @@ impl std::fmt::Debug for PostgresConfig {
             .field("per_key_order", &self.per_key_order)
             .field("max_per_key", &self.max_per_key)
             .field("wakeup", &self.wakeup)
+            .field(
+                "wakeup_with_prepared_transactions",
+                &self.wakeup_with_prepared_transactions,
+            )
             .field("retention", &self.retention)
             .field("max_connections", &self.max_connections)
             .field("connect_timeout", &self.connect_timeout)
@@ -157,6 +168,7 @@ impl Default for PostgresConfig {
             per_key_order: true,
             max_per_key: DEFAULT_MAX_PER_KEY,
             wakeup: true,
+            wakeup_with_prepared_transactions: false,
             retention: None,
             max_connections: 4,
             connect_timeout: Duration::from_secs(5),

@@ -5,11 +5,13 @@
 //! of the database still running ([`HORIZON`]), in `(xid, seq)` order. What it has read
 //! but not settled is kept here, in memory: in flight under a claim token, waiting to retry,
 //! or ready. The stored cursor moves to just before the oldest row not settled. A parked
-//! key's rows move to `<table>_held` so the cursor can pass them. See docs/ARCHITECTURE.md
+//! key's rows move to `<table>_held`, and dead letters to `<table>_dead_letters`: both
+//! leave the log, so the cursor can pass them and no later reader of the shard (after a
+//! restart or a hand-over) sees them again as new. See docs/ARCHITECTURE.md
 //! (log mode) for why the horizon rule loses nothing.
 
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap, HashMap, HashSet, btree_map};
+use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap, HashSet, btree_map};
 use std::iter::Peekable;
 use std::time::Duration;
 
@@ -70,6 +72,10 @@ const HAND_OVER_EVERY: Duration = Duration::from_millis(20);
 const BUFFER_CLAIMS: usize = 4;
 const BUFFER_MIN: usize = 256;
 
+/// The most delivered rows one cleanup statement deletes (split over the owned shards), so
+/// that each is a short transaction.
+pub(crate) const CLEANUP_CHUNK: usize = 2_000;
+
 /// Where a row read by this relay stands.
 #[derive(Debug, Clone, Copy)]
 enum State {
@@ -94,24 +100,24 @@ struct Shard {
     /// The last row read from the log.
     read: Pos,
     entries: BTreeMap<Pos, Entry>,
-    /// Above this relay's fair share: read nothing more, give it up once all is settled
-    /// (so the next owner delivers nothing again).
+    /// Rows delivered past the stored cursor (an older row of the shard is not settled
+    /// yet): they leave the log when the shard is given up, so that its next owner, which
+    /// reads from the stored cursor, does not deliver them again.
+    delivered: BTreeSet<Pos>,
+    /// Above this relay's fair share: read and hand out nothing more, give it up once
+    /// nothing of it is out under a live claim (so the next owner delivers nothing again).
+    /// What it read and did not hand out, rows waiting to retry among them, the next owner
+    /// reads again from the stored cursor.
     leaving: bool,
 }
 
 impl Shard {
-    /// Forgets the rows read but never handed out (ready) after the last one that was, and
-    /// reads them again from there: a shard being handed over then has only what is out.
-    fn forget_unclaimed_tail(&mut self) {
-        while let Some((&pos, e)) = self.entries.last_key_value() {
-            if e.held || !matches!(e.state, State::Ready) || e.message.attempts > 0 {
-                break;
-            }
-            self.entries.remove(&pos);
-            self.read = (pos.0, pos.1 - 1);
-        }
+    /// Moves the cursor (in memory, once written) and forgets the deliveries it passed.
+    fn move_cursor(&mut self, to: Pos) {
+        self.cursor = self.cursor.max(to);
+        let cursor = self.cursor;
+        self.delivered.retain(|p| *p > cursor);
     }
-
     /// Just before the oldest log row not settled, or the last row read.
     fn cursor_after(&self, removed: &HashSet<Pos>) -> Pos {
         self.entries
@@ -169,6 +175,14 @@ struct Inner {
     ids: HashMap<Uuid, (i32, Pos)>,
     parked: HashMap<String, Parked>,
     last_round: Option<Instant>,
+    /// Until when the last round holds the shards (this relay's clock): a claim whose lease
+    /// would outlast it runs a round first, so a claim's shards stay held until its lease
+    /// has run out, whatever leases claims ask for.
+    held_until: Option<Instant>,
+    /// The primary's WAL position when this relay last took shards. A replica is read only
+    /// once it has replayed that far: the shards' previous owner may have moved rows out
+    /// of the log (held, dead-lettered) that a replica behind would still show.
+    replica_from: Option<String>,
     /// The rows for the next claim, being read while this claim's batch goes out.
     ahead: Option<ReadAhead>,
 }
@@ -217,6 +231,19 @@ impl Inner {
             .is_some_and(|a| matches!(a.state, State::InFlight { token: t, .. } if t == token.0))
     }
 
+    /// Whether a live claim holds a row of `shard` (read from the log, or set aside while
+    /// the claim held it): a shard being handed over waits for it to be settled.
+    fn has_live_claims(&self, shard: i32, now: Instant) -> bool {
+        let live = |state: &State| matches!(state, State::InFlight { until, .. } if *until > now);
+        self.shards
+            .get(&shard)
+            .is_some_and(|s| s.entries.values().any(|e| live(&e.state)))
+            || self
+                .aside
+                .values()
+                .any(|a| a.shard == shard && live(&a.state))
+    }
+
     /// The entry `id` if it is in flight under `token`.
     fn held_by(&self, id: &Uuid, token: &ClaimToken) -> Option<(i32, Pos)> {
         let &(shard, pos) = self.ids.get(id)?;
@@ -252,6 +279,8 @@ pub(crate) struct LogSql {
     lag: String,
     horizon: String,
     waiting_behind: String,
+    /// See [`OutboxTable::moved_log_sql`].
+    moved: String,
     // The operator's side (`admin.rs`).
     pub(crate) replay: String,
     pub(crate) release: String,
@@ -357,12 +386,21 @@ impl LogSql {
                          AND shard <> ALL($4)
                        ORDER BY shard LIMIT $3 FOR UPDATE SKIP LOCKED) f
                  WHERE s.shard = f.shard
-                 RETURNING s.shard, s.epoch, s.cursor_xid::text, s.cursor_seq"
+                 RETURNING s.shard, s.epoch, s.cursor_xid::text, s.cursor_seq,
+                           pg_current_wal_insert_lsn()::text"
             ),
+            // The rows delivered past the cursors of the shards given up (`$4`-`$6`) leave
+            // the log with them.
             give_up: format!(
-                "UPDATE {shards} s SET owner = NULL, expires_at = '-infinity'
-                 FROM unnest($1::int[], $2::bigint[]) AS o(shard, epoch)
-                 WHERE s.shard = o.shard AND s.epoch = o.epoch AND s.owner = $3"
+                "WITH gone AS (
+                    UPDATE {shards} s SET owner = NULL, expires_at = '-infinity'
+                    FROM unnest($1::int[], $2::bigint[]) AS o(shard, epoch)
+                    WHERE s.shard = o.shard AND s.epoch = o.epoch AND s.owner = $3
+                    RETURNING s.shard)
+                 DELETE FROM {outbox} o
+                 USING unnest($4::int[], $5::text[], $6::bigint[]) AS d(shard, xid, seq)
+                 WHERE d.shard IN (SELECT shard FROM gone)
+                   AND o.shard = d.shard AND o.xid = d.xid::xid8 AND o.seq = d.seq"
             ),
             forget_relay: format!("DELETE FROM {relays} WHERE relay = $1"),
             read: format!(
@@ -389,12 +427,17 @@ impl LogSql {
                 "SELECT shard, xid::text AS xid_text, seq, {MESSAGE_COLUMNS} FROM {held}
                  WHERE partition_key = $1 ORDER BY xid, seq"
             ),
+            // Rows set aside leave the log: a later owner of the shard reads from the stored
+            // cursor, which may be behind them, and must not read them again as new.
             hold: format!(
-                "INSERT INTO {held} ({row_cols}, attempts)
-                 SELECT {o_cols}, u.attempts
-                 FROM unnest($1::int[], $2::text[], $3::bigint[], $4::int[])
-                     AS u(shard, xid, seq, attempts)
-                 JOIN {outbox} o ON o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                "WITH moved AS (
+                    DELETE FROM {outbox} o
+                    USING unnest($1::int[], $2::text[], $3::bigint[], $4::int[])
+                        AS u(shard, xid, seq, attempts)
+                    WHERE o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                    RETURNING {o_cols}, u.attempts)
+                 INSERT INTO {held} ({row_cols}, attempts)
+                 SELECT {row_cols}, attempts FROM moved
                  ON CONFLICT (seq) DO NOTHING"
             ),
             // Fenced by the epoch, and a cursor never moves back. The row locks taken here
@@ -412,11 +455,14 @@ impl LogSql {
                  RETURNING s.shard"
             ),
             dead_from_log: format!(
-                "INSERT INTO {dead} ({row_cols}, attempts, last_error)
-                 SELECT {o_cols}, u.attempts, u.error
-                 FROM unnest($1::int[], $2::text[], $3::bigint[], $4::int[], $5::text[])
-                     AS u(shard, xid, seq, attempts, error)
-                 JOIN {outbox} o ON o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                "WITH moved AS (
+                    DELETE FROM {outbox} o
+                    USING unnest($1::int[], $2::text[], $3::bigint[], $4::int[], $5::text[])
+                        AS u(shard, xid, seq, attempts, error)
+                    WHERE o.shard = u.shard AND o.xid = u.xid::xid8 AND o.seq = u.seq
+                    RETURNING {o_cols}, u.attempts, u.error)
+                 INSERT INTO {dead} ({row_cols}, attempts, last_error)
+                 SELECT {row_cols}, attempts, error FROM moved
                  ON CONFLICT (seq) DO NOTHING"
             ),
             dead_from_held: format!(
@@ -458,12 +504,15 @@ impl LogSql {
                       AND (o.xid, o.seq) > (coalesce(p.xid::xid8, s.cursor_xid),
                                             coalesce(p.seq, s.cursor_seq))) c"
             ),
-            // A ranged delete per shard along the primary key, up to the stored cursor.
+            // Up to `$3` rows per shard behind its stored cursor, oldest first along the
+            // primary key: one short transaction each time (see `maintain`).
             cleanup: format!(
-                "DELETE FROM {outbox} o USING {shards} s
-                 WHERE s.shard = ANY($1) AND o.shard = s.shard
-                   AND (o.xid, o.seq) <= (s.cursor_xid, s.cursor_seq)
-                   AND ($2::bigint IS NULL OR o.created_at < now() - $2 {ms})"
+                "DELETE FROM {outbox} o USING {shards} s CROSS JOIN LATERAL (
+                    SELECT x.xid, x.seq FROM {outbox} x
+                    WHERE x.shard = s.shard AND (x.xid, x.seq) <= (s.cursor_xid, s.cursor_seq)
+                      AND ($2::bigint IS NULL OR x.created_at < now() - $2 {ms})
+                    ORDER BY x.xid, x.seq LIMIT $3) d
+                 WHERE s.shard = ANY($1) AND o.shard = s.shard AND o.xid = d.xid AND o.seq = d.seq"
             ),
             forget_old_relays: format!(
                 "DELETE FROM {relays} WHERE expires_at < now() - interval '1 hour'"
@@ -486,8 +535,9 @@ impl LogSql {
                  FROM horizon"
             ),
             horizon: format!("SELECT x.h::text FROM ({HORIZON}) x"),
+            moved: t.moved_log_sql(),
             // A key's rows waiting behind it: held aside, and past the stored cursor of the
-            // key's shard (the generated column's hash) that are not held as well.
+            // key's shard (the generated column's hash). A held row has left the log.
             waiting_behind: format!(
                 "WITH k AS (SELECT ((hashtext($1) % c.n) + c.n) % c.n AS shard
                             FROM (SELECT count(*)::int AS n FROM {shards}) c)
@@ -495,8 +545,7 @@ impl LogSql {
                       + (SELECT count(*) FROM k JOIN {shards} s ON s.shard = k.shard
                          JOIN {outbox} o ON o.shard = k.shard
                          WHERE o.partition_key = $1
-                           AND (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq)
-                           AND NOT EXISTS (SELECT 1 FROM {held} h WHERE h.seq = o.seq)))::bigint"
+                           AND (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq)))::bigint"
             ),
             // With per-key order (`$2`), a keyed dead letter goes back to the held rows at
             // its original place and its key drains (the owner delivers the held rows in
@@ -605,6 +654,9 @@ impl LogEngine {
     /// rounded up), giving up idle ones above it.
     async fn round(&self, pool: &PgPool, inner: &mut Inner, lease: Duration) -> Result<()> {
         let fail = |e| db_error("cannot renew or take shards", e);
+        if inner.last_round.is_none() {
+            self.refuse_a_moved_log(pool).await?;
+        }
         let _writing = self.writes.lock().await;
         let ms = millis(lease);
         let asked_at = self.now();
@@ -631,7 +683,7 @@ impl LogEngine {
             .map_err(fail)?;
         let live = live.max(1);
         let fair = usize::try_from((total + live - 1) / live).unwrap_or(0);
-        let mut acquired: Vec<(i32, i64, String, i64)> = Vec::new();
+        let mut acquired: Vec<(i32, i64, String, i64, String)> = Vec::new();
         let mut given_up: Vec<i32> = Vec::new();
         let mut leaving: HashSet<i32> = HashSet::new();
         if kept.len() < fair {
@@ -645,39 +697,29 @@ impl LogEngine {
                 .await
                 .map_err(fail)?;
         } else if kept.len() > fair {
-            // Hand over the shards with the least read: they stop reading now, and are
-            // given up once nothing read of them is unsettled (their cursor is stored).
-            let mut by_load: Vec<(usize, i32)> = kept
+            // Hand over the shards already leaving, then those with the least read: they
+            // stop reading and handing out now, and are given up once no live claim holds
+            // a row of theirs (a row waiting to retry does not keep them: it is read again
+            // from the stored cursor).
+            let mut by_load: Vec<(bool, usize, i32)> = kept
                 .iter()
-                .filter_map(|s| inner.shards.get(s).map(|sh| (sh.entries.len(), *s)))
+                .filter_map(|s| {
+                    let sh = inner.shards.get(s)?;
+                    Some((!sh.leaving, sh.entries.len(), *s))
+                })
                 .collect();
             by_load.sort_unstable();
             leaving = by_load
                 .iter()
                 .take(kept.len() - fair)
-                .map(|(_, s)| *s)
+                .map(|(_, _, s)| *s)
                 .collect();
-            for shard in &leaving {
-                if let Some(s) = inner.shards.get_mut(shard) {
-                    s.forget_unclaimed_tail();
-                }
-            }
             given_up = leaving
                 .iter()
                 .copied()
-                .filter(|s| inner.shards.get(s).is_some_and(|sh| sh.entries.is_empty()))
+                .filter(|s| !inner.has_live_claims(*s, asked_at))
                 .collect();
-            let epochs: Vec<i64> = given_up
-                .iter()
-                .filter_map(|s| inner.shards.get(s).map(|sh| sh.epoch))
-                .collect();
-            sqlx::query(&self.sql.give_up)
-                .bind(&given_up)
-                .bind(&epochs)
-                .bind(&self.owner)
-                .execute(&mut *tx)
-                .await
-                .map_err(fail)?;
+            self.give_up_in(&mut tx, inner, &given_up).await?;
         }
         tx.commit().await.map_err(fail)?;
         let kept: HashSet<i32> = kept.into_iter().collect();
@@ -694,16 +736,9 @@ impl LogEngine {
         for (shard, s) in inner.shards.iter_mut() {
             s.leaving = leaving.contains(shard);
         }
-        if !leaving.is_empty() {
-            let ids: HashSet<Uuid> = inner
-                .shards
-                .values()
-                .flat_map(|s| s.entries.values().map(|e| e.message.id))
-                .collect();
-            inner.ids.retain(|id, _| ids.contains(id));
-        }
-        for (shard, epoch, xid, seq) in acquired {
+        for (shard, epoch, xid, seq, lsn) in acquired {
             let cursor = (parse_xid(&xid)?, seq);
+            inner.replica_from = Some(lsn);
             tracing::debug!(relay = %self.owner, shard, epoch, "took a shard");
             inner.shards.insert(
                 shard,
@@ -712,12 +747,35 @@ impl LogEngine {
                     cursor,
                     read: cursor,
                     entries: BTreeMap::new(),
+                    delivered: BTreeSet::new(),
                     leaving: false,
                 },
             );
         }
         inner.last_round = Some(asked_at);
+        inner.held_until = Some(asked_at + lease);
         Ok(())
+    }
+
+    /// Refuses to read a log whose transaction ids are ahead of this cluster's (moved from
+    /// another cluster): the cursors would pass every new row (see
+    /// [`OutboxTable::moved_log_sql`]). A schema error, so the relay waits, retrying, until
+    /// `outbox migrate` rebases it.
+    async fn refuse_a_moved_log(&self, pool: &PgPool) -> Result<()> {
+        let moved: Option<(i32, String, String)> = sqlx::query_as(&self.sql.moved)
+            .fetch_optional(pool)
+            .await
+            .map_err(|e| db_error("cannot check the log's transaction ids", e))?;
+        match moved {
+            None => Ok(()),
+            Some((shard, ahead, next)) => Err(Error::schema(format!(
+                "postgres: the log table's shard {shard} is at transaction id {ahead}, ahead of \
+                 this cluster's next id {next}: the table was moved from another cluster \
+                 (pg_dump and restore, logical replication). Reading it would pass every new \
+                 message. Stop the relays and run `outbox migrate`, which rebases the log onto \
+                 this cluster's ids (docs/storage/postgres.md, moving a log table)"
+            ))),
+        }
     }
 
     /// Reads which keys of the owned shards are parked; loads the held rows of keys that
@@ -798,6 +856,26 @@ impl LogEngine {
             }
         }
         Ok(())
+    }
+
+    /// Whether `replica` has replayed the primary's WAL up to where this relay last took
+    /// shards (see `Inner::replica_from`); forgets that position once it has.
+    async fn replica_caught_up(&self, replica: &PgPool, inner: &mut Inner) -> Result<bool> {
+        let Some(lsn) = &inner.replica_from else {
+            return Ok(true);
+        };
+        // NULL on a server that is not a standby: it has everything.
+        let caught_up: bool = sqlx::query_scalar(
+            "SELECT coalesce(pg_last_wal_replay_lsn() >= $1::text::pg_lsn, true)",
+        )
+        .bind(lsn)
+        .fetch_one(replica)
+        .await
+        .map_err(|e| db_error("cannot read the replica's replay position", e))?;
+        if caught_up {
+            inner.replica_from = None;
+        }
+        Ok(caught_up)
     }
 
     /// The parked keys of the owned shards, as stored on the primary.
@@ -1007,7 +1085,8 @@ impl LogEngine {
                 continue;
             }
             if kept.contains(&shard) {
-                s.cursor = s.cursor.max(s.cursor_after(&drop));
+                let to = s.cursor_after(&drop);
+                s.move_cursor(to);
             }
             let gone: Vec<Pos> = s
                 .entries
@@ -1036,6 +1115,36 @@ impl LogEngine {
             }
         }
         self.forget_lost(inner, &touched, &kept);
+        Ok(())
+    }
+
+    /// Gives `shards` up (those still this relay's, by their epoch), with the rows
+    /// delivered past their cursors, in `conn`.
+    async fn give_up_in(
+        &self,
+        conn: &mut sqlx::PgConnection,
+        inner: &Inner,
+        shards: &[i32],
+    ) -> Result<()> {
+        let mut epochs = Vec::new();
+        let mut delivered: Vec<(i32, Pos)> = Vec::new();
+        for shard in shards {
+            if let Some(s) = inner.shards.get(shard) {
+                epochs.push(s.epoch);
+                delivered.extend(s.delivered.iter().map(|p| (*shard, *p)));
+            }
+        }
+        let (d_shards, d_xids, d_seqs) = split(&delivered);
+        sqlx::query(&self.sql.give_up)
+            .bind(shards)
+            .bind(&epochs)
+            .bind(&self.owner)
+            .bind(&d_shards)
+            .bind(&d_xids)
+            .bind(&d_seqs)
+            .execute(conn)
+            .await
+            .map_err(|e| db_error("cannot give shards up", e))?;
         Ok(())
     }
 
@@ -1104,12 +1213,12 @@ impl LogEngine {
         let every = ROUND_EVERY.min(lease / 3);
         let handing_over = inner
             .shards
-            .values()
-            .any(|s| s.leaving && s.entries.is_empty());
+            .iter()
+            .any(|(shard, s)| s.leaving && !inner.has_live_claims(*shard, now));
         let round_due = inner.last_round.is_none_or(|at| {
             let since = now.saturating_duration_since(at);
             since >= every || (handing_over && since >= HAND_OVER_EVERY)
-        });
+        }) || inner.held_until.is_none_or(|until| now + lease > until);
         if round_due {
             // Shards are held for a round interval beyond the lease: every claim until the
             // next round then ends, lease and all, before its shards' lease does, so a claim
@@ -1131,7 +1240,10 @@ impl LogEngine {
         // drained since), and the next claim must put the replayed row ahead of the key's
         // later rows. The rows come from the read started by the last claim when there is
         // one (it ran while that claim's batch went out), else from a read now.
-        let source = replica.unwrap_or(pool);
+        let source = match replica {
+            Some(replica) if self.replica_caught_up(replica, inner).await? => replica,
+            _ => pool,
+        };
         let read_parked = config.per_key_order;
         let mut ahead = inner.ahead.take();
         let (parked, (rows, from)) = {
@@ -1386,11 +1498,10 @@ impl LogEngine {
                 None if deliveries_only => {
                     let (positions, epochs) = cursor_positions(inner, &touched, &removed);
                     for &(shard, pos) in &removed_at {
-                        if let Some(e) = inner
-                            .shards
-                            .get_mut(&shard)
-                            .and_then(|s| s.entries.remove(&pos))
+                        if let Some(s) = inner.shards.get_mut(&shard)
+                            && let Some(e) = s.entries.remove(&pos)
                         {
+                            s.delivered.insert(pos);
                             inner.ids.remove(&e.message.id);
                         }
                     }
@@ -1509,13 +1620,6 @@ impl LogEngine {
                 tx.commit().await.map_err(fail)?;
             }
             // Written: now change memory to match.
-            for &shard in &touched {
-                if let Some(s) = inner.shards.get_mut(&shard)
-                    && kept.contains(&shard)
-                {
-                    s.cursor = s.cursor.max(s.cursor_after(&removed));
-                }
-            }
             for (key, _, shard) in &parks {
                 if kept.contains(shard) {
                     inner.parked.insert(
@@ -1527,9 +1631,10 @@ impl LogEngine {
                     );
                 }
             }
-            let settled: HashSet<Pos> = delivered
+            let delivered_at: HashSet<Pos> = delivered.iter().map(|(_, p)| *p).collect();
+            let settled: HashSet<Pos> = delivered_at
                 .iter()
-                .map(|(_, p)| *p)
+                .copied()
                 .chain(dead.iter().map(|(_, p, _)| *p))
                 .collect();
             let retried: HashMap<Pos, Duration> =
@@ -1552,12 +1657,21 @@ impl LogEngine {
                     };
                     inner.set_aside(shard, pos, state, attempts, token);
                 }
-                if let Some(e) = inner
-                    .shards
-                    .get_mut(&shard)
-                    .and_then(|s| s.entries.remove(&pos))
+                if let Some(s) = inner.shards.get_mut(&shard)
+                    && let Some(e) = s.entries.remove(&pos)
                 {
+                    if !e.held && delivered_at.contains(&pos) {
+                        s.delivered.insert(pos);
+                    }
                     inner.ids.remove(&e.message.id);
+                }
+            }
+            for &shard in &touched {
+                if let Some(s) = inner.shards.get_mut(&shard)
+                    && kept.contains(&shard)
+                {
+                    let to = s.cursor_after(&removed);
+                    s.move_cursor(to);
                 }
             }
             let lost = touched.iter().any(|s| !kept.contains(s));
@@ -1716,6 +1830,9 @@ impl LogEngine {
                 }
             }
         }
+        // Counting the backlog can take seconds: claims, settlements and renewals must not
+        // wait for it.
+        drop(inner);
         let row = sqlx::query(&self.sql.stats)
             .bind(&shards)
             .bind(&xids)
@@ -1749,13 +1866,13 @@ impl LogEngine {
         let now = self.now();
         let mut held_read: Vec<i64> = Vec::new();
         // By topic: (in flight, retrying).
-        let mut mine: HashMap<&str, (u64, u64)> = HashMap::new();
+        let mut mine: HashMap<String, (u64, u64)> = HashMap::new();
         for s in inner.shards.values() {
             for (pos, e) in &s.entries {
                 if e.held {
                     held_read.push(pos.1);
                 }
-                let counts = mine.entry(e.message.topic.as_str()).or_default();
+                let counts = mine.entry(e.message.topic.clone()).or_default();
                 if matches!(e.state, State::InFlight { until, .. } if until > now) {
                     counts.0 += 1;
                 } else if e.message.attempts > 0 {
@@ -1763,6 +1880,8 @@ impl LogEngine {
                 }
             }
         }
+        // Not while holding memory: see `stats`.
+        drop(inner);
         let rows = sqlx::query(&self.sql.topic_stats)
             .bind(&held_read)
             .fetch_all(pool)
@@ -1782,24 +1901,33 @@ impl LogEngine {
             .collect()
     }
 
-    /// Removes delivered rows behind the cursors of the owned shards, in one ranged delete
-    /// along the primary key (or only those older than `retention`).
+    /// Removes delivered rows behind the cursors of the owned shards (or only those older
+    /// than `retention`), along the primary key, in deletes of at most [`CLEANUP_CHUNK`]
+    /// rows. Each is a transaction of its own and a short one: a transaction that runs
+    /// holds the readable horizon of every relay on the database, its own too.
     pub(crate) async fn maintain(&self, pool: &PgPool, retention: Option<Duration>) -> Result<()> {
         let owned: Vec<i32> = self.owned().await.into_iter().map(|(s, _)| s).collect();
         if owned.is_empty() {
             return Ok(());
         }
-        let done = sqlx::query(&self.sql.cleanup)
-            .bind(&owned)
-            .bind(retention.map(millis))
-            .execute(pool)
-            .await
-            .map_err(|e| db_error("cannot remove delivered rows", e))?;
-        if done.rows_affected() > 0 {
-            tracing::debug!(
-                rows = done.rows_affected(),
-                "removed delivered rows behind the cursors"
-            );
+        let per_shard = CLEANUP_CHUNK.div_ceil(owned.len()) as i64;
+        let mut removed = 0;
+        loop {
+            let done = sqlx::query(&self.sql.cleanup)
+                .bind(&owned)
+                .bind(retention.map(millis))
+                .bind(per_shard)
+                .execute(pool)
+                .await
+                .map_err(|e| db_error("cannot remove delivered rows", e))?;
+            removed += done.rows_affected();
+            // Below one shard's share: no shard had a full chunk, so nothing is left.
+            if done.rows_affected() < per_shard as u64 {
+                break;
+            }
+        }
+        if removed > 0 {
+            tracing::debug!(rows = removed, "removed delivered rows behind the cursors");
         }
         sqlx::query(&self.sql.forget_old_relays)
             .execute(pool)
@@ -1859,16 +1987,10 @@ impl LogEngine {
         let mut inner = self.inner.lock().await;
         // After the last cursor write, or the next owner delivers its batch again.
         let _writing = self.writes.lock().await;
-        let (shards, epochs): (Vec<i32>, Vec<i64>) =
-            inner.shards.iter().map(|(s, sh)| (*s, sh.epoch)).unzip();
+        let shards: Vec<i32> = inner.shards.keys().copied().collect();
         let fail = |e| db_error("cannot give shards up", e);
-        sqlx::query(&self.sql.give_up)
-            .bind(&shards)
-            .bind(&epochs)
-            .bind(&self.owner)
-            .execute(pool)
-            .await
-            .map_err(fail)?;
+        let mut conn = pool.acquire().await.map_err(fail)?;
+        self.give_up_in(&mut conn, &inner, &shards).await?;
         sqlx::query(&self.sql.forget_relay)
             .bind(&self.owner)
             .execute(pool)
@@ -1892,9 +2014,11 @@ fn pick(
     per_key_order: bool,
     now: Instant,
 ) -> Vec<(Pos, i32)> {
+    // A shard being handed over hands out nothing more: its next owner reads it again.
     let mut walks: Vec<(i32, Peekable<btree_map::Iter<'_, Pos, Entry>>)> = inner
         .shards
         .iter()
+        .filter(|(_, s)| !s.leaving)
         .map(|(&shard, s)| (shard, s.entries.iter().peekable()))
         .collect();
     let mut heads: BinaryHeap<Reverse<(Pos, usize)>> = walks

@@ -55,7 +55,11 @@ impl PgStorage {
         let replica = connection::replica_pool(&config)?;
         let table = OutboxTable::new(&config.schema, &config.table)?;
         let sql = Statements::new(&table, &config);
-        let wakeup = Wakeup::new(config.wakeup, &table);
+        let wakeup = Wakeup::new(
+            config.wakeup,
+            config.wakeup_with_prepared_transactions,
+            &table,
+        );
         let log = (config.mode == StorageMode::Log)
             .then(|| LogEngine::new(&table, config.start == LogStart::Now));
         Ok(PgStorage {

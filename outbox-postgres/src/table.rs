@@ -221,7 +221,8 @@ impl OutboxTable {
                 .map_err(fail)?;
             let todo: Vec<(i32, String)> =
                 steps.into_iter().filter(|(v, _)| *v > applied).collect();
-            self.run_in_transaction(conn, &todo).await
+            self.run_in_transaction(conn, &todo).await?;
+            self.rebase_moved_log(conn).await
         }
         .await;
         let unlocked = conn
@@ -315,6 +316,65 @@ impl OutboxTable {
             script.push_str("COMMIT;\n");
         }
         Ok(script)
+    }
+
+    /// Log mode: a shard whose stored cursor, or the newest row of which, has a transaction
+    /// id at or past this cluster's next one (`$1`-less; one row: shard, that id, the next
+    /// id). That cannot happen in the cluster that wrote them: the table was moved from
+    /// another (`pg_dump` and restore, logical replication), whose ids ran ahead of this
+    /// one's. Left so, the cursors would pass every row written now and the cleanup delete
+    /// it; rows from before wait until this cluster's ids catch up, then come out after
+    /// newer ones.
+    pub(crate) fn moved_log_sql(&self) -> String {
+        format!(
+            "WITH next AS (SELECT pg_snapshot_xmax(pg_current_snapshot()) AS x)
+             SELECT s.shard, greatest(s.cursor_xid, m.xid)::text, next.x::text
+             FROM next, {shards} s
+             LEFT JOIN LATERAL (SELECT o.xid FROM {outbox} o WHERE o.shard = s.shard
+                                ORDER BY o.xid DESC, o.seq DESC LIMIT 1) m ON true
+             WHERE s.cursor_xid >= next.x OR m.xid >= next.x
+             ORDER BY s.shard LIMIT 1",
+            shards = self.qualified("_shards"),
+            outbox = self.qualified(""),
+        )
+    }
+
+    /// Log mode, after a move from another cluster (see [`moved_log_sql`](Self::moved_log_sql)):
+    /// rebases the log onto this cluster's transaction ids, in one transaction. Every shard
+    /// loses its owner and gets a new epoch (a relay still writing is fenced off); rows
+    /// behind the stored cursors (delivered) are deleted; every other row, held row and dead
+    /// letter takes this transaction's id, so they keep their order among themselves by
+    /// `seq` (the order their INSERTs ran; for rows of overlapping transactions that may
+    /// differ from the order by transaction id they had); the cursors start just before
+    /// them. Returns whether it had to. Run by `migrate`, which holds the migration lock.
+    async fn rebase_moved_log(&self, conn: &mut PgConnection) -> Result<bool> {
+        let moved = conn
+            .fetch_optional(self.moved_log_sql().as_str())
+            .await
+            .map_err(fail)?;
+        let Some(row) = moved else {
+            return Ok(false);
+        };
+        let shard: i32 = row.try_get(0).map_err(fail)?;
+        let ahead: String = row.try_get(1).map_err(fail)?;
+        let next: String = row.try_get(2).map_err(fail)?;
+        tracing::warn!(schema = %self.schema, table = %self.table, shard, ahead, next,
+            "the log table's transaction ids are ahead of this cluster's (it was moved from another cluster): rebasing it onto this cluster's ids");
+        let rebase = self.render(
+            "UPDATE {shards} SET owner = NULL, expires_at = '-infinity', epoch = epoch + 1;
+             DELETE FROM {relays};
+             DELETE FROM {outbox} o USING {shards} s
+                 WHERE o.shard = s.shard AND (o.xid, o.seq) <= (s.cursor_xid, s.cursor_seq);
+             UPDATE {outbox} SET xid = pg_current_xact_id();
+             UPDATE {held} SET xid = pg_current_xact_id();
+             UPDATE {dead_letters} SET xid = pg_current_xact_id();
+             UPDATE {shards} SET cursor_xid = pg_current_xact_id(), cursor_seq = 0,
+                 moved_at = now();",
+        );
+        let mut tx = conn.begin().await.map_err(fail)?;
+        tx.execute(rebase.as_str()).await.map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(true)
     }
 
     /// The mode the outbox table was migrated for, or `None` when it does not exist yet:
@@ -564,6 +624,7 @@ impl OutboxTable {
             .replace("{held}", &self.qualified("_held"))
             .replace("{stats}", &self.qualified("_stats"))
             .replace("{notify_fn}", &self.qualified("_notify"))
+            .replace("{xid_fn}", &self.qualified("_set_xid"))
             .replace("{channel}", &self.channel())
             .replace("{table}", &self.table)
     }
@@ -737,6 +798,24 @@ $fn$;
     Step::Sql(STATS_RETRYING),
 ];
 
+/// Log mode: the `xid` column is the writing transaction's id whatever an INSERT says (a
+/// row with an older id would be passed by the cursors and deleted, one with a later id
+/// would wait while later rows of its key pass it); and rows set aside before they left
+/// the log (held or dead-lettered while still past the cursor) leave it now, so no later
+/// owner of their shard reads them again as new.
+const LOG_XID_ENFORCED: &str = r#"
+CREATE FUNCTION {xid_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+BEGIN
+    NEW.xid := pg_current_xact_id();
+    RETURN NEW;
+END
+$fn$;
+CREATE TRIGGER {table}_xid BEFORE INSERT ON {outbox}
+    FOR EACH ROW EXECUTE FUNCTION {xid_fn}();
+DELETE FROM {outbox} o WHERE EXISTS (SELECT 1 FROM {held} h WHERE h.seq = o.seq)
+    OR EXISTS (SELECT 1 FROM {dead_letters} d WHERE d.seq = o.seq);
+"#;
+
 /// The queue figures that relays share (`Storage::shared_stats`): the first relay past
 /// `refresh_after` counts them and stores them here, the others read them, so replicas
 /// cost one count per interval instead of one each. The same in both modes.
@@ -880,6 +959,7 @@ CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
 "#,
     SHARED_STATS,
     STATS_RETRYING,
+    LOG_XID_ENFORCED,
 ];
 
 #[cfg(test)]

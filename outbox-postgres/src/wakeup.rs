@@ -1,5 +1,6 @@
 //! The wake-up: an idle relay sleeps until a writer's commit notifies it (LISTEN/NOTIFY), a
-//! busy one polls again shortly. Writers notify only while a relay has said it is idle
+//! busy one polls again shortly. Where the server allows prepared transactions it is off
+//! unless configured (a transaction that ran NOTIFY cannot be prepared). Writers notify only while a relay has said it is idle
 //! (the `<table>_wakeup` flag, read by the trigger the migrations install; see `sql.rs`),
 //! because notifying commits are serialised cluster-wide: a busy relay costs writers
 //! nothing. Polling remains the fallback when the listener cannot run.
@@ -25,6 +26,8 @@ const BUSY_POLL: Duration = Duration::from_millis(2);
 pub(crate) struct Wakeup {
     /// `PostgresConfig::wakeup`: off, an idle relay only polls.
     enabled: bool,
+    /// `PostgresConfig::wakeup_with_prepared_transactions`.
+    despite_prepared: bool,
     /// The LISTEN/NOTIFY channel the table's trigger notifies on.
     channel: String,
     sql: WakeupStatements,
@@ -32,6 +35,10 @@ pub(crate) struct Wakeup {
     notify: Arc<Notify>,
     /// The listener task, started on the first idle wait.
     listener: OnceCell<JoinHandle<()>>,
+    /// Whether the server allows prepared transactions (two-phase commit), read on the
+    /// first idle wait: then, unless `despite_prepared`, this relay never asks writers to
+    /// notify (PostgreSQL refuses to prepare a transaction that ran NOTIFY) and only polls.
+    two_phase: OnceCell<bool>,
     /// Whether this storage told writers to notify (its last claim found nothing).
     armed: AtomicBool,
     /// Whether the last claim found messages: then more are likely on their way, and the
@@ -40,13 +47,15 @@ pub(crate) struct Wakeup {
 }
 
 impl Wakeup {
-    pub(crate) fn new(enabled: bool, table: &OutboxTable) -> Self {
+    pub(crate) fn new(enabled: bool, despite_prepared: bool, table: &OutboxTable) -> Self {
         Wakeup {
             enabled,
+            despite_prepared,
             channel: table.channel(),
             sql: WakeupStatements::new(table),
             notify: Arc::new(Notify::new()),
             listener: OnceCell::new(),
+            two_phase: OnceCell::new(),
             armed: AtomicBool::new(false),
             busy: AtomicBool::new(false),
         }
@@ -76,7 +85,10 @@ impl Wakeup {
             tokio::time::sleep(BUSY_POLL).await;
             return Ok(());
         }
-        if !self.enabled || !self.ensure_listener(pool).await {
+        if !self.enabled
+            || self.writers_must_not_notify(pool).await?
+            || !self.ensure_listener(pool).await
+        {
             return std::future::pending().await;
         }
         if !self.armed.swap(true, Ordering::SeqCst) {
@@ -89,6 +101,39 @@ impl Wakeup {
         }
         self.notify.notified().await;
         Ok(())
+    }
+
+    /// Whether writers must not be asked to notify: the server allows prepared
+    /// transactions and the configuration does not say that no writer prepares. Then the
+    /// flag is cleared once (a relay of an earlier release, or one started before the
+    /// server allowed them, may have left it set) and this relay only polls.
+    async fn writers_must_not_notify(&self, pool: &PgPool) -> Result<bool> {
+        if self.despite_prepared {
+            return Ok(false);
+        }
+        self.two_phase
+            .get_or_try_init(|| async {
+                let allowed: i32 =
+                    sqlx::query_scalar("SELECT current_setting('max_prepared_transactions')::int")
+                        .fetch_one(pool)
+                        .await
+                        .map_err(|e| db_error("cannot read max_prepared_transactions", e))?;
+                if allowed > 0 {
+                    sqlx::query(&self.sql.disarm)
+                        .execute(pool)
+                        .await
+                        .map_err(|e| db_error("cannot disarm the wake-up", e))?;
+                    tracing::info!(
+                        max_prepared_transactions = allowed,
+                        "the server allows two-phase commit, whose transactions cannot run NOTIFY: \
+                         writers are not asked to wake idle relays, which poll every poll_interval \
+                         (wakeup_with_prepared_transactions = true when no writer prepares)"
+                    );
+                }
+                Ok::<_, Error>(allowed > 0)
+            })
+            .await
+            .copied()
     }
 
     /// Starts the LISTEN connection once; returns false if it could not be started.

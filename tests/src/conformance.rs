@@ -114,6 +114,8 @@ macro_rules! storage_conformance_tests {
             storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
             storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
             storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
+            storage_a_released_or_purged_dead_letter_stays_out_across_restarts,
+            storage_a_replay_after_a_restart_delivers_the_key_once_in_order,
             storage_settle_writes_the_whole_outcome,
             storage_extend_lease_holds_the_claim,
             storage_random_operations_keep_key_order,

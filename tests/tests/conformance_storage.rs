@@ -1,13 +1,13 @@
 //! The storage conformance suite, run against the real PostgreSQL storage and against the
 //! in-memory storage of outbox-core.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryStorage, MemoryTransaction};
 use outbox_core::{NewMessage, Storage, StorageAdmin};
-use outbox_postgres::OutboxTable;
+use outbox_postgres::{OutboxTable, PgStorage};
 use outbox_tests::TestOutbox;
 use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
 use uuid::Uuid;
@@ -15,7 +15,8 @@ use uuid::Uuid;
 /// PostgreSQL: each fixture is a fresh migrated schema, dropped with it.
 struct Postgres;
 
-struct PgFixture(TestOutbox);
+/// The outbox, and the relay's storage on it (a new one after each restart).
+struct PgFixture(TestOutbox, Mutex<Arc<PgStorage>>);
 
 struct PgWrite(sqlx::Transaction<'static, sqlx::Postgres>);
 
@@ -32,14 +33,28 @@ impl PendingWrite for PgWrite {
 #[async_trait]
 impl StorageFixture for PgFixture {
     fn storage(&self) -> Arc<dyn Storage> {
-        self.0.storage.clone()
+        self.1.lock().expect("the relay's storage").clone()
     }
 
     fn replica(&self) -> Option<Arc<dyn Storage>> {
         let config = self.0.storage.config().clone();
         Some(Arc::new(
-            outbox_postgres::PgStorage::new(config).expect("valid configuration"),
+            PgStorage::new(config).expect("valid configuration"),
         ))
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.0.storage.purge_dead_letters(ids).await.expect("purge")
+    }
+
+    async fn restart(&self, stop: bool) -> bool {
+        if stop {
+            self.storage().stop().await.expect("stop");
+        }
+        let config = self.0.storage.config().clone();
+        *self.1.lock().expect("the relay's storage") =
+            Arc::new(PgStorage::new(config).expect("valid configuration"));
+        true
     }
 
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
@@ -93,7 +108,8 @@ impl StorageHarness for Postgres {
         })
         .await
         .expect("making a fresh outbox schema");
-        Box::new(PgFixture(outbox))
+        let relay = Mutex::new(outbox.storage.clone());
+        Box::new(PgFixture(outbox, relay))
     }
 }
 
@@ -136,6 +152,10 @@ impl StorageFixture for MemoryFixture {
 
     async fn release_parked_key(&self, key: &str) -> bool {
         self.0.release_parked_key(key)
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.0.purge_dead_letters(ids)
     }
 
     async fn advance(&self, by: Duration) {

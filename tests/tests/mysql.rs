@@ -123,6 +123,14 @@ struct MySqlHarness {
 struct Fixture {
     outbox: TestOutbox,
     positions_reserved: bool,
+    /// The relay's storage (a new one after each restart).
+    relay: std::sync::Mutex<Arc<MySqlStorage>>,
+}
+
+impl Fixture {
+    fn relay(&self) -> Arc<MySqlStorage> {
+        self.relay.lock().expect("the relay's storage").clone()
+    }
 }
 
 struct Write {
@@ -170,7 +178,25 @@ impl PendingWrite for Write {
 #[async_trait]
 impl StorageFixture for Fixture {
     fn storage(&self) -> Arc<dyn Storage> {
-        self.outbox.storage.clone()
+        self.relay()
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.outbox
+            .storage
+            .purge_dead_letters(ids)
+            .await
+            .expect("purge")
+    }
+
+    async fn restart(&self, stop: bool) -> bool {
+        if stop {
+            self.relay().stop().await.expect("stop");
+        }
+        let config = self.outbox.storage.config().clone();
+        *self.relay.lock().expect("the relay's storage") =
+            Arc::new(MySqlStorage::new(config).expect("valid configuration"));
+        true
     }
 
     fn replica(&self) -> Option<Arc<dyn Storage>> {
@@ -257,9 +283,12 @@ impl StorageFixture for Fixture {
 #[async_trait]
 impl StorageHarness for MySqlHarness {
     async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
+        let outbox = TestOutbox::with_config(|c| c.per_key_order = per_key_order).await;
+        let relay = std::sync::Mutex::new(outbox.storage.clone());
         Box::new(Fixture {
-            outbox: TestOutbox::with_config(|c| c.per_key_order = per_key_order).await,
+            outbox,
             positions_reserved: self.positions_reserved,
+            relay,
         })
     }
 }
@@ -287,6 +316,8 @@ mod conformance {
         storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
         storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
         storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
+        storage_a_released_or_purged_dead_letter_stays_out_across_restarts,
+        storage_a_replay_after_a_restart_delivers_the_key_once_in_order,
         storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
         storage_settle_writes_the_whole_outcome,
         storage_extend_lease_holds_the_claim,

@@ -576,7 +576,8 @@ async fn a_permanent_failure_is_dead_lettered_at_once_and_release_unparks() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_wake_up_delivers_well_before_the_poll_interval() {
-    let outbox = TestOutbox::new().await;
+    // The test server allows prepared transactions (for the two-phase commit tests).
+    let outbox = TestOutbox::with_config(|c| c.wakeup_with_prepared_transactions = true).await;
     let sink = Arc::new(MemorySink::new());
     let config = WorkerConfig {
         poll_interval: Duration::from_secs(30),
@@ -619,7 +620,8 @@ async fn the_wake_up_delivers_well_before_the_poll_interval() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn writers_do_not_notify_while_the_relay_is_busy() {
-    let outbox = TestOutbox::new().await;
+    // The test server allows prepared transactions (for the two-phase commit tests).
+    let outbox = TestOutbox::with_config(|c| c.wakeup_with_prepared_transactions = true).await;
     let idle = || async {
         sqlx::query_scalar::<_, bool>(&format!(
             "SELECT relay_idle FROM {}",

@@ -624,7 +624,8 @@ async fn claim_during_a_waiting_cursor_write() -> bool {
     loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND query LIKE '%cursor_xid%' AND query LIKE $1",
+             WHERE wait_event_type = 'Lock' AND datname = current_database()
+               AND query LIKE '%cursor_xid%' AND query LIKE $1",
         )
         .bind(format!("%{}%", outbox.table.schema()))
         .fetch_one(&outbox.pool)
@@ -712,7 +713,8 @@ async fn a_failed_cursor_write_is_passed_by_the_next_one() {
     loop {
         let killed: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND query LIKE '%cursor_xid%' AND query LIKE $1) x",
+             WHERE wait_event_type = 'Lock' AND datname = current_database()
+               AND query LIKE '%cursor_xid%' AND query LIKE $1) x",
         )
         .bind(format!("%{}%", outbox.table.schema()))
         .fetch_one(&outbox.pool)
@@ -1270,11 +1272,12 @@ fn bad_mode_settings_are_refused_with_the_key_named() {
 /// The storage conformance suite in log mode: each fixture is a fresh schema migrated for
 /// log mode (4 shards), dropped with it.
 mod conformance {
-    use std::sync::Arc;
+    use std::sync::{Arc, Mutex};
     use std::time::Duration;
 
     use async_trait::async_trait;
     use outbox_core::{NewMessage, Storage, StorageAdmin};
+    use outbox_postgres::PgStorage;
     use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
     use uuid::Uuid;
 
@@ -1282,7 +1285,14 @@ mod conformance {
 
     pub struct LogHarness;
 
-    struct LogFixture(LogOutbox);
+    /// The outbox, and the relay's storage on it (a new one after each restart).
+    struct LogFixture(LogOutbox, Mutex<Arc<PgStorage>>);
+
+    impl LogFixture {
+        fn relay(&self) -> Arc<PgStorage> {
+            self.1.lock().expect("the relay's storage").clone()
+        }
+    }
 
     struct LogWrite(sqlx::Transaction<'static, sqlx::Postgres>);
 
@@ -1299,11 +1309,23 @@ mod conformance {
     #[async_trait]
     impl StorageFixture for LogFixture {
         fn storage(&self) -> Arc<dyn Storage> {
-            self.0.storage.clone()
+            self.relay()
         }
 
         fn replica(&self) -> Option<Arc<dyn Storage>> {
             Some(self.0.another_relay())
+        }
+
+        async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+            self.0.storage.purge_dead_letters(ids).await.expect("purge")
+        }
+
+        async fn restart(&self, stop: bool) -> bool {
+            if stop {
+                self.relay().stop().await.expect("stop");
+            }
+            *self.1.lock().expect("the relay's storage") = self.0.another_relay();
+            true
         }
 
         async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
@@ -1335,7 +1357,7 @@ mod conformance {
         async fn advance(&self, by: Duration) {
             // Leases and retry delays of what the relay has read run on its clock; shard
             // ownership on the database's: move both.
-            self.0.storage.advance_clock(by);
+            self.relay().advance_clock(by);
             for table in ["_shards", "_relays"] {
                 let sql = format!(
                     "UPDATE {} SET expires_at = expires_at - $1 * interval '1 millisecond'",
@@ -1359,7 +1381,8 @@ mod conformance {
             })
             .await
             .expect("making a fresh outbox schema");
-            Box::new(LogFixture(outbox))
+            let relay = Mutex::new(outbox.storage.clone());
+            Box::new(LogFixture(outbox, relay))
         }
     }
 
@@ -1473,4 +1496,387 @@ async fn waiting_behind_counts_a_keys_rows_in_its_shard() {
         outbox.storage.log_waiting_behind("none").await.unwrap(),
         Some(0)
     );
+}
+
+/// The shard (of `shards`) whose rows a partition key goes to: the generated column's hash.
+async fn shard_of(outbox: &LogOutbox, key: &str, shards: i32) -> i32 {
+    sqlx::query_scalar("SELECT ((hashtext($1) % $2) + $2) % $2")
+        .bind(key)
+        .bind(shards)
+        .fetch_one(&outbox.pool)
+        .await
+        .expect("the shard of a key")
+}
+
+/// A key of `shards` that lands in `shard`.
+async fn key_in(outbox: &LogOutbox, shard: i32, shards: i32, prefix: &str) -> String {
+    for i in 0.. {
+        let key = format!("{prefix}{i}");
+        if shard_of(outbox, &key, shards).await == shard {
+            return key;
+        }
+    }
+    unreachable!()
+}
+
+/// The log's `xid` column is the writing transaction's id whatever an INSERT says: a row
+/// written with an old id is not passed by the cursor (and deleted by the cleanup), and
+/// one written with a future id does not wait while later rows of its key pass it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_xid_written_by_the_application_is_replaced_by_its_own() {
+    let outbox = log_outbox(4).await;
+    let insert = format!(
+        "INSERT INTO {} (xid, topic, partition_key, payload) VALUES ($1::text::xid8, 't', 'k', $2)",
+        outbox.table.qualified("")
+    );
+    let write = |xid: &'static str, payload: &'static str| {
+        let (pool, insert) = (outbox.pool.clone(), insert.clone());
+        async move {
+            sqlx::query(&insert)
+                .bind(xid)
+                .bind(payload.as_bytes())
+                .execute(&pool)
+                .await
+                .expect("an INSERT that writes xid");
+        }
+    };
+    outbox.enqueue(&[NewMessage::new("t", "a1").key("k")]).await;
+    write("5", "old-xid").await;
+    outbox.enqueue(&[NewMessage::new("t", "a2").key("k")]).await;
+    write("4294967296000", "future-xid").await;
+    outbox.enqueue(&[NewMessage::new("t", "a3").key("k")]).await;
+    let sink = Arc::new(MemorySink::new());
+    let relay = outbox.relay("w", sink.clone());
+    outbox.wait_until_delivered(Duration::from_secs(20)).await;
+    outbox.storage.maintain().await.expect("housekeeping");
+    relay.stop().await;
+    assert_eq!(
+        by_key(&sink)["k"],
+        ["a1", "old-xid", "a2", "future-xid", "a3"],
+        "every row delivered, in the order written"
+    );
+}
+
+/// A log table moved to a cluster whose transaction ids are behind the stored ones (here:
+/// cursors and a pending row moved ahead, as `pg_dump` into a younger cluster leaves them)
+/// is refused with a schema error naming `outbox migrate`; `migrate` rebases it, and then
+/// the pending row and every new one are delivered, in order, none lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_log_table_from_a_cluster_further_ahead_is_refused_until_migrate_rebases_it() {
+    let outbox = log_outbox(2).await;
+    outbox
+        .enqueue(&[NewMessage::new("t", "delivered").key("k")])
+        .await;
+    let c = claim_some(&outbox.storage, Duration::from_secs(20)).await;
+    assert_eq!(payloads(&c), ["delivered"]);
+    outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+    outbox.storage.stop().await.unwrap();
+    outbox
+        .enqueue(&[NewMessage::new("t", "pending").key("k")])
+        .await;
+    // What a restore into a younger cluster leaves: ids a million ahead of its counter,
+    // the cursor at the delivered row, the pending row after it.
+    let ahead: String = sqlx::query_scalar(
+        "SELECT (pg_snapshot_xmax(pg_current_snapshot())::text::numeric + 1000000)::text",
+    )
+    .fetch_one(&outbox.pool)
+    .await
+    .unwrap();
+    for sql in [
+        format!(
+            "UPDATE {} SET cursor_xid = $1::text::xid8 WHERE cursor_xid > '0'",
+            outbox.table.qualified("_shards")
+        ),
+        format!(
+            "UPDATE {} SET xid = $1::text::xid8",
+            outbox.table.qualified("")
+        ),
+    ] {
+        sqlx::query(&sql)
+            .bind(&ahead)
+            .execute(&outbox.pool)
+            .await
+            .unwrap();
+    }
+    let relay = outbox.another_relay();
+    let refused = relay
+        .claim("w", 100, LEASE)
+        .await
+        .expect_err("a moved log must be refused");
+    assert_eq!(refused.kind(), outbox_core::ErrorKind::Schema, "{refused}");
+    assert!(
+        refused.to_string().contains("outbox migrate"),
+        "the error says what to do: {refused}"
+    );
+    relay.migrate().await.expect("migrate rebases the log");
+    outbox
+        .enqueue(&[NewMessage::new("t", "new").key("k")])
+        .await;
+    let relay = outbox.another_relay();
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while got.len() < 2 && tokio::time::Instant::now() < deadline {
+        let c = claim_some(&relay, Duration::from_secs(5)).await;
+        got.extend(payloads(&c));
+        relay.ack(&c.token, &deliveries(&c)).await.unwrap();
+    }
+    assert_eq!(got, ["pending", "new"], "nothing lost, in order");
+    relay.maintain().await.unwrap();
+    let rows: i64 = sqlx::query_scalar(&format!(
+        "SELECT count(*) FROM {}",
+        outbox.table.qualified("")
+    ))
+    .fetch_one(&outbox.pool)
+    .await
+    .unwrap();
+    assert_eq!(rows, 0, "delivered rows removed, and only those");
+}
+
+/// A relay handing a shard over to a relay that joins gives it up at once when nothing of
+/// it is out under a live claim, also while a row of it waits to retry (the next owner
+/// reads that row again): the other keys of the shard do not wait for the retry schedule.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_handed_over_with_a_retry_pending_moves_at_once() {
+    let outbox = log_outbox(2).await;
+    let (j, k, o) = (
+        key_in(&outbox, 0, 2, "j").await,
+        key_in(&outbox, 1, 2, "k").await,
+        key_in(&outbox, 0, 2, "o").await,
+    );
+    let mut first = vec![NewMessage::new("t", "j1").key(&j)];
+    first.extend((1..=5).map(|i| NewMessage::new("t", format!("k{i}")).key(&k)));
+    outbox.enqueue(&first).await;
+    let a = outbox.storage.clone();
+    let c = claim_some(&a, Duration::from_secs(20)).await;
+    // Both heads wait an hour to retry; the rest of k is given back behind its head.
+    let mut settlement = Settlement::default();
+    for m in &c.messages {
+        let text = text(&m.payload);
+        if text == "j1" || text == "k1" {
+            settlement.retries.push(outbox_core::Retry {
+                id: m.id,
+                delay: Duration::from_secs(3600),
+                error: "refused".into(),
+            });
+        } else {
+            settlement.released.push(m.id);
+        }
+    }
+    a.settle(&c.token, &settlement).await.unwrap();
+    // Relay B joins; A's next round sees two relays and hands one shard over: shard 0,
+    // the one with less read (j1 alone). Both keep claiming, as their workers would.
+    let b = outbox.another_relay();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut got = Vec::new();
+    let mut sent_o1 = false;
+    while !got.contains(&"o1".to_string()) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "shard 0 not handed over within 5 s of B joining (B got {got:?})"
+        );
+        let on_a = a.claim("a", 100, LEASE).await.unwrap();
+        assert!(
+            !payloads(&on_a).iter().any(|p| p == "j1" || p == "o1"),
+            "A hands out nothing of shard 0 while it hands it over, nor j1 early"
+        );
+        a.ack(&on_a.token, &deliveries(&on_a)).await.unwrap();
+        let on_b = b.claim("b", 100, LEASE).await.unwrap();
+        got.extend(payloads(&on_b));
+        b.ack(&on_b.token, &deliveries(&on_b)).await.unwrap();
+        let owner: Option<String> = sqlx::query_scalar(&format!(
+            "SELECT owner FROM {} WHERE shard = 0",
+            outbox.table.qualified("_shards")
+        ))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+        if !sent_o1 && owner.as_deref() == b.relay_name() {
+            outbox.enqueue(&[NewMessage::new("t", "o1").key(&o)]).await;
+            sent_o1 = true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        got.contains(&"j1".to_string()),
+        "the next owner reads the waiting row again: {got:?}"
+    );
+}
+
+/// Two-phase commit: a writer's `PREPARE TRANSACTION` succeeds while a relay is idle (a
+/// transaction that ran NOTIFY cannot be prepared, so where the server allows prepared
+/// transactions a relay never asks writers to notify, and clears the flag an earlier one
+/// left), and the relay delivers the message once it is committed, polling.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_phase_commit_writer_prepares_while_the_relay_is_idle() {
+    let outbox = log_outbox(2).await;
+    two_phase_commit_while_idle(&outbox.table, &outbox.pool, &outbox.storage).await;
+}
+
+/// The same in lease mode.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_two_phase_commit_writer_prepares_while_a_lease_mode_relay_is_idle() {
+    let outbox = outbox_tests::TestOutbox::new().await;
+    two_phase_commit_while_idle(&outbox.table, &outbox.pool, &outbox.storage).await;
+}
+
+async fn two_phase_commit_while_idle(table: &OutboxTable, pool: &PgPool, storage: &Arc<PgStorage>) {
+    let allowed: String = sqlx::query_scalar("SHOW max_prepared_transactions")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    assert_ne!(
+        allowed, "0",
+        "the test server has max_prepared_transactions = 0: `cargo xtask services` sets it to 16"
+    );
+    // The flag as a relay of an earlier release, or one started before the server allowed
+    // prepared transactions, leaves it: writers notify.
+    let flag = format!("SELECT relay_idle FROM {}", table.qualified("_wakeup"));
+    sqlx::query(&format!(
+        "UPDATE {} SET relay_idle = true",
+        table.qualified("_wakeup")
+    ))
+    .execute(pool)
+    .await
+    .unwrap();
+    let sink = Arc::new(MemorySink::new());
+    let worker = Worker::new(test_worker_config("w"), storage.clone(), sink.clone()).unwrap();
+    let shutdown = CancellationToken::new();
+    let handle = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    // The relay finds nothing and waits: where prepared transactions are allowed it does
+    // not ask writers to notify, and clears the flag.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        !sqlx::query_scalar::<_, bool>(&flag)
+            .fetch_one(pool)
+            .await
+            .unwrap(),
+        "an idle relay asks writers to notify although they may prepare"
+    );
+    let gid = format!("outbox-test-{}", uuid::Uuid::now_v7());
+    let mut conn = pool.acquire().await.unwrap();
+    sqlx::query("BEGIN").execute(&mut *conn).await.unwrap();
+    table
+        .enqueue(&mut conn, &NewMessage::new("t", "prepared").key("k"))
+        .await
+        .unwrap();
+    let prepared = sqlx::query(&format!("PREPARE TRANSACTION '{gid}'"))
+        .execute(&mut *conn)
+        .await;
+    if prepared.is_err() {
+        let _ = sqlx::query("ROLLBACK").execute(&mut *conn).await;
+    }
+    prepared.expect("PREPARE TRANSACTION of a writer while the relay is idle");
+    sqlx::query(&format!("COMMIT PREPARED '{gid}'"))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while sink.published().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the prepared message was not delivered"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    shutdown.cancel();
+    handle.await.unwrap();
+    assert_eq!(text(&sink.published()[0].payload), "prepared");
+}
+
+/// The housekeeping deletes delivered rows in short transactions of its own: while one
+/// row it must delete is locked, the rows before it are already gone (committed), so no
+/// long cleanup transaction holds the readable horizon of every relay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn housekeeping_deletes_in_short_transactions() {
+    let outbox = log_outbox(1).await;
+    let messages: Vec<NewMessage> = (0..5000)
+        .map(|i| NewMessage::new("t", format!("{i}")))
+        .collect();
+    outbox.enqueue(&messages).await;
+    let mut delivered = 0;
+    while delivered < messages.len() {
+        let c = claim_some(&outbox.storage, Duration::from_secs(20)).await;
+        assert!(!c.messages.is_empty(), "claims stopped at {delivered}");
+        delivered += c.messages.len();
+        outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+    }
+    let outbox_table = outbox.table.qualified("");
+    let mut locker = outbox.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "SELECT 1 FROM {outbox_table} WHERE payload = '4500'::bytea FOR UPDATE"
+    ))
+    .execute(&mut *locker)
+    .await
+    .unwrap();
+    let storage = outbox.storage.clone();
+    let cleanup = tokio::spawn(async move { storage.maintain().await });
+    let count = format!("SELECT count(*) FROM {outbox_table}");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let left: i64 = sqlx::query_scalar(&count)
+            .fetch_one(&outbox.pool)
+            .await
+            .unwrap();
+        if left <= 1000 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{left} rows left while one row was locked: the cleanup is one long transaction"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        !cleanup.is_finished(),
+        "the cleanup waits for the locked row"
+    );
+    locker.rollback().await.unwrap();
+    cleanup.await.unwrap().expect("housekeeping");
+    let left: i64 = sqlx::query_scalar(&count)
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 0, "every delivered row removed");
+}
+
+/// Counting the queue never stops the relay: while the figures' query waits (here on a
+/// lock another session holds on the dead letters), a claim and its settlement go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_count_of_the_queue_does_not_hold_claims() {
+    let outbox = log_outbox(2).await;
+    outbox.enqueue(&[NewMessage::new("t", "m1").key("k")]).await;
+    let first = claim_some(&outbox.storage, Duration::from_secs(20)).await;
+    outbox
+        .storage
+        .ack(&first.token, &deliveries(&first))
+        .await
+        .unwrap();
+    // Written before the lock: the lock takes a transaction id (it is logged for
+    // standbys), which holds the readable horizon until it ends.
+    outbox.enqueue(&[NewMessage::new("t", "m2").key("k")]).await;
+    let mut locker = outbox.pool.begin().await.unwrap();
+    sqlx::query(&format!(
+        "LOCK TABLE {} IN ACCESS EXCLUSIVE MODE",
+        outbox.table.qualified("_dead_letters")
+    ))
+    .execute(&mut *locker)
+    .await
+    .unwrap();
+    let storage = outbox.storage.clone();
+    let counting = tokio::spawn(async move { Storage::stats(&*storage).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let claimed = tokio::time::timeout(Duration::from_secs(5), async {
+        let c = claim_some(&outbox.storage, Duration::from_secs(5)).await;
+        outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+        payloads(&c)
+    })
+    .await
+    .expect("a claim waited for the count of the queue");
+    assert_eq!(claimed, ["m2"]);
+    assert!(!counting.is_finished(), "the count waits for the lock");
+    locker.rollback().await.unwrap();
+    counting.await.unwrap().expect("queue figures");
 }

@@ -24,7 +24,7 @@
 //! application's API, and runs every check that does not depend on those positions.
 
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -61,7 +61,8 @@ struct Sqlite {
 }
 
 struct SqliteFixture {
-    storage: Arc<SqliteStorage>,
+    /// The relay's storage (a new one after each restart).
+    relay: Mutex<Arc<SqliteStorage>>,
     /// The application's side: its own connections to the same file.
     app: SqlitePool,
     table: OutboxTable,
@@ -109,6 +110,12 @@ impl SqliteWrite {
     }
 }
 
+impl SqliteFixture {
+    fn relay(&self) -> Arc<SqliteStorage> {
+        self.relay.lock().expect("the relay's storage").clone()
+    }
+}
+
 #[async_trait]
 impl PendingWrite for SqliteWrite {
     async fn commit(mut self: Box<Self>) {
@@ -131,7 +138,22 @@ impl PendingWrite for SqliteWrite {
 #[async_trait]
 impl StorageFixture for SqliteFixture {
     fn storage(&self) -> Arc<dyn Storage> {
-        self.storage.clone()
+        self.relay()
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
+        self.relay().purge_dead_letters(ids).await.expect("purge")
+    }
+
+    async fn restart(&self, stop: bool) -> bool {
+        let old = self.relay();
+        if stop {
+            old.stop().await.expect("stop");
+        }
+        let config = old.config().clone();
+        let new = SqliteStorage::open(config).await.expect("opening the file");
+        *self.relay.lock().expect("the relay's storage") = Arc::new(new);
+        true
     }
 
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
@@ -159,11 +181,11 @@ impl StorageFixture for SqliteFixture {
     }
 
     async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.storage.replay_dead_letters(ids).await.expect("replay")
+        self.relay().replay_dead_letters(ids).await.expect("replay")
     }
 
     async fn release_parked_key(&self, key: &str) -> bool {
-        self.storage
+        self.relay()
             .release_parked_key(key)
             .await
             .expect("release parked key")
@@ -214,7 +236,7 @@ impl StorageHarness for Sqlite {
         .await
         .expect("starting the sequence");
         Box::new(SqliteFixture {
-            storage: Arc::new(storage),
+            relay: Mutex::new(Arc::new(storage)),
             app,
             table,
             positions_at_write: self.positions_at_write,
@@ -253,6 +275,8 @@ mod commit_order {
         storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
         storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
         storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
+        storage_a_released_or_purged_dead_letter_stays_out_across_restarts,
+        storage_a_replay_after_a_restart_delivers_the_key_once_in_order,
         storage_settle_writes_the_whole_outcome,
         storage_extend_lease_holds_the_claim,
     );

@@ -139,8 +139,31 @@ fn services() -> Result {
         wait_for(service)?;
     }
     prepare_postgres()?;
+    allow_prepared_transactions()?;
     prepare_mariadb()?;
     replica::ensure()
+}
+
+/// The two-phase commit tests (a writer's `PREPARE TRANSACTION`) need
+/// `max_prepared_transactions` above 0, PostgreSQL's default: set it to 16 and restart the
+/// cluster (the setting takes a restart), then make the replica again (a hot standby needs
+/// it at least as high as its primary).
+fn allow_prepared_transactions() -> Result {
+    if std::env::var_os("OUTBOX_TEST_POSTGRES_URL").is_some() {
+        return Ok(());
+    }
+    if replica::psql(5432, "SHOW max_prepared_transactions")? != "0" {
+        return Ok(());
+    }
+    println!(
+        "xtask: PostgreSQL has max_prepared_transactions = 0; setting it to 16 and restarting (two-phase commit tests)"
+    );
+    replica::psql(5432, "ALTER SYSTEM SET max_prepared_transactions = 16")?;
+    pg_ctlcluster("restart")?;
+    if let Some(postgres) = SERVICES.iter().find(|s| s.port == 5432) {
+        wait_for(postgres)?;
+    }
+    replica::discard()
 }
 
 /// The MySQL tests connect as `root` without a password to database `test` on 127.0.0.1
@@ -330,6 +353,11 @@ fn run(command: &mut Command) -> Result {
 }
 
 fn start_postgres() -> Result {
+    pg_ctlcluster("start")
+}
+
+/// `pg_ctlcluster <version> main <action>` for every PostgreSQL cluster Debian set up.
+fn pg_ctlcluster(action: &str) -> Result {
     let versions = std::fs::read_dir("/etc/postgresql")
         .map_err(|e| format!("no PostgreSQL cluster under /etc/postgresql: {e}"))?;
     for version in versions.flatten() {
@@ -338,7 +366,7 @@ fn start_postgres() -> Result {
             "--skip-systemctl-redirect",
             &version,
             "main",
-            "start",
+            action,
         ]))?;
     }
     Ok(())

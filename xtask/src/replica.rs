@@ -91,7 +91,7 @@ fn as_postgres(program: &Path) -> Command {
 }
 
 /// One value from `sql` run as `postgres` on 127.0.0.1:`port`, database `postgres`.
-fn psql(port: u16, sql: &str) -> Result<String> {
+pub(crate) fn psql(port: u16, sql: &str) -> Result<String> {
     let output = Command::new("psql")
         .args(["-h", "127.0.0.1", "-p", &port.to_string(), "-U", "postgres"])
         .args(["-d", "postgres", "-tAc", sql])
@@ -199,6 +199,23 @@ fn is_root() -> bool {
 }
 
 /// Starts the replica in `data` and waits until it accepts connections.
+/// Stops the replica, if it runs, and removes it: [`ensure`] makes it again, with the
+/// primary's settings of now.
+pub(crate) fn discard() -> Result {
+    let data = Path::new(DATA);
+    if !data.exists() {
+        return Ok(());
+    }
+    println!("xtask: removing the PostgreSQL replica in {DATA} (the primary's settings changed)");
+    if is_listening(PORT) {
+        run(as_postgres(&pg_bin()?.join("pg_ctl"))
+            .arg("-D")
+            .arg(data)
+            .args(["-m", "fast", "-w", "stop"]))?;
+    }
+    std::fs::remove_dir_all(data).map_err(|e| format!("cannot remove {DATA}: {e}"))
+}
+
 fn start(bin: &Path, data: &Path) -> Result {
     std::fs::create_dir_all("/var/run/postgresql").ok();
     run(as_postgres(&bin.join("pg_ctl"))

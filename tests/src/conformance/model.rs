@@ -1,7 +1,11 @@
 //! The randomised storage check: random sequences of application transactions (committing
 //! late or rolling back), claims by several relays, settlements, relays that die, leases and
-//! retry delays running out, dead letters, replays and releases, driven against a storage and
-//! checked after every step against a reference model of what the contract allows.
+//! retry delays running out, dead letters, replays, releases and purges, restarts of the
+//! relay (stopping or dying) and a second relay's process joining and leaving (handing the
+//! stored queue's parts over, where a storage splits it between relays), driven against a
+//! storage and checked after every step against a reference model of what the contract
+//! allows: no message of a key before an earlier one still stored, nothing purged or
+//! delivered ever handed out again, and everything committed delivered in the end.
 //!
 //! `OUTBOX_MODEL_SEED` replays one seed; `OUTBOX_MODEL_RUNS` and `OUTBOX_MODEL_STEPS` set how
 //! many sequences and how long (default 6 × 120). A failure prints the seed;
@@ -10,8 +14,10 @@
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
+use std::sync::Arc;
+
 use outbox_core::{
-    Claim, ClaimToken, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement,
+    Claim, ClaimToken, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement, Storage,
 };
 use uuid::Uuid;
 
@@ -46,6 +52,8 @@ enum State {
     },
     Delivered,
     Dead,
+    /// A dead letter the operator deleted for good: never to be handed out.
+    Purged,
 }
 
 #[derive(Debug)]
@@ -69,6 +77,14 @@ struct Model {
     horizon: bool,
     /// Transactions still open, by number.
     open_txs: HashSet<usize>,
+    /// A second relay process runs beside the first: what a claim hands out depends on
+    /// which parts of the queue its relay holds, so the claim rule's "nothing due left out"
+    /// is not checked, and a message waiting to retry may come back early (a relay handing
+    /// a part over forgets its retry delays: the next holder reads it again).
+    two_processes: bool,
+    /// A relay process died: a storage may deliver again what it delivered (at least
+    /// once), in key order; a purged message still never.
+    redelivery: bool,
 }
 
 impl Model {
@@ -82,7 +98,7 @@ impl Model {
             return false;
         }
         match m.state {
-            State::Waiting { at } => at <= self.now,
+            State::Waiting { at } => self.two_processes || at <= self.now,
             State::Held { until, .. } => until <= self.now,
             _ => false,
         }
@@ -106,7 +122,8 @@ impl Model {
                 return Err(format!("claimed an unknown message {}", message.id));
             };
             let m = &self.msgs[i];
-            if !self.due(m) {
+            let again = self.redelivery && m.state == State::Delivered;
+            if !again && !self.due(m) {
                 return Err(format!(
                     "claimed message #{i} ({:?}) that is not due",
                     m.state
@@ -134,7 +151,7 @@ impl Model {
         }
         // With room for everything, no key with a due first message is left out.
         let visible = self.msgs.iter().filter(|m| self.stored(m)).count();
-        if limit >= visible {
+        if limit >= visible && !self.two_processes {
             let mut firsts: HashSet<&str> = HashSet::new();
             for (i, m) in self.msgs.iter().enumerate() {
                 if !self.stored(m) {
@@ -201,7 +218,9 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
         );
         return;
     };
-    let storage = f.storage();
+    let mut storage = f.storage();
+    // The second relay process, while it runs: relay 2 claims through it.
+    let mut second: Option<Arc<dyn Storage>> = None;
     let mut model = Model {
         horizon: storage.capabilities().waits_for_older_transactions,
         ..Model::default()
@@ -284,7 +303,7 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                 }
                 let limit = if rng.bool() { rng.usize(1..=4) } else { 100 };
                 let lease = if rng.u8(..4) == 0 { 3 * HOUR } else { HOUR };
-                let claim = storage
+                let claim = relay_storage(&storage, &second, r)
                     .claim(&format!("relay-{r}"), limit, lease)
                     .await
                     .unwrap_or_else(|e| panic!("{}: {e}", context("claim")));
@@ -308,7 +327,7 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                 };
                 let settlement = publish_like_the_worker(&claim, &mut rng);
                 let expected = settlement_count(&model, &claim.token, &settlement);
-                let applied = storage
+                let applied = relay_storage(&storage, &second, r)
                     .settle(&claim.token, &settlement)
                     .await
                     .unwrap_or_else(|e| panic!("{}: {e}", context("settle")));
@@ -321,14 +340,81 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                 apply_settlement(&mut model, &claim.token, &settlement);
             }
             // A relay dies with its batch: nothing is written, the lease runs out later.
-            80..=84 => claims[rng.usize(..RELAYS)] = None,
-            // Time passes: one-hour leases and delays run out.
-            85..=91 => {
+            80..=82 => claims[rng.usize(..RELAYS)] = None,
+            // The relay process restarts, stopping or dying: its batches are gone, and
+            // every lease and delay runs out before the next one claims (a storage may keep
+            // them only in memory).
+            83..=84 => {
+                if let Some(s) = second.take() {
+                    s.stop()
+                        .await
+                        .unwrap_or_else(|e| panic!("{}: {e}", context("stop")));
+                }
+                let stop = rng.bool();
+                if !f.restart(stop).await {
+                    continue;
+                }
+                model.redelivery |= !stop;
+                storage = f.storage();
+                claims.iter_mut().for_each(|c| *c = None);
+                model.two_processes = false;
+                f.advance(4 * HOUR).await;
+                model.now += 4 * HOUR;
+            }
+            // A second relay process joins (relay 2 claims through it), or leaves, stopping
+            // (then, as at a restart, every lease and delay runs out).
+            85..=86 => match second.take() {
+                None => {
+                    let Some(s) = f.replica() else { continue };
+                    claims[2] = None;
+                    // Batches whose lease ran out are given up: their parts of the queue
+                    // may now change hands, and a late settlement of them may count less
+                    // than a storage that keeps one queue would (their rows go out again).
+                    for claim in claims.iter_mut() {
+                        let expired = claim.as_ref().is_some_and(|c| {
+                            c.messages.iter().any(|m| {
+                                matches!(model.msgs[model.index[&m.id]].state,
+                                    State::Held { until, .. } if until <= model.now)
+                            })
+                        });
+                        if expired {
+                            *claim = None;
+                        }
+                    }
+                    second = Some(s);
+                    model.two_processes = true;
+                }
+                Some(s) => {
+                    s.stop()
+                        .await
+                        .unwrap_or_else(|e| panic!("{}: {e}", context("stop")));
+                    claims[2] = None;
+                    model.two_processes = false;
+                    f.advance(4 * HOUR).await;
+                    model.now += 4 * HOUR;
+                }
+            },
+            // Time passes: one-hour leases and delays run out (not while a second process
+            // runs: its clock would not follow).
+            87..=91 if second.is_none() => {
                 f.advance(ADVANCE).await;
                 model.now += ADVANCE;
             }
+            // The operator purges a dead letter: it is gone for good, its key stays parked.
+            92..=93 => {
+                let dead: Vec<usize> = (0..model.msgs.len())
+                    .filter(|&i| model.msgs[i].state == State::Dead)
+                    .collect();
+                if dead.is_empty() {
+                    continue;
+                }
+                let i = dead[rng.usize(..dead.len())];
+                let n = f.purge_dead_letters(&[model.msgs[i].id]).await;
+                assert_eq!(n, 1, "{}: purge count", context("purge"));
+                model.msgs[i].state = State::Purged;
+            }
             // The operator replays a dead letter.
-            92..=95 => {
+            94..=95 => {
                 let dead: Vec<usize> = (0..model.msgs.len())
                     .filter(|&i| model.msgs[i].state == State::Dead)
                     .collect();
@@ -362,8 +448,13 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
         }
     }
 
-    // The end: open transactions commit, time passes, dead letters are replayed, and the
-    // relays drain everything; every committed message is delivered.
+    // The end: the second process leaves, open transactions commit, time passes, dead
+    // letters are replayed, and the relay drains everything; every committed message is
+    // delivered.
+    if let Some(s) = second.take() {
+        s.stop().await.expect("stop");
+        model.two_processes = false;
+    }
     model.open_txs.clear();
     for (idx, tx) in open.drain(..) {
         tx.commit().await;
@@ -423,10 +514,27 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
         .msgs
         .iter()
         .enumerate()
-        .filter(|(_, m)| m.state != State::Delivered && m.state != State::RolledBack)
+        .filter(|(_, m)| {
+            !matches!(
+                m.state,
+                State::Delivered | State::RolledBack | State::Purged
+            )
+        })
         .map(|(i, m)| (i, m.state))
         .collect();
     assert!(left.is_empty(), "seed {seed}: never delivered: {left:?}");
+}
+
+/// The storage relay `r` claims through: the second process's for relay 2 while it runs.
+fn relay_storage<'a>(
+    first: &'a Arc<dyn Storage>,
+    second: &'a Option<Arc<dyn Storage>>,
+    r: usize,
+) -> &'a Arc<dyn Storage> {
+    match second {
+        Some(s) if r == 2 => s,
+        _ => first,
+    }
 }
 
 /// The worker's rules: a key's messages go in order, and at a key's first failure the rest

@@ -43,6 +43,22 @@ pub trait StorageFixture: Send + Sync {
     /// letter. Returns whether it was parked.
     async fn release_parked_key(&self, key: &str) -> bool;
 
+    /// The operator's purge: deletes these dead letters for good (their keys stay parked).
+    /// Returns how many were deleted.
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64;
+
+    /// The relay stops and another starts on the same stored queue, which [`storage`]
+    /// returns from now on: whatever the first kept only in memory is gone. With `stop`, it
+    /// stops as at a shutdown (`Storage::stop`); without, it dies (its leases run out).
+    /// Returns false for a storage that lives in one process (nothing outlives its relay):
+    /// the checks of restarts are skipped for it.
+    ///
+    /// [`storage`]: StorageFixture::storage
+    async fn restart(&self, stop: bool) -> bool {
+        let _ = stop;
+        false
+    }
+
     /// Moves the storage's clock ahead by `by`, as if that much time had passed: leases
     /// and retry delays run out sooner. (For a database: shift the stored times back.)
     async fn advance(&self, by: Duration);
@@ -1022,6 +1038,142 @@ pub async fn storage_extend_lease_holds_the_claim(h: &dyn StorageHarness) {
     );
 }
 
+/// Settles a claim as a relay whose sink refused `j1` for now, dead-lettered `k1` and so
+/// gave back `k2` behind it: `j1` waits to retry, key `k` is parked.
+async fn retry_j1_dead_k1(f: &dyn StorageFixture, check: &str) -> Uuid {
+    let storage = f.storage();
+    f.enqueue(&[keyed("j", "j1"), keyed("k", "k1"), keyed("k", "k2")])
+        .await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&c), ["j1", "k1", "k2"], "{check}: the first claim");
+    let m = &c.messages;
+    let settlement = Settlement {
+        retries: vec![retry(&m[0], LONG)],
+        dead: vec![DeadLetter {
+            id: m[1].id,
+            error: "poison".into(),
+        }],
+        released: vec![m[2].id],
+        ..Settlement::default()
+    };
+    assert_eq!(
+        storage.settle(&c.token, &settlement).await.expect("settle"),
+        3,
+        "{check}: settled"
+    );
+    m[1].id
+}
+
+/// Claims until nothing is handed out, acknowledging everything; returns the payloads of
+/// key `key` in the order they were handed out.
+async fn drain(storage: &dyn Storage, key: &str, check: &str) -> Vec<String> {
+    let mut seen = Vec::new();
+    for _ in 0..20 {
+        let c = claim(storage, "w1", 10, LEASE).await;
+        if c.messages.is_empty() {
+            return seen;
+        }
+        seen.extend(
+            c.messages
+                .iter()
+                .filter(|m| m.key.as_deref() == Some(key))
+                .map(|m| String::from_utf8_lossy(&m.payload).into_owned()),
+        );
+        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    }
+    panic!("{check}: the storage never drained");
+}
+
+/// A released key's dead letter stays where it is across a restart (with the relay stopping
+/// and with it dying), and a purged one is gone for good: neither is delivered after the
+/// restart, nor the message that was delivered after the release, while another key still
+/// waits to retry.
+pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
+    h: &dyn StorageHarness,
+) {
+    let check = "released and purged across restarts";
+    let f = fixture_or_skip!(h, true, check);
+    let dead = retry_j1_dead_k1(&*f, check).await;
+    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    let storage = f.storage();
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(payloads(&c), ["k2"], "{check}: k2 flows after the release");
+    storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    if !f.restart(true).await {
+        super::note(check, "skipped: the storage lives in one process");
+        return;
+    }
+    f.enqueue(&[keyed("k", "k3")]).await;
+    let after = drain(&*f.storage(), "k", check).await;
+    assert_eq!(
+        after,
+        ["k3"],
+        "{check}: after a restart only k3 of key k is delivered (k1 is a dead letter, k2 was delivered)"
+    );
+    assert_eq!(f.purge_dead_letters(&[dead]).await, 1, "{check}: purged");
+    assert!(f.restart(false).await, "{check}: restarted once");
+    f.advance(2 * LONG).await;
+    f.enqueue(&[keyed("k", "k4")]).await;
+    let after = drain(&*f.storage(), "k", check).await;
+    assert_eq!(
+        after,
+        ["k4"],
+        "{check}: after a purge and a relay that died, only k4 of key k is delivered"
+    );
+}
+
+/// A dead letter replayed after a restart, while its key's later messages were kept back
+/// (given back by the claim that failed it, and written after), goes first; the key's
+/// messages are delivered once each, in order; the key is unparked; a further restart
+/// delivers none of them again.
+pub async fn storage_a_replay_after_a_restart_delivers_the_key_once_in_order(
+    h: &dyn StorageHarness,
+) {
+    let check = "replay after a restart";
+    let f = fixture_or_skip!(h, true, check);
+    let dead = retry_j1_dead_k1(&*f, check).await;
+    f.enqueue(&[keyed("k", "k3")]).await;
+    let c = claim(&*f.storage(), "w1", 10, LEASE).await;
+    assert_eq!(payloads(&c), Vec::<String>::new(), "{check}: k is parked");
+    if !f.restart(true).await {
+        super::note(check, "skipped: the storage lives in one process");
+        return;
+    }
+    let c = claim(&*f.storage(), "w1", 10, LEASE).await;
+    assert!(
+        !payloads(&c).iter().any(|p| p.starts_with('k')),
+        "{check}: k is still parked after the restart: {:?}",
+        payloads(&c)
+    );
+    assert_eq!(f.replay_dead_letters(&[dead]).await, 1, "{check}: replayed");
+    let storage = f.storage();
+    assert_eq!(
+        drain(&*storage, "k", check).await,
+        ["k1", "k2", "k3"],
+        "{check}: the replayed k1 first, then k2 and k3, once each"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.parked_keys, stats.dead_lettered),
+        (0, 0),
+        "{check}: k is unparked once drained: {stats:?}"
+    );
+    assert!(f.restart(true).await, "{check}: restarted once");
+    f.advance(2 * LONG).await;
+    let storage = f.storage();
+    assert_eq!(
+        drain(&*storage, "k", check).await,
+        Vec::<String>::new(),
+        "{check}: nothing of k is delivered again after another restart"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.parked_keys),
+        (0, 0),
+        "{check}: nothing left: {stats:?}"
+    );
+}
+
 /// Runs every storage check in turn.
 pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_declares_what_was_asked(h).await;
@@ -1043,6 +1195,9 @@ pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_a_late_commit_does_not_let_later_messages_pass_a_retry(h).await;
     storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h).await;
     storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(h).await;
+    storage_a_dead_letter_replayed_after_its_key_drained_goes_first(h).await;
+    storage_a_released_or_purged_dead_letter_stays_out_across_restarts(h).await;
+    storage_a_replay_after_a_restart_delivers_the_key_once_in_order(h).await;
     storage_settle_writes_the_whole_outcome(h).await;
     storage_extend_lease_holds_the_claim(h).await;
     super::storage_random_operations_keep_key_order(h).await;
