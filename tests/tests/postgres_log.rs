@@ -419,7 +419,7 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
         [
             "before", "held", "after-0", "after-1", "after-2", "after-3", "after-4"
         ],
-        "everything delivered once, in commit order"
+        "everything delivered once, in xid order (the open transaction took its id first)"
     );
 }
 
