@@ -129,6 +129,8 @@ fn main() -> ExitCode {
 #[derive(Default)]
 pub struct Faults {
     kills: AtomicU64,
+    /// Relays stopped with SIGTERM (they give their shards up) and started again.
+    restarts: AtomicU64,
     terminations: AtomicU64,
     sessions: AtomicU64,
     cuts: AtomicU64,
@@ -142,8 +144,9 @@ pub struct Faults {
 
 impl Faults {
     fn summary(&self) -> String {
-        let [k, t, s, c, st, p] = [
+        let [k, r, t, s, c, st, p] = [
             &self.kills,
+            &self.restarts,
             &self.terminations,
             &self.sessions,
             &self.cuts,
@@ -152,7 +155,7 @@ impl Faults {
         ]
         .map(|n| n.load(Relaxed));
         format!(
-            "{k} kill -9, {t} session kills ({s} sessions), {c} cuts, {st} stalls, {p} consumer pauses"
+            "{k} kill -9, {r} SIGTERM restarts, {t} session kills ({s} sessions), {c} cuts, {st} stalls, {p} consumer pauses"
         )
     }
 }
@@ -396,7 +399,7 @@ impl Run {
         let (faults, t) = (self.faults.clone(), self.started.elapsed().as_secs());
         let relays = self.relays.count() as u64;
         let (counter, hits) = match rng.u32(0..100) {
-            0..30 => {
+            0..22 => {
                 let relay = rng.usize(..self.relays.count());
                 println!("[{t:>4}s] fault: kill -9 relay {relay}");
                 self.relays.kill(relay).await;
@@ -404,7 +407,20 @@ impl Run {
                 self.relays.start(relay)?;
                 (&faults.kills, 1)
             }
-            30..55 => {
+            // A shutdown and a start, as at a deployment: the relay gives its shards up (in
+            // log mode with the rows it delivered past their cursors), another takes them.
+            22..34 => {
+                let relay = rng.usize(..self.relays.count());
+                println!("[{t:>4}s] fault: SIGTERM relay {relay}, then start it again");
+                let clean = self.relays.terminate(relay, Duration::from_secs(10)).await;
+                if !clean {
+                    println!("[{t:>4}s]   relay {relay} did not stop within 10 s: killed");
+                }
+                tokio::time::sleep(Duration::from_millis(rng.u64(200..1500))).await;
+                self.relays.start(relay)?;
+                (&faults.restarts, 1)
+            }
+            34..55 => {
                 let sessions = self.terminate_sessions().await?;
                 println!("[{t:>4}s] fault: {sessions} relay database sessions terminated");
                 faults.sessions.fetch_add(sessions, Relaxed);

@@ -129,6 +129,25 @@ impl Relays {
         }
     }
 
+    /// SIGTERM, as at a shutdown (the relay gives its shards up), and waits for it to exit;
+    /// killed after `grace`. Returns whether it exited on its own.
+    pub async fn terminate(&mut self, relay: usize, grace: Duration) -> bool {
+        let Some(mut child) = self.children[relay].take() else {
+            return true;
+        };
+        if let Some(pid) = child.id() {
+            let _ = std::process::Command::new("kill")
+                .args(["-TERM", &pid.to_string()])
+                .status();
+        }
+        if tokio::time::timeout(grace, child.wait()).await.is_ok() {
+            return true;
+        }
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        false
+    }
+
     /// Relays that exited without being told to, with their status; their slots are freed.
     pub fn exited(&mut self) -> Vec<(usize, ExitStatus)> {
         let mut exited = Vec::new();

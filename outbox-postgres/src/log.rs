@@ -133,6 +133,9 @@ impl Shard {
 struct Parked {
     draining: bool,
     generation: i64,
+    /// The key's shard: what is known of the key goes with the shard when it is dropped,
+    /// so that a shard taken again loads a draining key's held rows again.
+    shard: i32,
 }
 
 /// A row kept aside in the held rows while a claim still held it or it waited to retry:
@@ -190,6 +193,7 @@ struct Inner {
 impl Inner {
     fn drop_shard(&mut self, shard: i32) {
         self.aside.retain(|_, a| a.shard != shard);
+        self.parked.retain(|_, p| p.shard != shard);
         if let Some(s) = self.shards.remove(&shard) {
             for e in s.entries.values() {
                 self.ids.remove(&e.message.id);
@@ -421,7 +425,7 @@ impl LogSql {
                     .join(", ")
             ),
             parked_in: format!(
-                "SELECT partition_key, draining, generation FROM {parked} WHERE shard = ANY($1)"
+                "SELECT partition_key, draining, generation, shard FROM {parked} WHERE shard = ANY($1)"
             ),
             held_of_key: format!(
                 "SELECT shard, xid::text AS xid_text, seq, {MESSAGE_COLUMNS} FROM {held}
@@ -785,11 +789,11 @@ impl LogEngine {
         &self,
         pool: &PgPool,
         inner: &mut Inner,
-        rows: Vec<(String, bool, i64)>,
+        rows: Vec<(String, bool, i64, i32)>,
     ) -> Result<()> {
         let fail = |e| db_error("cannot read parked keys", e);
         let mut seen = HashSet::new();
-        for (key, draining, generation) in rows {
+        for (key, draining, generation, shard) in rows {
             let before = inner.parked.get(&key).copied();
             let load = draining && before.is_none_or(|p| !p.draining || p.generation != generation);
             if load {
@@ -825,6 +829,7 @@ impl LogEngine {
                 Parked {
                     draining,
                     generation,
+                    shard,
                 },
             );
         }
@@ -879,7 +884,11 @@ impl LogEngine {
     }
 
     /// The parked keys of the owned shards, as stored on the primary.
-    async fn parked_rows(&self, pool: &PgPool, inner: &Inner) -> Result<Vec<(String, bool, i64)>> {
+    async fn parked_rows(
+        &self,
+        pool: &PgPool,
+        inner: &Inner,
+    ) -> Result<Vec<(String, bool, i64, i32)>> {
         let owned: Vec<i32> = inner.shards.keys().copied().collect();
         sqlx::query_as(&self.sql.parked_in)
             .bind(&owned)
@@ -1627,6 +1636,7 @@ impl LogEngine {
                         Parked {
                             draining: false,
                             generation: -1,
+                            shard: *shard,
                         },
                     );
                 }

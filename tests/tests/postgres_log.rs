@@ -1880,3 +1880,60 @@ async fn a_slow_count_of_the_queue_does_not_hold_claims() {
     locker.rollback().await.unwrap();
     counting.await.unwrap().expect("queue figures");
 }
+
+/// A relay that loses a shard (taken over) and takes it back later forgets what it knew of
+/// the shard's parked keys: a released key's held rows are loaded again and go ahead of the
+/// key's later rows. (Found by the randomised model with a second relay process.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_taken_back_loads_its_draining_keys_held_rows_again() {
+    let outbox = log_outbox(1).await;
+    outbox
+        .enqueue(&[
+            NewMessage::new("t", "k1").key("k"),
+            NewMessage::new("t", "k2").key("k"),
+        ])
+        .await;
+    let a = outbox.storage.clone();
+    let c = claim_some(&a, Duration::from_secs(20)).await;
+    assert_eq!(payloads(&c), ["k1", "k2"]);
+    let settlement = Settlement {
+        dead: vec![DeadLetter {
+            id: c.messages[0].id,
+            error: "poison".into(),
+        }],
+        released: vec![c.messages[1].id],
+        ..Settlement::default()
+    };
+    a.settle(&c.token, &settlement).await.unwrap();
+    assert!(a.release_parked_key("k").await.unwrap());
+    // A knows k is draining; its claim hands out the held k2, which it never settles.
+    let on_a = a.claim("a", 10, LEASE).await.unwrap();
+    assert_eq!(payloads(&on_a), ["k2"]);
+    // A stalls past its lease; B takes the shard, gives k2 back, and stops.
+    let shards_table = outbox.table.qualified("_shards");
+    sqlx::query(&format!(
+        "UPDATE {shards_table} SET expires_at = now() - interval '1 second'"
+    ))
+    .execute(&outbox.pool)
+    .await
+    .unwrap();
+    let b = outbox.another_relay();
+    let on_b = claim_some(&b, Duration::from_secs(10)).await;
+    assert_eq!(payloads(&on_b), ["k2"], "B loads the held row");
+    b.release(&on_b.token, &[on_b.messages[0].id])
+        .await
+        .unwrap();
+    b.stop().await.unwrap();
+    outbox.enqueue(&[NewMessage::new("t", "k3").key("k")]).await;
+    // A's next round finds the shard taken (and given up since) and takes it again.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut got = Vec::new();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while got.len() < 2 && tokio::time::Instant::now() < deadline {
+        let c = a.claim("a", 10, LEASE).await.unwrap();
+        got.extend(payloads(&c));
+        a.ack(&c.token, &deliveries(&c)).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(got, ["k2", "k3"], "the held k2 goes ahead of k3");
+}

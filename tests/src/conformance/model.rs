@@ -82,8 +82,9 @@ struct Model {
     /// is not checked, and a message waiting to retry may come back early (a relay handing
     /// a part over forgets its retry delays: the next holder reads it again).
     two_processes: bool,
-    /// A relay process died: a storage may deliver again what it delivered (at least
-    /// once), in key order; a purged message still never.
+    /// A relay process died, or a second one joined after time passed (it may take over
+    /// what the first held, as from a relay that stalled): a storage may deliver again what
+    /// it delivered (at least once), in key order; a purged message still never.
     redelivery: bool,
 }
 
@@ -151,7 +152,8 @@ impl Model {
         }
         // With room for everything, no key with a due first message is left out.
         let visible = self.msgs.iter().filter(|m| self.stored(m)).count();
-        if limit >= visible && !self.two_processes {
+        // (Not when messages may be delivered again: they take room in the claim too.)
+        if limit >= visible && !self.two_processes && !self.redelivery {
             let mut firsts: HashSet<&str> = HashSet::new();
             for (i, m) in self.msgs.iter().enumerate() {
                 if !self.stored(m) {
@@ -317,6 +319,15 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                         until: model.now + lease,
                     };
                 }
+                if trace {
+                    let got: Vec<usize> =
+                        claim.messages.iter().map(|m| model.index[&m.id]).collect();
+                    eprintln!(
+                        "[model]   relay {r} (process {}) claims {got:?} under {:?}",
+                        if second.is_some() && r == 2 { 2 } else { 1 },
+                        claim.token
+                    );
+                }
                 claims[r] = Some(claim);
             }
             // A relay publishes its batch as the worker does and settles it in one call.
@@ -337,6 +348,18 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                     "{}: the settlement changed another number of messages than the model",
                     context("settle")
                 );
+                if trace {
+                    let of =
+                        |ids: Vec<Uuid>| ids.iter().map(|id| model.index[id]).collect::<Vec<_>>();
+                    eprintln!(
+                        "[model]   relay {r} settles {:?}: delivered {:?} retried {:?} dead {:?} released {:?}",
+                        claim.token,
+                        of(settlement.delivered.iter().map(|d| d.id).collect()),
+                        of(settlement.retries.iter().map(|d| d.id).collect()),
+                        of(settlement.dead.iter().map(|d| d.id).collect()),
+                        of(settlement.released.clone())
+                    );
+                }
                 apply_settlement(&mut model, &claim.token, &settlement);
             }
             // A relay dies with its batch: nothing is written, the lease runs out later.
@@ -383,6 +406,10 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
                     }
                     second = Some(s);
                     model.two_processes = true;
+                    // Time may have passed since the first process last renewed what it
+                    // holds: the second may take that over, as from a relay that stalled,
+                    // and deliver again what the first delivered (at least once).
+                    model.redelivery = true;
                 }
                 Some(s) => {
                     s.stop()
