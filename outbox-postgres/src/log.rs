@@ -104,6 +104,12 @@ struct Shard {
     /// yet): they leave the log when the shard is given up, so that its next owner, which
     /// reads from the stored cursor, does not deliver them again.
     delivered: BTreeSet<Pos>,
+    /// Keys whose rows after this position (up to `read`) were read and let go to make
+    /// room (the key is stopped behind a row that is not due: see [`LogEngine::evict`]):
+    /// they stay in the log, unsettled, the cursor stays at or before the position, later
+    /// rows of the key are let go as they are read, and the key's rows are read again
+    /// from here once the key has few left in memory.
+    evicted: HashMap<String, Pos>,
     /// Above this relay's fair share: read and hand out nothing more, give it up once
     /// nothing of it is out under a live claim (so the next owner delivers nothing again).
     /// What it read and did not hand out, rows waiting to retry among them, the next owner
@@ -119,12 +125,15 @@ impl Shard {
         self.delivered.retain(|p| *p > cursor);
     }
     /// Just before the oldest log row not settled, or the last row read.
+    /// (Never past the rows of an evicted key.)
     fn cursor_after(&self, removed: &HashSet<Pos>) -> Pos {
-        self.entries
+        let in_memory = self
+            .entries
             .iter()
             .find(|(pos, e)| !e.held && !removed.contains(pos))
             .map(|(&(xid, seq), _)| (xid, seq - 1))
-            .unwrap_or(self.read)
+            .unwrap_or(self.read);
+        self.evicted.values().copied().fold(in_memory, Pos::min)
     }
 }
 
@@ -269,6 +278,7 @@ pub(crate) struct LogSql {
     forget_relay: String,
     read: String,
     parked_in: String,
+    reload: String,
     held_of_key: String,
     hold: String,
     move_cursors: String,
@@ -424,6 +434,25 @@ impl LogSql {
                     .collect::<Vec<_>>()
                     .join(", ")
             ),
+            // The rows of evicted keys, per (shard, key): after the position they were let
+            // go from, up to the shard's read position, the first `n`.
+            reload: format!(
+                "SELECT r.* FROM unnest($1::int[], $2::text[], $3::text[], $4::bigint[],
+                                        $5::text[], $6::bigint[], $7::bigint[])
+                     AS p(shard, key, xid, seq, to_xid, to_seq, n)
+                 CROSS JOIN LATERAL (
+                    SELECT o.shard, o.xid::text AS xid_text, o.seq, {o_msg}, 0 AS attempts
+                    FROM {outbox} o
+                    WHERE o.shard = p.shard AND (o.xid, o.seq) > (p.xid::xid8, p.seq)
+                      AND (o.xid, o.seq) <= (p.to_xid::xid8, p.to_seq)
+                      AND o.partition_key = p.key
+                    ORDER BY o.xid, o.seq LIMIT p.n) r",
+                o_msg = cols
+                    .split(", ")
+                    .map(|c| format!("o.{c}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
             parked_in: format!(
                 "SELECT partition_key, draining, generation, shard FROM {parked} WHERE shard = ANY($1)"
             ),
@@ -553,7 +582,9 @@ impl LogSql {
             ),
             // With per-key order (`$2`), a keyed dead letter goes back to the held rows at
             // its original place and its key drains (the owner delivers the held rows in
-            // order, then unparks it) once no other dead letter of the key remains. Without
+            // order, then unparks it) once no other dead letter of the key remains; a key
+            // not parked (released and drained since) drains at once, as a released key's
+            // rows flow without its other dead letters. Without
             // a key or key order, order does not matter: it is appended to the log again.
             replay: format!(
                 "WITH back AS (DELETE FROM {dead} d WHERE d.id = ANY($1) RETURNING d.*),
@@ -570,12 +601,12 @@ impl LogSql {
                     RETURNING 1),
                  parks AS (
                     INSERT INTO {parked} AS p (partition_key, dead_letter_id, shard, draining)
-                    SELECT DISTINCT ON (k.partition_key) k.partition_key, k.id, k.shard,
-                           NOT EXISTS (SELECT 1 FROM {dead} d
-                                       WHERE d.partition_key = k.partition_key AND d.id <> ALL($1))
+                    SELECT DISTINCT ON (k.partition_key) k.partition_key, k.id, k.shard, true
                     FROM kept k ORDER BY k.partition_key
                     ON CONFLICT (partition_key) DO UPDATE SET generation = p.generation + 1,
-                       draining = p.draining OR excluded.draining
+                       draining = p.draining OR NOT EXISTS (
+                           SELECT 1 FROM {dead} d
+                           WHERE d.partition_key = p.partition_key AND d.id <> ALL($1))
                     RETURNING 1)
                  SELECT count(*) + 0 * (SELECT count(*) FROM logged) + 0 * (SELECT count(*) FROM parks)
                  FROM back"
@@ -619,6 +650,8 @@ pub(crate) struct LogEngine {
     writes: tokio::sync::Mutex<()>,
     /// Added to the clock of in-memory times (leases, retry delays): for tests only.
     offset: std::sync::Mutex<Duration>,
+    /// [`BUFFER_MIN`], lowered by tests so that small queues fill a buffer.
+    buffer_min: std::sync::atomic::AtomicUsize,
 }
 
 impl LogEngine {
@@ -630,6 +663,7 @@ impl LogEngine {
             inner: tokio::sync::Mutex::new(Inner::default()),
             writes: tokio::sync::Mutex::new(()),
             offset: std::sync::Mutex::new(Duration::ZERO),
+            buffer_min: std::sync::atomic::AtomicUsize::new(BUFFER_MIN),
         }
     }
 
@@ -640,6 +674,18 @@ impl LogEngine {
 
     fn now(&self) -> Instant {
         Instant::now() + *self.offset.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The most rows a shard keeps read but unsettled, for claims of `limit`.
+    fn buffer_cap(&self, limit: usize) -> usize {
+        let min = self.buffer_min.load(std::sync::atomic::Ordering::Relaxed);
+        limit.saturating_mul(BUFFER_CLAIMS).max(min)
+    }
+
+    /// Tests only: a smaller [`BUFFER_MIN`].
+    pub(crate) fn set_buffer_min(&self, rows: usize) {
+        self.buffer_min
+            .store(rows.max(1), std::sync::atomic::Ordering::Relaxed);
     }
 
     /// Moves the in-memory clock ahead (tests: the conformance suite's `advance`).
@@ -752,6 +798,7 @@ impl LogEngine {
                     read: cursor,
                     entries: BTreeMap::new(),
                     delivered: BTreeSet::new(),
+                    evicted: HashMap::new(),
                     leaving: false,
                 },
             );
@@ -906,7 +953,7 @@ impl LogEngine {
         limit: usize,
         leaving: &HashMap<i32, usize>,
     ) -> Option<ReadPlan> {
-        let cap = limit.saturating_mul(BUFFER_CLAIMS).max(BUFFER_MIN);
+        let cap = self.buffer_cap(limit);
         let mut want: Vec<(i32, Pos)> = Vec::new();
         let mut room: Vec<i64> = Vec::new();
         let mut from = HashMap::new();
@@ -1020,7 +1067,12 @@ impl LogEngine {
                 continue;
             };
             s.read = s.read.max(pos);
-            if parked {
+            if parked
+                || message
+                    .key
+                    .as_ref()
+                    .is_some_and(|k| s.evicted.contains_key(k))
+            {
                 continue;
             }
             inner.ids.insert(message.id, (shard, pos));
@@ -1034,6 +1086,151 @@ impl LogEngine {
             );
         }
         self.forget_lost(inner, &touched, &kept);
+        Ok(())
+    }
+
+    /// Makes room in full buffers: in a shard holding as many rows as it may
+    /// ([`BUFFER_CLAIMS`] claims' limits), a key stopped behind a row that is not due (waiting
+    /// to retry, or out under a live claim) keeps its first `max_per_key` rows in memory
+    /// and lets the rest go (rows read and never handed out, ready, without attempts): the
+    /// shard reads on, so the other keys go on whatever one key's backlog. The cursor stays
+    /// before the rows let go; [`reload_evicted`](Self::reload_evicted) reads them again.
+    fn evict(&self, inner: &mut Inner, limit: usize, max_per_key: usize) {
+        let cap = self.buffer_cap(limit);
+        let now = self.now();
+        let keep = max_per_key.max(1);
+        for s in inner.shards.values_mut() {
+            if s.entries.len() < cap {
+                continue;
+            }
+            // Per key: whether it is stopped (its first row here is not due), its rows.
+            let mut keys: HashMap<&str, (bool, Vec<Pos>)> = HashMap::new();
+            for (&pos, e) in &s.entries {
+                let Some(key) = e.message.key.as_deref() else {
+                    continue;
+                };
+                let due = match e.state {
+                    State::Ready => true,
+                    State::InFlight { until, .. } => until <= now,
+                    State::Waiting { at } => at <= now,
+                };
+                let k = keys.entry(key).or_insert((!due, Vec::new()));
+                k.1.push(pos);
+            }
+            let mut gone: Vec<(String, Pos, Vec<Pos>)> = Vec::new();
+            for (key, (stopped, positions)) in keys {
+                if !stopped || positions.len() <= keep {
+                    continue;
+                }
+                // The tail after the first `keep`, from its first row that may go: only
+                // rows read from the log, ready and never tried, are let go.
+                let tail: Vec<Pos> = positions[keep..]
+                    .iter()
+                    .copied()
+                    .skip_while(|p| {
+                        s.entries.get(p).is_some_and(|e| {
+                            e.held || !matches!(e.state, State::Ready) || e.message.attempts > 0
+                        })
+                    })
+                    .collect();
+                let Some(&first) = tail.first() else { continue };
+                let free = tail.iter().all(|p| {
+                    s.entries.get(p).is_some_and(|e| {
+                        !e.held && matches!(e.state, State::Ready) && e.message.attempts == 0
+                    })
+                });
+                if free {
+                    gone.push((key.to_string(), (first.0, first.1 - 1), tail));
+                }
+            }
+            for (key, from, tail) in gone {
+                for pos in tail {
+                    if let Some(e) = s.entries.remove(&pos) {
+                        inner.ids.remove(&e.message.id);
+                    }
+                }
+                tracing::debug!(relay = %self.owner, key, "buffer full: let a stopped key's later rows go, to read them again");
+                let at = s.evicted.entry(key).or_insert(from);
+                *at = (*at).min(from);
+            }
+        }
+    }
+
+    /// Reads again the rows let go of evicted keys that have fewer than `max_per_key` rows
+    /// left in memory, up to `max_per_key` each and at most up to the shard's read
+    /// position; a key whose rows are all back is no longer evicted. On the primary: a
+    /// replica may not have replayed yet every row this relay read there.
+    async fn reload_evicted(
+        &self,
+        pool: &PgPool,
+        inner: &mut Inner,
+        max_per_key: usize,
+    ) -> Result<()> {
+        let want = max_per_key.max(1);
+        let mut plan: Vec<(i32, String, Pos, Pos)> = Vec::new();
+        for (&shard, s) in &inner.shards {
+            for (key, &from) in &s.evicted {
+                let left = s
+                    .entries
+                    .values()
+                    .filter(|e| e.message.key.as_deref() == Some(key.as_str()))
+                    .count();
+                if left < want {
+                    plan.push((shard, key.clone(), from, s.read));
+                }
+            }
+        }
+        if plan.is_empty() {
+            return Ok(());
+        }
+        // One more than wanted: fewer back means the key has no rows left out.
+        let n = i64::try_from(want + 1).unwrap_or(i64::MAX);
+        let rows = sqlx::query(&self.sql.reload)
+            .bind(plan.iter().map(|p| p.0).collect::<Vec<_>>())
+            .bind(plan.iter().map(|p| p.1.as_str()).collect::<Vec<_>>())
+            .bind(plan.iter().map(|p| p.2.0.to_string()).collect::<Vec<_>>())
+            .bind(plan.iter().map(|p| p.2.1).collect::<Vec<_>>())
+            .bind(plan.iter().map(|p| p.3.0.to_string()).collect::<Vec<_>>())
+            .bind(plan.iter().map(|p| p.3.1).collect::<Vec<_>>())
+            .bind(vec![n; plan.len()])
+            .fetch_all(pool)
+            .await
+            .map_err(|e| db_error("cannot read the outbox log", e))?;
+        let mut loaded: HashMap<(i32, String), (usize, Pos)> = HashMap::new();
+        for row in &rows {
+            let (shard, pos) = position(row)?;
+            let message = rows::message(row)?;
+            let Some(key) = message.key.clone() else {
+                continue;
+            };
+            let Some(s) = inner.shards.get_mut(&shard) else {
+                continue;
+            };
+            let l = loaded.entry((shard, key)).or_insert((0, pos));
+            l.0 += 1;
+            l.1 = l.1.max(pos);
+            if let btree_map::Entry::Vacant(slot) = s.entries.entry(pos) {
+                inner.ids.insert(message.id, (shard, pos));
+                slot.insert(Entry {
+                    message,
+                    held: false,
+                    state: State::Ready,
+                });
+            }
+        }
+        for (shard, key, _, _) in plan {
+            let Some(s) = inner.shards.get_mut(&shard) else {
+                continue;
+            };
+            match loaded.get(&(shard, key.clone())) {
+                Some(&(count, last)) if count > want => {
+                    s.evicted.insert(key, last);
+                }
+                _ => {
+                    s.evicted.remove(&key);
+                }
+            }
+        }
         Ok(())
     }
 
@@ -1284,15 +1481,17 @@ impl LogEngine {
             self.refresh_parked(pool, inner, parked).await?;
         }
         self.take(pool, inner, rows, &from).await?;
-        if config.per_key_order {
-            self.hold_parked(pool, inner).await?;
-        }
-
         let max_per_key = if config.per_key_order {
             config.max_per_key
         } else {
             usize::MAX
         };
+        if config.per_key_order {
+            self.reload_evicted(pool, inner, max_per_key).await?;
+            self.hold_parked(pool, inner).await?;
+            self.evict(inner, limit, max_per_key);
+        }
+
         let mut picked = pick(inner, limit, max_per_key, config.per_key_order, self.now());
         // The read ahead began before this claim: a claim it does not fill reads again, so
         // that it hands out every row committed before it.

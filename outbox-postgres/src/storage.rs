@@ -198,6 +198,15 @@ impl PgStorage {
         self.log.as_ref().map(|l| l.owner())
     }
 
+    /// Tests only: log mode's read buffer per shard holds at least `rows` (default 256),
+    /// so that small queues fill it.
+    #[doc(hidden)]
+    pub fn set_log_buffer_min(&self, rows: usize) {
+        if let Some(log) = &self.log {
+            log.set_buffer_min(rows);
+        }
+    }
+
     /// Tests only: moves log mode's in-memory clock (leases, retry delays) ahead.
     #[doc(hidden)]
     pub fn advance_clock(&self, by: Duration) {

@@ -318,6 +318,7 @@ mod conformance {
         storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
         storage_a_released_or_purged_dead_letter_stays_out_across_restarts,
         storage_a_replay_after_a_restart_delivers_the_key_once_in_order,
+        storage_a_replayed_dead_letter_of_a_released_key_is_delivered,
         storage_a_late_commit_does_not_let_later_messages_pass_a_retry,
         storage_settle_writes_the_whole_outcome,
         storage_extend_lease_holds_the_claim,

@@ -958,6 +958,51 @@ pub async fn storage_a_dead_letter_replayed_after_its_key_drained_goes_first(
     );
 }
 
+/// A dead letter replayed after its key was released (and drained) is delivered, though
+/// another dead letter of the key remains: the release let the key flow without its dead
+/// letters, and the replay does not park it again.
+pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &dyn StorageHarness) {
+    let check = "replay of a released key's dead letter";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    let mut dead = Vec::new();
+    for payload in ["k1", "k2"] {
+        f.enqueue(&[keyed("k", payload)]).await;
+        let c = claim(&*storage, "w1", 10, LEASE).await;
+        assert_eq!(payloads(&c), [payload], "{check}: the head");
+        let letter = DeadLetter {
+            id: c.messages[0].id,
+            error: "poison".into(),
+        };
+        storage
+            .dead_letter(&c.token, &[letter])
+            .await
+            .expect("dead");
+        dead.push(c.messages[0].id);
+        assert!(f.release_parked_key("k").await, "{check}: k was parked");
+        for _ in 0..2 {
+            let empty = claim(&*storage, "w1", 10, LEASE).await;
+            assert_eq!(payloads(&empty), Vec::<String>::new(), "{check}: drained");
+        }
+    }
+    assert_eq!(
+        f.replay_dead_letters(&dead[1..]).await,
+        1,
+        "{check}: replayed"
+    );
+    assert_eq!(
+        drain(&*storage, "k", check).await,
+        ["k2"],
+        "{check}: the replayed k2 is delivered while k1 stays a dead letter"
+    );
+    f.enqueue(&[keyed("k", "k3")]).await;
+    assert_eq!(
+        drain(&*storage, "k", check).await,
+        ["k3"],
+        "{check}: and the key flows on"
+    );
+}
+
 /// `settle` writes deliveries, retries, dead letters and releases of one batch in one call,
 /// each only under the claim's token.
 pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
@@ -1198,6 +1243,7 @@ pub async fn run_storage_suite(h: &dyn StorageHarness) {
     storage_a_dead_letter_replayed_after_its_key_drained_goes_first(h).await;
     storage_a_released_or_purged_dead_letter_stays_out_across_restarts(h).await;
     storage_a_replay_after_a_restart_delivers_the_key_once_in_order(h).await;
+    storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h).await;
     storage_settle_writes_the_whole_outcome(h).await;
     storage_extend_lease_holds_the_claim(h).await;
     super::storage_random_operations_keep_key_order(h).await;
