@@ -361,6 +361,11 @@ impl LogSql {
         let cols = MESSAGE_COLUMNS.replace(", attempts", "");
         let row_cols = "seq, xid, shard, id, topic, partition_key, payload, headers, \
                         traceparent, tracestate, created_at";
+        let o_msg = cols
+            .split(", ")
+            .map(|c| format!("o.{c}"))
+            .collect::<Vec<_>>()
+            .join(", ");
         let o_cols = row_cols
             .split(", ")
             .map(|c| format!("o.{c}"))
@@ -428,11 +433,6 @@ impl LogSql {
                     WHERE o.shard = p.shard AND (o.xid, o.seq) > (p.xid::xid8, p.seq)
                       AND o.xid < horizon.h
                     ORDER BY o.xid, o.seq LIMIT p.n) r",
-                o_msg = cols
-                    .split(", ")
-                    .map(|c| format!("o.{c}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
             ),
             // The rows of evicted keys, per (shard, key): after the position they were let
             // go from, up to the shard's read position, the first `n`.
@@ -447,11 +447,6 @@ impl LogSql {
                       AND (o.xid, o.seq) <= (p.to_xid::xid8, p.to_seq)
                       AND o.partition_key = p.key
                     ORDER BY o.xid, o.seq LIMIT p.n) r",
-                o_msg = cols
-                    .split(", ")
-                    .map(|c| format!("o.{c}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
             ),
             parked_in: format!(
                 "SELECT partition_key, draining, generation, shard FROM {parked} WHERE shard = ANY($1)"
@@ -1446,9 +1441,18 @@ impl LogEngine {
         // drained since), and the next claim must put the replayed row ahead of the key's
         // later rows. The rows come from the read started by the last claim when there is
         // one (it ran while that claim's batch went out), else from a read now.
+        // A replica is read only once it has replayed what the shards' previous owners
+        // wrote (rows they moved out of the log): until then the claim reads nothing, as
+        // when the replica lags.
         let source = match replica {
-            Some(replica) if self.replica_caught_up(replica, inner).await? => replica,
-            _ => pool,
+            Some(replica) if !self.replica_caught_up(replica, inner).await? => {
+                return Ok(Claim {
+                    token,
+                    messages: Vec::new(),
+                });
+            }
+            Some(replica) => replica,
+            None => pool,
         };
         let read_parked = config.per_key_order;
         let mut ahead = inner.ahead.take();

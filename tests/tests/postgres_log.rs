@@ -163,6 +163,15 @@ impl LogOutbox {
         .expect("count undelivered rows")
     }
 
+    /// Rows in the log, behind a cursor or not.
+    pub async fn log_rows(&self) -> i64 {
+        let sql = format!("SELECT count(*) FROM {}", self.table.qualified(""));
+        sqlx::query_scalar(&sql)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count the log's rows")
+    }
+
     /// Waits until every row is behind a cursor and nothing is kept aside.
     pub async fn wait_until_delivered(&self, timeout: Duration) {
         let deadline = tokio::time::Instant::now() + timeout;
@@ -1061,13 +1070,7 @@ async fn a_restart_resumes_from_the_cursor_and_housekeeping_removes_delivered_ro
         sorted.sort();
         assert_eq!(payloads, &sorted, "key order across the restart");
     }
-    let rows: i64 = sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM {}",
-        outbox.table.qualified("")
-    ))
-    .fetch_one(&outbox.pool)
-    .await
-    .unwrap();
+    let rows = outbox.log_rows().await;
     assert_eq!(rows, 0, "delivered rows removed");
 }
 
@@ -1646,13 +1649,7 @@ async fn a_log_table_from_a_cluster_further_ahead_is_refused_until_migrate_rebas
     }
     assert_eq!(got, ["pending", "new"], "nothing lost, in order");
     relay.maintain().await.unwrap();
-    let rows: i64 = sqlx::query_scalar(&format!(
-        "SELECT count(*) FROM {}",
-        outbox.table.qualified("")
-    ))
-    .fetch_one(&outbox.pool)
-    .await
-    .unwrap();
+    let rows = outbox.log_rows().await;
     assert_eq!(rows, 0, "delivered rows removed, and only those");
 }
 

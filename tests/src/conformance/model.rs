@@ -429,26 +429,18 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
             }
             // The operator purges a dead letter: it is gone for good, its key stays parked.
             92..=93 => {
-                let dead: Vec<usize> = (0..model.msgs.len())
-                    .filter(|&i| model.msgs[i].state == State::Dead)
-                    .collect();
-                if dead.is_empty() {
+                let Some(i) = a_dead_letter(&model, &mut rng) else {
                     continue;
-                }
-                let i = dead[rng.usize(..dead.len())];
+                };
                 let n = f.purge_dead_letters(&[model.msgs[i].id]).await;
                 assert_eq!(n, 1, "{}: purge count", context("purge"));
                 model.msgs[i].state = State::Purged;
             }
             // The operator replays a dead letter.
             94..=95 => {
-                let dead: Vec<usize> = (0..model.msgs.len())
-                    .filter(|&i| model.msgs[i].state == State::Dead)
-                    .collect();
-                if dead.is_empty() {
+                let Some(i) = a_dead_letter(&model, &mut rng) else {
                     continue;
-                }
-                let i = dead[rng.usize(..dead.len())];
+                };
                 let n = f.replay_dead_letters(&[model.msgs[i].id]).await;
                 assert_eq!(n, 1, "{}: replay count", context("replay"));
                 replay(&mut model, i);
@@ -550,6 +542,14 @@ async fn run_sequence(h: &dyn StorageHarness, seed: u64, steps: usize) {
         .map(|(i, m)| (i, m.state))
         .collect();
     assert!(left.is_empty(), "seed {seed}: never delivered: {left:?}");
+}
+
+/// A dead letter of the model, at random.
+fn a_dead_letter(model: &Model, rng: &mut fastrand::Rng) -> Option<usize> {
+    let dead: Vec<usize> = (0..model.msgs.len())
+        .filter(|&i| model.msgs[i].state == State::Dead)
+        .collect();
+    (!dead.is_empty()).then(|| dead[rng.usize(..dead.len())])
 }
 
 /// The storage relay `r` claims through: the second process's for relay 2 while it runs.
