@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 
 use async_trait::async_trait;
+use lapin::message::BasicReturnMessage;
 use lapin::options::{BasicPublishOptions, BasicQosOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Confirmation, PublisherConfirm};
@@ -275,20 +276,20 @@ impl AmqpSink {
         // confirm is an error is the one the broker refused; those after it lost their
         // channel through no fault of their own and are released without an attempt.
         let mut lost: Option<Error> = None;
+        // Returned messages, with the message whose confirm lapin attached each to: with an
+        // ack for several messages at once (`multiple`) it attaches a return to any of them,
+        // so a return is matched to its message by the message id it carries.
+        let mut returns: Vec<(usize, BasicReturnMessage)> = Vec::new();
         for (i, receipt, confirm) in pending {
             let outcome = if let Some(error) = &lost {
                 Outcome::Failed(copy(error))
             } else {
                 match timeout_at(deadline, confirm).await {
                     Ok(Ok(Confirmation::Ack(None))) => Outcome::Delivered(receipt),
-                    Ok(Ok(Confirmation::Ack(Some(back)))) => Outcome::Failed(returned(
-                        format!(
-                            "no queue took message {} (exchange/routing key {receipt}): the \
-                             broker returned it with {} {}",
-                            batch[i].id, back.reply_code, back.reply_text
-                        ),
-                        self.config.unroutable,
-                    )),
+                    Ok(Ok(Confirmation::Ack(Some(back)))) => {
+                        returns.push((i, back));
+                        Outcome::Delivered(receipt)
+                    }
                     Ok(Ok(Confirmation::Nack(_))) => Outcome::Failed(nacked(format!(
                         "the broker refused message {} (basic.nack; exchange/routing key \
                          {receipt})",
@@ -322,6 +323,30 @@ impl AmqpSink {
                 }
             };
             outcomes[i] = Some(outcome);
+        }
+        for (attached_to, back) in returns {
+            let id = back
+                .delivery
+                .properties
+                .message_id()
+                .as_ref()
+                .map(|id| id.as_str());
+            let i = batch
+                .iter()
+                .position(|m| id == Some(m.id.to_string().as_str()))
+                .unwrap_or(attached_to);
+            let receipt = match &outcomes[i] {
+                Some(Outcome::Delivered(receipt)) => receipt.to_string(),
+                _ => continue,
+            };
+            outcomes[i] = Some(Outcome::Failed(returned(
+                format!(
+                    "no queue took message {} (exchange/routing key {receipt}): the broker \
+                     returned it with {} {}",
+                    batch[i].id, back.reply_code, back.reply_text
+                ),
+                self.config.unroutable,
+            )));
         }
         Ok(broken.is_some() || lost.is_some())
     }
