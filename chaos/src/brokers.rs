@@ -23,7 +23,7 @@ use outbox_test_support::kafka::{Tansu, try_create_topic};
 use outbox_test_support::{Service, free_addr, through};
 use tokio_util::sync::CancellationToken;
 
-use crate::writers::TOPIC;
+use crate::writers::{POISON_TOPIC, TOPIC};
 use crate::{Context, Faults, Result};
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug, clap::ValueEnum)]
@@ -120,7 +120,7 @@ impl Broker {
         match self {
             Broker::Amqp(_) => format!(
                 "type = \"amqp\"\nurl = \"{}\"\nexchange = \"{name}\"\n\
-                 exchange_setup = \"declare\"\nexchange_kind = \"topic\"\nunroutable = \"retry\"\n\
+                 exchange_setup = \"declare\"\nexchange_kind = \"topic\"\nunroutable = \"dead_letter\"\n\
                  connect_timeout = {t}\npublish_timeout = {t}\n\
                  reconnect_backoff = {{ initial = \"100ms\", max = \"1s\" }}\n",
                 url(Service::Amqp)
@@ -140,6 +140,25 @@ impl Broker {
                 url(Service::Nats)
             ),
         }
+    }
+
+    /// Whether the run has a poison topic (AMQP: returned, so dead-lettered, until
+    /// [`Broker::route_poison`]); the operator acts on the dead letters it makes.
+    pub fn has_poison(&self) -> bool {
+        matches!(self, Broker::Amqp(_))
+    }
+
+    /// Routes the poison topic to the run's queue, for the replays at the end.
+    pub async fn route_poison(&self, name: &str) -> Result<()> {
+        if let Broker::Amqp(amqp) = self {
+            let (bind, none) = (QueueBindOptions::default(), FieldTable::default());
+            let routing = POISON_TOPIC.into();
+            let bound = amqp
+                .channel
+                .queue_bind(name.into(), name.into(), routing, bind, none);
+            bound.await.ctx("binding the queue to the poison topic")?;
+        }
+        Ok(())
     }
 
     /// What the consumer received so far, where the run consumes while it goes (AMQP).
@@ -223,8 +242,9 @@ impl Amqp {
         let options = QueueDeclareOptions::default();
         let declared = channel.queue_declare(name.into(), options, arguments);
         declared.await.ctx("declaring the queue")?;
+        // Bound to the run's topic only: the poison topic is routed nowhere until the end.
         let bind = QueueBindOptions::default();
-        let bound = channel.queue_bind(name.into(), name.into(), "#".into(), bind, none.clone());
+        let bound = channel.queue_bind(name.into(), name.into(), TOPIC.into(), bind, none.clone());
         bound.await.ctx("binding the queue")?;
         // Manual acks and a prefetch of 1: a lagging consumer holds one message, the rest wait
         // in the queue and count against its limit, so refusals start at once.

@@ -2,7 +2,9 @@
 //!
 //! Order is only promised where it is defined: for two messages a and b of one key, a must
 //! arrive (first) before b when a's COMMIT returned before b's INSERT was issued. Messages of
-//! transactions that overlap in time have no defined order, so they are never compared.
+//! transactions that overlap in time have no defined order, so they are never compared; nor
+//! is a dead letter its key was released past (the operator let later messages go on).
+//! A message the operator purged is neither lost nor ever to arrive.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -32,6 +34,8 @@ pub struct Verdict {
     pub lost: Vec<Uuid>,
     pub duplicates: usize,
     pub rolled_back_delivered: Vec<Uuid>,
+    /// Purged dead letters that arrived anyway.
+    pub purged_delivered: Vec<Uuid>,
     /// Messages that have at least one message of their key committed before they began.
     pub ordered: usize,
     /// One per message b that arrived before some message it must follow (with the
@@ -45,8 +49,20 @@ pub fn payload_id(payload: &[u8]) -> Option<Uuid> {
     text.split(' ').next()?.parse().ok()
 }
 
+/// What the operator did that changes what is expected (operator.rs).
+#[derive(Default)]
+pub struct Waived<'a> {
+    /// Deleted for good: not lost, and never to arrive.
+    pub purged: Option<&'a HashSet<Uuid>>,
+    /// Released past: later messages of their key may arrive before them.
+    pub released_past: Option<&'a HashSet<Uuid>>,
+}
+
 /// Compares `arrivals` (broker payloads in order of receipt) with the ledger.
-pub fn check(ledger: &Ledger, arrivals: &[Vec<u8>]) -> Verdict {
+pub fn check(ledger: &Ledger, arrivals: &[Vec<u8>], waived: &Waived) -> Verdict {
+    let empty = HashSet::new();
+    let purged = waived.purged.unwrap_or(&empty);
+    let released_past = waived.released_past.unwrap_or(&empty);
     let known: HashSet<Uuid> = ledger
         .committed
         .iter()
@@ -71,8 +87,13 @@ pub fn check(ledger: &Ledger, arrivals: &[Vec<u8>]) -> Verdict {
     verdict.lost = ledger
         .committed
         .iter()
-        .filter(|w| !first.contains_key(&w.id))
+        .filter(|w| !first.contains_key(&w.id) && !purged.contains(&w.id))
         .map(|w| w.id)
+        .collect();
+    verdict.purged_delivered = purged
+        .iter()
+        .filter(|id| first.contains_key(id))
+        .copied()
         .collect();
     verdict.rolled_back_delivered = ledger
         .rolled_back
@@ -80,16 +101,20 @@ pub fn check(ledger: &Ledger, arrivals: &[Vec<u8>]) -> Verdict {
         .filter(|id| first.contains_key(id))
         .copied()
         .collect();
-    let (ordered, violations) = order(&ledger.committed, &first);
+    let (ordered, violations) = order(&ledger.committed, &first, released_past);
     verdict.ordered = ordered;
     verdict.violations = violations;
     verdict
 }
 
 /// Per key, sweeps the messages in order of their INSERT while adding, in order of their
-/// COMMIT, every message that committed before it: b violates when the latest first arrival
-/// among those comes after b's own. O(n log n) per key.
-fn order(committed: &[Written], first: &HashMap<Uuid, usize>) -> (usize, Vec<Violation>) {
+/// COMMIT, every message that committed before it (but those released past): b violates when
+/// the latest first arrival among those comes after b's own. O(n log n) per key.
+fn order(
+    committed: &[Written],
+    first: &HashMap<Uuid, usize>,
+    released_past: &HashSet<Uuid>,
+) -> (usize, Vec<Violation>) {
     let mut by_key: HashMap<&str, Vec<&Written>> = HashMap::new();
     for written in committed {
         by_key.entry(&written.key).or_default().push(written);
@@ -104,7 +129,7 @@ fn order(committed: &[Written], first: &HashMap<Uuid, usize>) -> (usize, Vec<Vio
         for b in by_begin {
             while next < by_commit.len() && by_commit[next].committed < b.began {
                 let a = by_commit[next];
-                if let Some(&at) = first.get(&a.id)
+                if let Some(&at) = first.get(&a.id).filter(|_| !released_past.contains(&a.id))
                     && latest.is_none_or(|(max, _)| at > max)
                 {
                     latest = Some((at, a));
@@ -146,6 +171,7 @@ mod tests {
             key: key.into(),
             began: t0 + Duration::from_millis(began),
             committed: t0 + Duration::from_millis(committed),
+            poison: false,
         }
     }
 
@@ -169,7 +195,11 @@ mod tests {
             written(t0, "k", 20, 30),
             written(t0, "k", 40, 50),
         );
-        let verdict = check(&ledger(&[&a, &b, &c]), &payloads(&[&a, &b, &c]));
+        let verdict = check(
+            &ledger(&[&a, &b, &c]),
+            &payloads(&[&a, &b, &c]),
+            &Waived::default(),
+        );
         assert!(verdict.violations.is_empty());
         assert_eq!((verdict.ordered, verdict.duplicates), (2, 0));
         assert!(verdict.lost.is_empty());
@@ -179,7 +209,7 @@ mod tests {
     fn a_later_message_first_is_a_violation_naming_both() {
         let t0 = Instant::now();
         let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
-        let verdict = check(&ledger(&[&a, &b]), &payloads(&[&b, &a]));
+        let verdict = check(&ledger(&[&a, &b]), &payloads(&[&b, &a]), &Waived::default());
         let [v] = &verdict.violations[..] else {
             panic!("one violation: {:?}", verdict.violations)
         };
@@ -194,7 +224,11 @@ mod tests {
         // b's INSERT came before a's COMMIT returned: no order between them.
         let (a, b) = (written(t0, "k", 0, 100), written(t0, "k", 50, 60));
         let c = written(t0, "other", 200, 210);
-        let verdict = check(&ledger(&[&a, &b, &c]), &payloads(&[&c, &b, &a]));
+        let verdict = check(
+            &ledger(&[&a, &b, &c]),
+            &payloads(&[&c, &b, &a]),
+            &Waived::default(),
+        );
         assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
         assert_eq!(verdict.ordered, 0);
     }
@@ -204,7 +238,11 @@ mod tests {
         let t0 = Instant::now();
         let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
         // a, b, then a again (a redelivery): first arrivals are in order.
-        let verdict = check(&ledger(&[&a, &b]), &payloads(&[&a, &b, &a]));
+        let verdict = check(
+            &ledger(&[&a, &b]),
+            &payloads(&[&a, &b, &a]),
+            &Waived::default(),
+        );
         assert!(verdict.violations.is_empty());
         assert_eq!(verdict.duplicates, 1);
     }
@@ -216,11 +254,63 @@ mod tests {
         let a0 = written(t0, "k", 0, 10);
         let a1 = written(t0, "k", 5, 90);
         let c = written(t0, "k", 100, 110);
-        let verdict = check(&ledger(&[&a0, &a1, &c]), &payloads(&[&a0, &c, &a1]));
+        let verdict = check(
+            &ledger(&[&a0, &a1, &c]),
+            &payloads(&[&a0, &c, &a1]),
+            &Waived::default(),
+        );
         let [v] = &verdict.violations[..] else {
             panic!("one violation: {:?}", verdict.violations)
         };
         assert_eq!((v.earlier, v.later), (a1.id, c.id));
+    }
+
+    #[test]
+    fn purged_messages_are_not_lost_and_must_not_arrive() {
+        let t0 = Instant::now();
+        let (a, b, c) = (
+            written(t0, "k", 0, 10),
+            written(t0, "k", 20, 30),
+            written(t0, "k", 40, 50),
+        );
+        let purged = HashSet::from([a.id, c.id]);
+        let waived = Waived {
+            purged: Some(&purged),
+            ..Waived::default()
+        };
+        // a never arrived (purged: not lost); c arrived although purged.
+        let verdict = check(&ledger(&[&a, &b, &c]), &payloads(&[&b, &c]), &waived);
+        assert!(verdict.lost.is_empty(), "{:?}", verdict.lost);
+        assert_eq!(verdict.purged_delivered, vec![c.id]);
+    }
+
+    #[test]
+    fn a_dead_letter_released_past_may_arrive_after_later_messages_of_its_key() {
+        let t0 = Instant::now();
+        let (a, b, c) = (
+            written(t0, "k", 0, 10),
+            written(t0, "k", 20, 30),
+            written(t0, "k", 40, 50),
+        );
+        // a was a dead letter when k was released: b and c went on; a was replayed last.
+        let arrivals = payloads(&[&b, &c, &a]);
+        let released = HashSet::from([a.id]);
+        let waived = Waived {
+            released_past: Some(&released),
+            ..Waived::default()
+        };
+        let verdict = check(&ledger(&[&a, &b, &c]), &arrivals, &waived);
+        assert!(verdict.violations.is_empty(), "{:?}", verdict.violations);
+        // Without the release the same arrivals are two violations (b and c before a).
+        let verdict = check(&ledger(&[&a, &b, &c]), &arrivals, &Waived::default());
+        assert_eq!(verdict.violations.len(), 2, "{:?}", verdict.violations);
+        // c before b is still a violation after the release.
+        let arrivals = payloads(&[&c, &b, &a]);
+        let verdict = check(&ledger(&[&a, &b, &c]), &arrivals, &waived);
+        let [v] = &verdict.violations[..] else {
+            panic!("one violation: {:?}", verdict.violations)
+        };
+        assert_eq!((v.earlier, v.later), (b.id, c.id));
     }
 
     #[test]
@@ -233,7 +323,7 @@ mod tests {
         let mut arrivals = payloads(&[&a]);
         arrivals.push(format!("{rolled_back} k w#9").into_bytes());
         arrivals.push(b"not ours".to_vec());
-        let verdict = check(&ledger, &arrivals);
+        let verdict = check(&ledger, &arrivals, &Waived::default());
         assert_eq!(verdict.lost, vec![b.id]);
         assert_eq!(verdict.rolled_back_delivered, vec![rolled_back]);
         assert_eq!(verdict.foreign, 1);

@@ -142,6 +142,26 @@ impl Database {
         Ok((count, errors.into_iter().flatten().collect()))
     }
 
+    /// Every dead letter's id and key, for the operator.
+    pub async fn dead_letter_keys(&self) -> Result<Vec<(uuid::Uuid, String)>> {
+        let table = self.table("_dead_letters");
+        let query = match self.store {
+            Store::Postgres | Store::PostgresLog => {
+                format!("SELECT id::text, coalesce(partition_key, '') FROM {table}")
+            }
+            Store::Mysql => format!(
+                "SELECT CAST(id AS CHAR), CAST(COALESCE(partition_key, '') AS CHAR) FROM {table}"
+            ),
+        };
+        let rows: Vec<(String, String)> = sqlx::query_as(&query)
+            .fetch_all(&self.pool)
+            .await
+            .ctx("listing the dead letters")?;
+        rows.into_iter()
+            .map(|(id, key)| Ok((id.parse().ctx(format_args!("dead letter id {id}"))?, key)))
+            .collect()
+    }
+
     /// What the relays recorded for up to ten lost messages: the broker's receipt and when
     /// (log mode keeps none: where the row stands instead, [`Database::log_standing`]).
     pub async fn receipts(&self, lost: &[uuid::Uuid]) -> Result<Vec<String>> {

@@ -2,14 +2,18 @@
 //! or log mode, or MySQL: `--storage`) while writers enqueue with plain SQL and faults are
 //! injected at random (seeded): kill -9 of a relay, its database sessions terminated, the
 //! broker link cut or stalled past the lease through a proxy, and (AMQP) a lagging consumer
-//! that makes RabbitMQ refuse publishes. Then it drains, reads back everything the broker
-//! received and fails on any loss, per-key order violation, rolled-back message delivered,
-//! dead letter, or more duplicates than the faults explain.
+//! that makes RabbitMQ refuse publishes. With AMQP a poison topic makes dead letters, which
+//! an operator replays, releases past and purges with the CLI all along. Then it drains
+//! (replaying the dead letters left once the poison topic is routable), reads back
+//! everything the broker received and fails on any loss, per-key order violation,
+//! rolled-back or purged message delivered, dead letter left, or more duplicates than the
+//! faults explain.
 //! Run it with `cargo xtask chaos`; see docs/chaos.md.
 
 mod brokers;
 mod check;
 mod database;
+mod operator;
 mod relays;
 mod writers;
 
@@ -26,8 +30,9 @@ use outbox_test_support::{Proxy, Service, host_port, through};
 use tokio_util::sync::CancellationToken;
 
 use brokers::{Broker, Kind};
-use check::Verdict;
+use check::{Verdict, Waived};
 use database::{Database, LOG_SHARDS, Store};
+use operator::Operator;
 use relays::{Relays, Settings};
 use writers::{Counters, Ledger, Writer};
 
@@ -51,6 +56,10 @@ const SINK_TIMEOUT: u64 = 2;
 /// this run is after; with 2 a faulty claim could not show them.
 const MAX_PER_KEY: usize = 3;
 const DRAIN_DEADLINE: Duration = Duration::from_secs(180);
+/// The share of messages sent to the poison topic where the sink has one: with 30–40
+/// messages a second (debug builds, AMQP), one every few seconds, so the operator (an action
+/// every 2–5 s) keeps up and most keys flow most of the time.
+const POISON_RATE: f64 = 0.01;
 
 #[derive(Parser)]
 #[command(about = "Chaos run of the outbox relay against one broker; see docs/chaos.md")]
@@ -202,6 +211,8 @@ struct Run {
     settings: Settings,
     dir: PathBuf,
     faults: Arc<Faults>,
+    /// Acts on dead letters during the run (where the sink has a poison topic).
+    operator: Option<Operator>,
     /// Stops the writers.
     stop: CancellationToken,
     started: Instant,
@@ -258,6 +269,14 @@ impl Run {
         let config = relays::config(&relay_url, &db.storage_keys(), &settings, &sink);
         let config_file = dir.join("relay.toml");
         std::fs::write(&config_file, config).ctx(config_file.display())?;
+        let operator = if broker.has_poison() {
+            let config = relays::config(url, &db.storage_keys(), &settings, &sink);
+            let file = dir.join("operator.toml");
+            std::fs::write(&file, config).ctx(file.display())?;
+            Some(Operator::new(&binary, &file, db.clone()))
+        } else {
+            None
+        };
         println!(
             "chaos: sink {:?}, storage {:?} ({}), {} relays, lease {:?}, {} min; relay config and logs in {}",
             args.sink,
@@ -280,6 +299,7 @@ impl Run {
             settings,
             dir,
             faults,
+            operator,
             stop: CancellationToken::new(),
             started: Instant::now(),
         })
@@ -299,17 +319,30 @@ impl Run {
         let counters = Arc::new(Counters::default());
         let writers = self.start_writers(&mut rng, &counters);
         let progress = self.start_progress(&counters);
+        let stop_operator = CancellationToken::new();
+        let operator = self.operator.take().map(|op| {
+            let task = operator::run(op, rng.u64(..), self.started, stop_operator.clone());
+            tokio::spawn(task)
+        });
         let until = Instant::now() + Duration::from_secs_f64(args.minutes * 60.0);
         while Instant::now() < until {
             tokio::time::sleep(Duration::from_millis(rng.u64(2000..6000))).await;
             self.restart_exited()?;
             self.inject(&mut rng).await?;
+            if operator.as_ref().is_some_and(|task| task.is_finished()) {
+                break; // a command failed: the error is taken below
+            }
         }
-        println!("chaos: no more faults; writers stop; draining");
+        println!("chaos: no more faults; writers and operator stop; draining");
         self.stop.cancel();
+        stop_operator.cancel();
         let mut ledger = Ledger::default();
         for writer in writers {
             ledger.merge(writer.await.ctx("writer task")?);
+        }
+        if let Some(task) = operator {
+            self.operator = Some(task.await.ctx("operator task")??);
+            self.broker.route_poison(&self.name).await?;
         }
         self.broker.steady();
         let left = self.drain().await?;
@@ -320,7 +353,12 @@ impl Run {
             println!("chaos: relays {killed:?} did not stop within 20 s of SIGTERM: killed");
         }
         let arrivals = self.broker.collect(&self.name, &self.link.addr()).await?;
-        let verdict = check::check(&ledger, &arrivals);
+        let record = self.operator.as_ref().map(|op| &op.record);
+        let waived = Waived {
+            purged: record.map(|r| &r.purged),
+            released_past: record.map(|r| &r.released_past),
+        };
+        let verdict = check::check(&ledger, &arrivals, &waived);
         self.save(&ledger, &arrivals)?;
         let receipts = self.receipts(&verdict.lost).await?;
         Ok(self.report(&ledger, &verdict, left, &dead, &receipts, seed))
@@ -350,6 +388,11 @@ impl Run {
                 keys,
                 shared,
                 seed: rng.u64(..),
+                poison: if self.broker.has_poison() {
+                    POISON_RATE
+                } else {
+                    0.0
+                },
             };
             let (pool, insert, stop) = (self.db.pool.clone(), insert.clone(), self.stop.clone());
             let task = writers::run(pool, insert, writer, counters.clone(), stop);
@@ -459,13 +502,18 @@ impl Run {
     }
 
     /// Waits until every message is settled (the outbox table is empty; in log mode, every
-    /// row is behind its shard's cursor) or the deadline passes; returns the rows left.
+    /// row is behind its shard's cursor) or the deadline passes; returns the rows left. The
+    /// operator replays the dead letters left meanwhile (the poison topic is routable now).
     async fn drain(&mut self) -> Result<i64> {
         let deadline = Instant::now() + DRAIN_DEADLINE;
         loop {
             self.restart_exited()?;
+            let replayed = match &mut self.operator {
+                Some(operator) => operator.replay_all().await?,
+                None => 0,
+            };
             let left = self.db.unsettled().await?;
-            if left == 0 || Instant::now() >= deadline {
+            if (left == 0 && replayed == 0) || Instant::now() >= deadline {
                 let t = self.started.elapsed().as_secs();
                 println!("[{t:>4}s] drained: {left} messages not settled");
                 return Ok(left);
@@ -551,11 +599,37 @@ impl Run {
                 ),
             ),
             ("rolled back, delivered", rolled_back.to_string()),
-            ("dead letters", dead.0.to_string()),
+            ("dead letters left", dead.0.to_string()),
             ("not written by this run", verdict.foreign.to_string()),
             ("relays exited on their own", exits.to_string()),
         ];
         let mut rows = Vec::from(rows);
+        let record = self.operator.as_ref().map(|op| &op.record);
+        if let Some(r) = record {
+            let poison = ledger.committed.iter().filter(|w| w.poison).count();
+            rows.extend([
+                ("poison messages", poison.to_string()),
+                (
+                    "operator actions",
+                    format!(
+                        "{} replays, {} releases ({} dead letters released past), {} purges ({} dead letters)",
+                        r.replays,
+                        r.releases,
+                        r.released_past.len(),
+                        r.purges,
+                        r.purged.len()
+                    ),
+                ),
+                (
+                    "purged, delivered",
+                    verdict.purged_delivered.len().to_string(),
+                ),
+                (
+                    "purged, dead again",
+                    r.purged_came_back.len().to_string(),
+                ),
+            ]);
+        }
         if self.db.store == Store::PostgresLog {
             rows.extend(self.log_mode_rows());
         }
@@ -575,6 +649,9 @@ impl Run {
         for error in &dead.1 {
             println!("  dead letter: {error}");
         }
+        for id in verdict.purged_delivered.iter().take(10) {
+            println!("  purged, delivered: {id}");
+        }
         if self.kind == Kind::Amqp && refusals == 0 {
             println!("  warning: RabbitMQ refused no publish: the retry path was not exercised");
         }
@@ -588,7 +665,21 @@ impl Run {
                 rolled_back > 0,
                 format!("{rolled_back} rolled-back messages delivered"),
             ),
-            (dead.0 > 0, format!("{} dead letters", dead.0)),
+            (dead.0 > 0, format!("{} dead letters left", dead.0)),
+            (
+                !verdict.purged_delivered.is_empty(),
+                format!(
+                    "{} purged messages delivered",
+                    verdict.purged_delivered.len()
+                ),
+            ),
+            (
+                record.is_some_and(|r| !r.purged_came_back.is_empty()),
+                format!(
+                    "{} purged messages dead-lettered again",
+                    record.map_or(0, |r| r.purged_came_back.len())
+                ),
+            ),
             (
                 verdict.duplicates > allowed,
                 format!("{} duplicates, over {allowed}", verdict.duplicates),

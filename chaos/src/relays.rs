@@ -10,7 +10,8 @@ use tokio::process::{Child, Command};
 use crate::{Context, Result};
 
 /// The relay settings the run uses: a short lease and small batches, so that faults hit
-/// claims in every state, and attempts high enough that nothing is ever dead-lettered.
+/// claims in every state, and attempts high enough that no retried message is ever
+/// dead-lettered (only the poison topic's, which fail for good).
 pub struct Settings {
     pub lease: Duration,
     pub batch_size: usize,

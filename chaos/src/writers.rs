@@ -13,6 +13,10 @@ use uuid::Uuid;
 /// Every message goes to this topic: one stream, queue or subject, so the broker's order of
 /// arrival is one sequence.
 pub const TOPIC: &str = "chaos";
+/// The poison topic (AMQP runs): the broker routes it nowhere while the faults go on, so
+/// its messages are returned and dead-lettered; at the end it is routed to the run's queue
+/// and the dead letters left are replayed.
+pub const POISON_TOPIC: &str = "chaos-poison";
 
 /// A message whose transaction committed.
 #[derive(Clone, Debug)]
@@ -23,6 +27,8 @@ pub struct Written {
     pub began: Instant,
     /// When the COMMIT of its transaction returned.
     pub committed: Instant,
+    /// Sent to [`POISON_TOPIC`].
+    pub poison: bool,
 }
 
 #[derive(Default)]
@@ -55,11 +61,14 @@ pub struct Writer {
     /// two overlap on the same keys.
     pub shared: bool,
     pub seed: u64,
+    /// The share of messages sent to [`POISON_TOPIC`] (0 where the sink has no poison).
+    pub poison: f64,
 }
 
 /// What one transaction does.
 struct Plan {
-    keys: Vec<String>,
+    /// Each message's key, and whether it goes to the poison topic.
+    messages: Vec<(String, bool)>,
     rollback: bool,
     /// Time between the last INSERT and the COMMIT (or ROLLBACK).
     hold: Duration,
@@ -68,8 +77,11 @@ struct Plan {
 impl Plan {
     fn draw(rng: &mut fastrand::Rng, writer: &Writer) -> Plan {
         let count = rng.usize(1..=3);
-        let keys = (0..count)
-            .map(|_| writer.keys[rng.usize(..writer.keys.len())].clone())
+        let messages = (0..count)
+            .map(|_| {
+                let key = writer.keys[rng.usize(..writer.keys.len())].clone();
+                (key, rng.f64() < writer.poison)
+            })
             .collect();
         // Late commits matter most on shared keys: the other writer's messages of the key
         // commit meanwhile, so the late one lands in the middle of the key's queue.
@@ -82,7 +94,7 @@ impl Plan {
             Duration::ZERO
         };
         Plan {
-            keys,
+            messages,
             rollback: rng.f64() < 0.08,
             hold,
         }
@@ -144,8 +156,8 @@ async fn transaction(
             return Outcome::RolledBack(Vec::new());
         }
     };
-    let mut inserted: Vec<(Uuid, String, Instant)> = Vec::new();
-    for key in plan.keys {
+    let mut inserted: Vec<(Uuid, String, Instant, bool)> = Vec::new();
+    for (key, poison) in plan.messages {
         let id = Uuid::now_v7();
         *sequence += 1;
         // The id leads the payload, so whatever the broker hands back maps to this row.
@@ -153,7 +165,7 @@ async fn transaction(
         let began = Instant::now();
         let result = sqlx::query(insert)
             .bind(id.to_string())
-            .bind(TOPIC)
+            .bind(if poison { POISON_TOPIC } else { TOPIC })
             .bind(key.clone())
             .bind(payload.into_bytes())
             .execute(&mut *tx)
@@ -165,7 +177,7 @@ async fn transaction(
             ids.push(id);
             return Outcome::RolledBack(ids);
         }
-        inserted.push((id, key, began));
+        inserted.push((id, key, began, poison));
     }
     tokio::time::sleep(plan.hold).await;
     let ids = || inserted.iter().map(|(id, ..)| *id).collect::<Vec<_>>();
@@ -179,11 +191,12 @@ async fn transaction(
             let committed = Instant::now();
             let written = inserted
                 .into_iter()
-                .map(|(id, key, began)| Written {
+                .map(|(id, key, began, poison)| Written {
                     id,
                     key,
                     began,
                     committed,
+                    poison,
                 })
                 .collect();
             Outcome::Committed(written)

@@ -20,13 +20,29 @@ use crate::{Error, Result};
 pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T> {
     serde_path_to_error::deserialize(Lenient(value)).map_err(|error| {
         let path = error.path().to_string();
-        let problem = error.into_inner().to_string();
+        let problem = without_value(&error.into_inner().to_string());
         if path == "." {
             Error::config(problem)
         } else {
             Error::setting(format!("{path}:"), problem)
         }
     })
+}
+
+/// serde's "invalid type" message without the value it found: `invalid type: integer
+/// `987654321012345`, expected a string` becomes `invalid type: integer, expected a string`.
+/// The value may be a secret typed unquoted (a numeric password or token), and the kind of
+/// value is what tells the user what to change.
+fn without_value(problem: &str) -> String {
+    const PREFIX: &str = "invalid type: ";
+    let Some(rest) = problem.strip_prefix(PREFIX) else {
+        return problem.to_string();
+    };
+    let Some((found, expected)) = rest.split_once(", expected ") else {
+        return problem.to_string();
+    };
+    let kind = found.split(['`', '"']).next().unwrap_or(found).trim_end();
+    format!("{PREFIX}{kind}, expected {expected}")
 }
 
 /// Checks the TLS files every backend takes under the same keys, `tls_ca_file`,
@@ -384,6 +400,24 @@ mod tests {
         let error =
             from_value::<Settings>(serde_json::json!({"batch": "1", "extra": 1})).unwrap_err();
         assert!(error.to_string().contains("extra"), "{error}");
+    }
+
+    #[test]
+    fn a_value_of_the_wrong_type_is_not_echoed_it_may_be_a_secret() {
+        // An unquoted numeric password or token in TOML (the security review's case).
+        let error = from_value::<Settings>(serde_json::json!({"password": 987654321012345_u64}))
+            .unwrap_err();
+        let text = error.to_string();
+        assert!(!text.contains("987654321012345"), "{text}");
+        assert!(
+            text.contains("password") && text.contains("invalid type: integer, expected a string"),
+            "{text}"
+        );
+        let error =
+            from_value::<Settings>(serde_json::json!({"properties": {"sasl.password": 1.25}}))
+                .unwrap_err();
+        assert!(!error.to_string().contains("1.25"), "{error}");
+        assert_eq!(without_value("unknown field `x`"), "unknown field `x`");
     }
 
     #[test]

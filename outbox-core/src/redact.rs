@@ -7,7 +7,9 @@ const SECRET_PARAMETERS: [&str; 4] = ["pass", "pwd", "token", "secret"];
 /// `postgres://user:secret@host/db`, and the value of query parameters such as
 /// `?password=…`, `?sslpassword=…`, `?token=…`. A URL without secrets is returned
 /// unchanged. A user name alone (`amqp://guest@host`) is kept; for URLs where it is a token
-/// (NATS), use [`redact_url_token`].
+/// (NATS), use [`redact_url_token`]. Text that is not a URL (no `://`: a typo, a libpq
+/// `host=… password=…` string) is hidden whole as `***` when it could hold a secret in any
+/// common shape (an `@`, a `:` or a `=` in it), since where its secret is cannot be told.
 pub fn redact_url(url: &str) -> String {
     redact(url, false)
 }
@@ -20,7 +22,11 @@ pub fn redact_url_token(url: &str) -> String {
 
 fn redact(url: &str, lone_user_is_secret: bool) -> String {
     let Some(scheme_end) = url.find("://") else {
-        return url.to_string();
+        return if url.contains(['@', ':', '=']) {
+            "***".to_string()
+        } else {
+            url.to_string()
+        };
     };
     let rest = &url[scheme_end + 3..];
     // A password typed raw may hold `/`, `?`, `#` or `@`, so the user info ends at the last
@@ -88,6 +94,19 @@ mod tests {
         );
         assert_eq!(redact_url("redis://127.0.0.1/a@b"), "redis://127.0.0.1/a@b");
         assert_eq!(redact_url("not a url"), "not a url");
+    }
+
+    #[test]
+    fn text_that_is_not_a_url_is_hidden_when_it_could_hold_a_secret() {
+        // The review's cases: a libpq keyword string and a typo for redis://.
+        let libpq = "host=127.0.0.1 user=postgres password=TopSECRET dbname=test";
+        assert_eq!(redact_url(libpq), "***");
+        assert_eq!(redact_url("redis//:TopSECRET@127.0.0.1:6379/0"), "***");
+        assert_eq!(redact_url_token("app:TopSECRET"), "***");
+        assert_eq!(
+            redact_url("/var/lib/outbox/outbox.db"),
+            "/var/lib/outbox/outbox.db"
+        );
     }
 
     #[test]

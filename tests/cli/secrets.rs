@@ -106,3 +106,50 @@ async fn no_secret_reaches_the_output() {
 
     drop_schema(&pool, &schema).await;
 }
+
+/// The security review's cases (issue 30, item 5): a secret of the wrong shape is refused
+/// with a configuration error that names the key, and the secret is not in it.
+#[test]
+fn a_secret_of_the_wrong_shape_is_not_echoed_in_the_configuration_error() {
+    let storage = super::storage_section("cli_secret_shapes");
+    let redis = "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n";
+    let cases = [
+        (
+            format!(
+                "{storage}{redis}[observability]\nconsole_user = \"ops\"\nconsole_password = 987654321012345\n"
+            ),
+            "987654321012345",
+            "observability.console_password",
+        ),
+        (
+            format!("{storage}{redis}[observability]\nconsole_token = 12345678901234567\n"),
+            "12345678901234567",
+            "observability.console_token",
+        ),
+        (
+            format!(
+                "[storage]\nurl = \"host=127.0.0.1 user=postgres password=TopSECRET1 dbname=test\"\n{redis}"
+            ),
+            "TopSECRET1",
+            "storage.url",
+        ),
+        (
+            format!(
+                "{storage}[sink]\ntype = \"redis\"\nurl = \"redis//:TopSECRET2@127.0.0.1:6379/0\"\n"
+            ),
+            "TopSECRET2",
+            "sink.url",
+        ),
+    ];
+    for (contents, secret, key) in cases {
+        let config = ConfigFile::new(&contents);
+        let out = super::outbox(&config.path, &["check"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(super::EXIT_CONFIG), "{stderr}");
+        assert!(stderr.contains(key), "expected `{key}` in: {stderr}");
+        assert!(
+            !stderr.contains(secret),
+            "printed the secret `{secret}`: {stderr}"
+        );
+    }
+}
