@@ -14,6 +14,8 @@ const EXIT_CONFIG: i32 = 78;
 mod console;
 #[cfg(feature = "redis")]
 mod deployment;
+#[cfg(feature = "file")]
+mod listener;
 #[cfg(all(feature = "mysql", feature = "file"))]
 mod mysql;
 #[cfg(all(feature = "otlp", feature = "sqlite", feature = "file"))]

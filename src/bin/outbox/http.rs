@@ -12,6 +12,10 @@ use axum::routing::get;
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use outbox::CancellationToken;
 
+mod listener;
+
+use listener::Limits;
+
 use crate::Failure;
 use crate::config::Observability;
 use crate::relay::Relay;
@@ -154,16 +158,8 @@ pub async fn serve(
         }
         None => tracing::info!(%addr, "serving /metrics and /health"),
     }
-    // The console logs who acted, with the client's address.
-    let app = app.into_make_service_with_connect_info::<SocketAddr>();
-    tokio::spawn(async move {
-        let served = axum::serve(listener, app)
-            .with_graceful_shutdown(async move { shutdown.cancelled().await })
-            .await;
-        if let Err(error) = served {
-            tracing::error!(%error, "HTTP listener failed");
-        }
-    });
+    // Each request carries the client's address: the console logs who acted.
+    tokio::spawn(listener::serve(listener, app, Limits::DEFAULT, shutdown));
     Ok(())
 }
 
