@@ -565,3 +565,87 @@ async fn migrate_print_sql_gives_the_script_a_dba_applies() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The security review's log forging and terminal injection (issue 30, items 4 and 8): a
+/// message whose topic holds a newline and a forged log line, whose key and payload hold
+/// terminal escapes and a right-to-left override, is dead-lettered; neither the relay's text
+/// log nor `status`, `dead-letters list` or `show` prints a control character of it.
+#[tokio::test]
+async fn message_text_cannot_forge_log_lines_or_drive_the_terminal() {
+    let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_sqlite_forge"));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let name = outbox_tests::unique_name("sqlite_forge");
+    let config = ConfigFile::new(&format!(
+        "[storage]\ntype = \"sqlite\"\npath = \"{}\"\n{}\
+         [sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n\
+         stream_prefix = \"{name}:\"\nmax_payload = 100\n\
+         [observability]\nlog_format = \"text\"\n",
+        dir.join("app.db").display(),
+        super::FAST_RELAY
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let forged = "2026-12-02T07:40:00.000000Z  INFO outbox::console: console action who=loopback";
+    let payload = format!("\\u001b[2J{}", "x".repeat(200));
+    let line = format!(
+        "{{\"topic\":\"forge\\n{forged}\\u001b[31m\",\"key\":\"esc\\u001b]0;PWNED\\u0007\\u202egnp\",\"payload\":\"{payload}\"}}\n"
+    );
+    let enqueued = super::outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &line);
+    assert!(enqueued.status.success(), "{}", text(&enqueued.stderr));
+
+    let relay = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .arg("--config")
+        .arg(&config.path)
+        .arg("relay")
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start the relay");
+    let status = || text(&outbox(&config.path, &["status"]).stdout);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !status().contains("dead-lettered 1 ") {
+        assert!(
+            Instant::now() < deadline,
+            "never dead-lettered: {}",
+            status()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let _ = Command::new("kill")
+        .args(["-TERM", &relay.id().to_string()])
+        .status();
+    let log = text(&relay.wait_with_output().expect("relay output").stderr);
+    assert!(
+        log.contains("forge\\n2026-12-02T07:40:00"),
+        "the topic, escaped, in: {log}"
+    );
+
+    let listed = text(&outbox(&config.path, &["dead-letters", "list"]).stdout);
+    let id = listed
+        .lines()
+        .nth(1)
+        .and_then(|line| line.split_whitespace().next())
+        .expect("a dead letter's id")
+        .to_string();
+    let shown = text(&outbox(&config.path, &["dead-letters", "show", &id]).stdout);
+    for (what, printed) in [
+        ("the relay's log", &log),
+        ("status", &status()),
+        ("dead-letters list", &listed),
+        ("dead-letters show", &shown),
+    ] {
+        assert!(
+            !printed.contains(['\u{1b}', '\u{7}', '\u{202e}']),
+            "{what} printed a terminal control: {printed:?}"
+        );
+        assert!(
+            !printed.lines().any(|line| line.starts_with(forged)),
+            "{what} printed a forged line: {printed}"
+        );
+    }
+    assert!(
+        shown.contains("esc\\u{1b}]0;PWNED\\u{7}\\u{202e}gnp"),
+        "{shown}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

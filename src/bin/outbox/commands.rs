@@ -7,7 +7,7 @@ use base64::Engine;
 use clap::Args;
 use std::sync::Arc;
 
-use outbox::{DeadLetterFilter, NewMessage, StorageAdmin};
+use outbox::{DeadLetterFilter, NewMessage, StorageAdmin, printable};
 use uuid::Uuid;
 
 use crate::config::{Config, RelayDef};
@@ -193,7 +193,7 @@ async fn print_status(def: &RelayDef, storage: &Arc<dyn StorageAdmin>) -> Result
         for t in topics {
             println!(
                 "  {:<32} {:>10} {:>12} {:>10} {:>10} {:>14}",
-                t.topic,
+                printable(&t.topic),
                 t.pending,
                 age(t.oldest_pending),
                 t.in_flight,
@@ -359,10 +359,10 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
                 println!(
                     "{:<36}  {:<24} {:<16} {:>8}  {}",
                     m.id,
-                    m.topic,
-                    m.key.as_deref().unwrap_or("-"),
+                    printable(&m.topic),
+                    printable(m.key.as_deref().unwrap_or("-")),
                     m.attempts,
-                    row.last_error.lines().next().unwrap_or("")
+                    printable(row.last_error.lines().next().unwrap_or(""))
                 );
             }
             println!("{} dead letter(s)", rows.len());
@@ -382,17 +382,20 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             }
             let m = &row.message;
             println!("id:              {}", m.id);
-            println!("topic:           {}", m.topic);
-            println!("key:             {}", m.key.as_deref().unwrap_or("-"));
+            println!("topic:           {}", printable(&m.topic));
+            println!(
+                "key:             {}",
+                printable(m.key.as_deref().unwrap_or("-"))
+            );
             println!("created at:      {}", m.created_at);
             println!("dead-lettered:   {}", row.dead_lettered_at);
             println!("attempts:        {}", m.attempts);
-            println!("last error:      {}", row.last_error);
+            println!("last error:      {}", printable(&row.last_error));
             for (name, value) in &m.headers {
-                println!("header:          {name}: {value}");
+                println!("header:          {}: {}", printable(name), printable(value));
             }
             match std::str::from_utf8(&m.payload) {
-                Ok(text) => println!("payload:         {text}"),
+                Ok(text) => println!("payload:         {}", printable(text)),
                 Err(_) => println!(
                     "payload (base64): {}",
                     base64::engine::general_purpose::STANDARD.encode(&m.payload)

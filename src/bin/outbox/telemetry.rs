@@ -36,7 +36,7 @@ pub fn init(observability: &Observability) -> Result<Telemetry, ConfigError> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     let fmt = match observability.log_format {
-        LogFormat::Text => fmt.boxed(),
+        LogFormat::Text => fmt.fmt_fields(printable_fields()).boxed(),
         LogFormat::Json => fmt.json().boxed(),
     };
     let registry = tracing_subscriber::registry().with(filter).with(fmt);
@@ -65,6 +65,23 @@ pub fn init(observability: &Observability) -> Result<Telemetry, ConfigError> {
         let _ = registry.try_init();
         Ok(Telemetry {})
     }
+}
+
+/// The text format's fields (`message`, then `name=value`, space-separated) with control
+/// characters and bidirectional-text controls escaped ([`outbox::printable`]): topics, keys
+/// and broker errors come from whoever writes messages, who must not be able to forge a log
+/// line with a newline or drive a terminal that follows the log. JSON escapes by itself.
+fn printable_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|writer, field, value| {
+        let text = format!("{value:?}");
+        let text = outbox::printable(&text);
+        match field.name() {
+            "message" => write!(writer, "{text}"),
+            name => write!(writer, "{name}={text}"),
+        }
+    })
+    .delimited(" ")
 }
 
 #[cfg(feature = "otlp")]
