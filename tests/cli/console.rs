@@ -293,11 +293,30 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
         &format!("{replay}&confirm=yes"),
     );
     assert_eq!(cross.status, 403, "{}", cross.body);
+    // Through a proxy on this machine (loopback socket, loopback Host, a forwarding header):
+    // neither pages nor actions without credentials (issue 30, the security review's item 2).
+    for header in ["X-Forwarded-For", "Forwarded", "X-Real-IP", "Via"] {
+        let proxied = get(&addr, "/dead-letters", &[(header, "203.0.113.5")]);
+        assert_eq!(proxied.status, 403, "{header}: {}", proxied.body);
+        assert!(
+            !proxied.body.contains("csrf") && proxied.body.contains("console_token"),
+            "{header}: {}",
+            proxied.body
+        );
+        let acted = request(
+            &addr,
+            "POST",
+            "/action",
+            &[(header, "203.0.113.5")],
+            &format!("{replay}&confirm=yes"),
+        );
+        assert_eq!(acted.status, 403, "{header}: {}", acted.body);
+    }
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(
         dead_and_parked(&pool, &schema).await,
         (1, 1),
-        "an unconfirmed or forged replay acted"
+        "an unconfirmed, forged or proxied replay acted"
     );
 
     // Confirmed, from the console's own page: replayed; the key drains in its order.

@@ -163,10 +163,40 @@ fn loopback_host(headers: &HeaderMap) -> bool {
             .is_ok_and(|ip| ip.is_loopback())
 }
 
+/// Headers a proxy adds to what it forwards: a request carrying one came from elsewhere,
+/// whatever its socket says.
+const FORWARDING_HEADERS: [&str; 6] = [
+    "forwarded",
+    "x-forwarded-for",
+    "x-forwarded-host",
+    "x-forwarded-proto",
+    "x-real-ip",
+    "via",
+];
+
+/// The first forwarding header `headers` carry, if any.
+fn forwarded_by(headers: &HeaderMap) -> Option<&'static str> {
+    FORWARDING_HEADERS
+        .into_iter()
+        .find(|name| headers.contains_key(*name))
+}
+
 impl Console {
     /// Who is asking, or the answer that turns them away (401 with the login form, or 403).
     fn authorize(&self, headers: &HeaderMap, peer: SocketAddr) -> Result<Who, Refused> {
         if self.token.is_none() && self.basic.is_none() {
+            // A proxy on this machine connects from loopback and may send a loopback Host:
+            // trusting it would hand every remote client of the proxy the console.
+            if let Some(header) = forwarded_by(headers) {
+                let text = format!(
+                    "<p>This request came through a proxy (it carries <code>{header}</code>). \
+                     Without credentials the console answers clients on this machine only; \
+                     behind a proxy set <code>observability.console_token</code> or \
+                     <code>console_user</code> and <code>console_password</code> \
+                     (docs/console.md).</p>"
+                );
+                return Err(self.page(StatusCode::FORBIDDEN, "Forbidden", &text).into());
+            }
             if peer.ip().is_loopback() && loopback_host(headers) {
                 return Ok(Who::Loopback(peer));
             }
