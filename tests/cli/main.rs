@@ -645,11 +645,16 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
 
 /// A plain HTTP/1.1 GET: (status code, body).
 fn http_get(addr: &str, path: &str) -> (u16, String) {
+    http_get_as(addr, path, addr)
+}
+
+/// [`http_get`] with `host` in the `Host` header.
+fn http_get_as(addr: &str, path: &str, host: &str) -> (u16, String) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
     write!(
         stream,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
     )
     .expect("send");
     let mut response = String::new();
@@ -716,6 +721,14 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     wait_for_http(&addr).await;
     assert_eq!(http_get(&addr, "/health/live").0, 200);
+    // A loopback listener answers only a loopback Host on every route: a page that rebinds
+    // its name to 127.0.0.1 reads no metrics and no error texts (issue 30, review item 7).
+    for path in ["/metrics", "/health/ready", "/health/live"] {
+        let (status, body) = http_get_as(&addr, path, "evil.example");
+        assert_eq!(status, 403, "{path} for Host evil.example: {body}");
+        assert!(!body.contains("outbox_"), "{path}: {body}");
+        assert_eq!(http_get_as(&addr, path, "localhost").0, 200, "{path}");
+    }
     let (status, body) = checked_readiness(&addr).await;
     assert_eq!(status, 200, "{body}");
     let (status, metrics) = http_get(&addr, "/metrics");

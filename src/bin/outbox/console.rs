@@ -29,7 +29,7 @@ use outbox::{DeadLetterFilter, DeadLetterRow};
 use uuid::Uuid;
 
 use crate::config::Observability;
-use crate::http::Readiness;
+use crate::http::{Readiness, loopback_host};
 use crate::relay::Relay;
 use page::{esc, url};
 
@@ -144,23 +144,6 @@ fn cookie<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
         .filter_map(|pair| pair.trim().split_once('='))
         .find(|(n, _)| *n == name)
         .map(|(_, v)| v)
-}
-
-/// Whether the `Host` header names this machine's loopback (`localhost`, `127.0.0.1`,
-/// `[::1]`, any port): a page served without a token is only for local clients, and a
-/// foreign name there is a DNS-rebinding attempt.
-fn loopback_host(headers: &HeaderMap) -> bool {
-    let Some(host) = headers.get(header::HOST).and_then(|h| h.to_str().ok()) else {
-        return false;
-    };
-    let name = match host.strip_prefix('[') {
-        Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => host.split(':').next().unwrap_or(""),
-    };
-    name.eq_ignore_ascii_case("localhost")
-        || name
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
 }
 
 /// Headers a proxy adds to what it forwards: a request carrying one came from elsewhere,

@@ -158,9 +158,52 @@ pub async fn serve(
         }
         None => tracing::info!(%addr, "serving /metrics and /health"),
     }
+    if addr.ip().is_loopback() {
+        app = app.layer(axum::middleware::from_fn(loopback_host_only));
+    }
     // Each request carries the client's address: the console logs who acted.
     tokio::spawn(listener::serve(listener, app, Limits::DEFAULT, shutdown));
     Ok(())
+}
+
+/// Whether the `Host` header names this machine's loopback (`localhost`, `127.0.0.1`,
+/// `[::1]`, any port): a page served without a token is only for local clients, and a
+/// foreign name there is a DNS-rebinding attempt.
+pub fn loopback_host(headers: &axum::http::HeaderMap) -> bool {
+    let Some(host) = headers
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+    else {
+        return false;
+    };
+    let name = match host.strip_prefix('[') {
+        Some(rest) => rest.split(']').next().unwrap_or(""),
+        None => host.split(':').next().unwrap_or(""),
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// On a loopback listener every route, the probes and `/metrics` too, answers only a `Host`
+/// that names loopback (or none, as plain HTTP/1.0 tools send): a page of another site that
+/// rebinds its name to 127.0.0.1 must not read topic names, volumes or error texts.
+async fn loopback_host_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse;
+    let headers = request.headers();
+    if headers.contains_key(axum::http::header::HOST) && !loopback_host(headers) {
+        return (
+            StatusCode::FORBIDDEN,
+            "this listener is on loopback: the Host header must name loopback \
+             (localhost, 127.0.0.1, [::1])\n",
+        )
+            .into_response();
+    }
+    next.run(request).await
 }
 
 async fn render_metrics(State(state): State<AppState>) -> String {
