@@ -49,8 +49,14 @@ pub const DELIVERY_LATENCY_SECONDS: &str = "outbox_delivery_latency_seconds";
 /// Gauge (version): 1, labelled with the running binary's version.
 pub const BUILD_INFO: &str = "outbox_build_info";
 
+/// Counter (reason): connections the HTTP listener closed to stay within its cap
+/// (`reason="cap"`).
+pub const HTTP_CONNECTIONS_CLOSED_TOTAL: &str = "outbox_http_connections_closed_total";
+/// Label of [`HTTP_CONNECTIONS_CLOSED_TOTAL`]: why the connection was closed.
+pub const REASON: &str = "reason";
+
 /// Every metric name above.
-pub const ALL: [&str; 17] = [
+pub const ALL: [&str; 18] = [
     DELIVERED_TOTAL,
     RETRIED_TOTAL,
     DEAD_LETTERED_TOTAL,
@@ -68,4 +74,5 @@ pub const ALL: [&str; 17] = [
     HORIZON_HELD_SECONDS,
     DELIVERY_LATENCY_SECONDS,
     BUILD_INFO,
+    HTTP_CONNECTIONS_CLOSED_TOTAL,
 ];

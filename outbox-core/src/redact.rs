@@ -9,7 +9,8 @@ const SECRET_PARAMETERS: [&str; 4] = ["pass", "pwd", "token", "secret"];
 /// unchanged. A user name alone (`amqp://guest@host`) is kept; for URLs where it is a token
 /// (NATS), use [`redact_url_token`]. Text that is not a URL (no `://`: a typo, a libpq
 /// `host=… password=…` string) is hidden whole as `***` when it could hold a secret in any
-/// common shape (an `@`, a `:` or a `=` in it), since where its secret is cannot be told.
+/// common shape (an `@`, a `=`, or a `:` not before a port), since where its secret
+/// is cannot be told; `localhost:6379` is shown.
 pub fn redact_url(url: &str) -> String {
     redact(url, false)
 }
@@ -22,7 +23,7 @@ pub fn redact_url_token(url: &str) -> String {
 
 fn redact(url: &str, lone_user_is_secret: bool) -> String {
     let Some(scheme_end) = url.find("://") else {
-        return if url.contains(['@', ':', '=']) {
+        return if could_hold_a_secret(url) {
             "***".to_string()
         } else {
             url.to_string()
@@ -67,6 +68,19 @@ fn redact_query(tail: &str) -> String {
         .collect::<Vec<_>>()
         .join("&");
     format!("{path}{query}{fragment}")
+}
+
+/// Whether text that is not a URL could hold a secret in a common shape: user info (`@`), a
+/// `key=value` pair, or a `:` other than before a port
+/// (`user:password`, where `localhost:6379` or `db:5432/x` is a host and port).
+fn could_hold_a_secret(text: &str) -> bool {
+    if text.contains(['@', '=']) {
+        return true;
+    }
+    text.split(':').skip(1).any(|after| {
+        let port = after.split('/').next().unwrap_or("");
+        port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit())
+    })
 }
 
 fn is_secret(name: &str) -> bool {

@@ -138,12 +138,14 @@ impl StorageAdmin for SqliteStorage {
 
     async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {
         let what = "cannot list parked keys";
-        let rows: Vec<(String, String)> = sqlx::query_as(&self.sql.parked_keys)
+        // Read as bytes: a key that is not valid UTF-8 (see rows.rs) is listed, lossily.
+        let rows: Vec<(Vec<u8>, String)> = sqlx::query_as(&self.sql.parked_keys)
             .fetch_all(self.pool())
             .await
             .map_err(|e| self.error(what, e))?;
         rows.into_iter()
             .map(|(key, id)| {
+                let key = String::from_utf8_lossy(&key).into_owned();
                 let dead_letter = Uuid::parse_str(&id).map_err(|e| {
                     outbox_core::Error::permanent(format!(
                         "sqlite: parked key `{key}` names the dead letter `{id}`, which is not a UUID: {e}"

@@ -286,15 +286,53 @@ impl SqliteStorage {
         Ok(found)
     }
 
+    /// The messages of a claim's rows, and the key the next ordered claim starts after. A row
+    /// that cannot be read as a message (text that is not UTF-8, an id that is not a UUID)
+    /// is dead-lettered in the claim's own transaction with why, its key parked, so it
+    /// neither stalls the messages claimed with it nor comes back.
+    async fn read_claimed(
+        &self,
+        write: &mut Write<'_>,
+        token: &ClaimToken,
+        cursor: &str,
+        rows: &[SqliteRow],
+    ) -> Result<(rows::Numbered, Option<String>)> {
+        let (good, bad) = rows::claimed(rows)?;
+        if !bad.is_empty() {
+            let fail = |e| self.error("dead-lettering a row that cannot be read", e);
+            for (seq, error) in &bad {
+                tracing::warn!(seq, %error, "sqlite: a claimed row cannot be read as a message; dead-lettering it");
+            }
+            let list = bad
+                .iter()
+                .map(|(seq, error)| serde_json::json!({ "seq": seq, "error": error.to_string() }))
+                .collect::<Vec<_>>();
+            let list = serde_json::Value::Array(list).to_string();
+            let token = token.0.hyphenated().to_string();
+            let run = |sql| listed(sql, &list, &token, write.now);
+            run(&self.sql.dead_copy)
+                .execute(&mut *write.tx)
+                .await
+                .map_err(fail)?;
+            if let Some(park) = &self.sql.dead_park {
+                run(park).execute(&mut *write.tx).await.map_err(fail)?;
+            }
+            run(&self.sql.dead_delete)
+                .execute(&mut *write.tx)
+                .await
+                .map_err(fail)?;
+        }
+        Ok((good, Self::next_cursor(cursor, rows)))
+    }
+
     /// The partition key the next ordered claim starts after: the last key this claim took
-    /// in sweep order (keys after the cursor, then those up to it), if it took one.
-    fn next_cursor(cursor: &str, rows: &[SqliteRow]) -> Result<Option<String>> {
+    /// in sweep order (keys after the cursor, then those up to it), if it took one. A key
+    /// that is not text is left out: the cursor only spreads claims over the keys.
+    fn next_cursor(cursor: &str, rows: &[SqliteRow]) -> Option<String> {
         let mut after: Option<String> = None;
         let mut wrapped: Option<String> = None;
         for row in rows {
-            let key: Option<String> = row
-                .try_get("partition_key")
-                .map_err(|e| db_error(None, "claim failed", e))?;
+            let key: Option<String> = row.try_get("partition_key").ok().flatten();
             let Some(key) = key else { continue };
             let slot = if key.as_str() > cursor {
                 &mut after
@@ -305,7 +343,7 @@ impl SqliteStorage {
                 *slot = Some(key);
             }
         }
-        Ok(wrapped.or(after))
+        wrapped.or(after)
     }
 }
 
@@ -335,13 +373,14 @@ impl Storage for SqliteStorage {
             .fetch_all(&mut *write.tx)
             .await
             .map_err(|e| self.error(what, e));
-        let rows = self.finish(what, write, rows).await?;
-        if self.config.per_key_order
-            && let Some(next) = Self::next_cursor(&cursor, &rows)?
-        {
+        let claimed = match rows {
+            Ok(rows) => self.read_claimed(&mut write, &token, &cursor, &rows).await,
+            Err(error) => Err(error),
+        };
+        let (claimed, next) = self.finish(what, write, claimed).await?;
+        if let Some(next) = next.filter(|_| self.config.per_key_order) {
             *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = next;
         }
-        let claimed = rows::claimed(&rows)?;
         self.remember_seqs(&claimed);
         Ok(Claim {
             token,

@@ -282,3 +282,61 @@ mod commit_order {
         storage_extend_lease_holds_the_claim,
     );
 }
+
+/// The security review's SQLite finding (issue 30, item 3): a row whose key is TEXT that is
+/// not valid UTF-8 (a C binding can write it) stalled its claim for good, with the good
+/// messages claimed beside it, and made every dead-letter listing fail. Now the claim
+/// dead-letters it with why and parks its key; the other messages go out at once; the
+/// listing shows it, its key read lossily.
+#[tokio::test]
+async fn a_row_that_cannot_be_read_is_dead_lettered_and_the_rest_flows() {
+    let dir = TempDir::new();
+    let path = dir.0.join("app.db");
+    let storage = SqliteStorage::open(SqliteConfig::new(&path))
+        .await
+        .expect("opening the file");
+    storage.migrate().await.expect("migrating");
+    let app = SqlitePool::connect_with(SqliteConnectOptions::new().filename(&path))
+        .await
+        .expect("the application's pool");
+    let outbox = storage.table().quoted("");
+    for (key, payload) in [("CAST(X'ff3c62' AS TEXT)", "A"), ("'after-bad-utf8'", "B")] {
+        sqlx::query(&format!(
+            "INSERT INTO {outbox} (id, topic, partition_key, payload) VALUES (?, 'ok', {key}, ?)"
+        ))
+        .bind(Uuid::now_v7().hyphenated().to_string())
+        .bind(payload.as_bytes())
+        .execute(&app)
+        .await
+        .expect("a writer that stores bytes as TEXT");
+    }
+    let claim = storage
+        .claim("w", 10, Duration::from_secs(30))
+        .await
+        .expect("a row that cannot be read does not fail the claim");
+    let keys: Vec<_> = claim.messages.iter().map(|m| m.key.clone()).collect();
+    assert_eq!(keys, [Some("after-bad-utf8".to_string())]);
+
+    let dead = storage
+        .dead_letters(&Default::default(), 10)
+        .await
+        .expect("the listing shows a dead letter that is not valid UTF-8");
+    let [row] = &dead[..] else {
+        panic!("one dead letter: {dead:?}")
+    };
+    assert_eq!(row.message.key.as_deref(), Some("\u{fffd}<b"));
+    assert_eq!(row.message.payload, b"A");
+    assert!(
+        row.last_error.contains("partition_key") && row.last_error.contains("UTF-8"),
+        "{}",
+        row.last_error
+    );
+    let parked = storage.parked_keys().await.expect("parked keys");
+    assert_eq!(parked.len(), 1, "its key is parked: {parked:?}");
+    // Nothing is left claimed or pending behind it.
+    let again = storage
+        .claim("w", 10, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert!(again.messages.is_empty(), "{:?}", again.messages);
+}

@@ -19,6 +19,7 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use outbox::CancellationToken;
+use outbox::metrics as names;
 use tokio::net::TcpListener;
 use tower::ServiceExt;
 
@@ -69,8 +70,8 @@ impl Connections {
                 .position(|c| c.in_flight.load(Ordering::Acquire) == 0);
             if let Some(evicted) = self.open.remove(idle.unwrap_or(0)) {
                 evicted.close.cancel();
-                metrics::counter!("outbox_http_connections_closed_total", "reason" => "cap")
-                    .increment(1);
+                let (name, reason) = (names::HTTP_CONNECTIONS_CLOSED_TOTAL, names::REASON);
+                metrics::counter!(name, reason => "cap").increment(1);
                 tracing::debug!(
                     max,
                     "HTTP listener at its connection cap: closed the oldest connection without a request in flight"
