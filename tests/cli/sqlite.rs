@@ -288,6 +288,16 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The id of the first dead letter `dead-letters list` printed (the line after the header).
+fn first_listed_id(listed: &str) -> String {
+    listed
+        .lines()
+        .nth(1)
+        .and_then(|line| line.split_whitespace().next())
+        .expect("a dead letter's id")
+        .to_string()
+}
+
 /// The operator's commands on SQLite, read through `status` alone: a message too large for
 /// the sink is dead-lettered and parks its key; list, show, replay put it back first in its
 /// key's order; release and purge work on a second dead letter.
@@ -338,12 +348,7 @@ async fn dead_letter_commands_work_on_sqlite() {
     );
     let listed = text(&outbox(&strict.path, &["dead-letters", "list", "--key", "a"]).stdout);
     assert!(listed.contains("1 dead letter(s)"), "{listed}");
-    let id = listed
-        .lines()
-        .nth(1)
-        .and_then(|line| line.split_whitespace().next())
-        .expect("a dead letter's id")
-        .to_string();
+    let id = first_listed_id(&listed);
     let shown = text(&outbox(&strict.path, &["dead-letters", "show", &id]).stdout);
     assert!(
         shown.contains("key:             a") && shown.contains("max_payload"),
@@ -621,12 +626,7 @@ async fn message_text_cannot_forge_log_lines_or_drive_the_terminal() {
     );
 
     let listed = text(&outbox(&config.path, &["dead-letters", "list"]).stdout);
-    let id = listed
-        .lines()
-        .nth(1)
-        .and_then(|line| line.split_whitespace().next())
-        .expect("a dead letter's id")
-        .to_string();
+    let id = first_listed_id(&listed);
     let shown = text(&outbox(&config.path, &["dead-letters", "show", &id]).stdout);
     for (what, printed) in [
         ("the relay's log", &log),
