@@ -114,6 +114,20 @@ impl std::fmt::Debug for Secret {
     }
 }
 
+/// Why a console secret of the required length is still not one (never its value): blank
+/// ends (a token is trimmed when sent, so it could never match), or a single character
+/// repeated.
+fn weak_secret(secret: &str) -> Option<&'static str> {
+    if secret.trim() != secret || secret.trim().is_empty() {
+        return Some("begins or ends with white space (or is all white space)");
+    }
+    let mut chars = secret.chars();
+    let first = chars.next()?;
+    chars
+        .all(|c| c == first)
+        .then_some("is one character repeated")
+}
+
 /// The shortest console token accepted: long enough that guessing it is hopeless.
 const MIN_CONSOLE_TOKEN: usize = 16;
 /// The shortest console password accepted.
@@ -142,6 +156,23 @@ impl Observability {
             return Err(err(format!(
                 "observability.console_token is shorter than {MIN_CONSOLE_TOKEN} characters; \
                  use a long random one, e.g. the output of `openssl rand -hex 32`"
+            )));
+        }
+        // Length alone let `aaaaaaaaaaaaaaaa` and twelve spaces through (issue 30, item 9).
+        if let Some(token) = &self.console_token
+            && let Some(why) = weak_secret(&token.0)
+        {
+            return Err(err(format!(
+                "observability.console_token {why}; use a random one, e.g. the output of \
+                 `openssl rand -hex 32`"
+            )));
+        }
+        if let Some(password) = &self.console_password
+            && let Some(why) = weak_secret(&password.0)
+        {
+            return Err(err(format!(
+                "observability.console_password {why}; use a random one, e.g. the output of \
+                 `openssl rand -hex 16`"
             )));
         }
         match (&self.console_user, &self.console_password) {
@@ -992,6 +1023,23 @@ mod tests {
             (
                 "console_user = \"ops\"\nconsole_password = \"pa55\"\n",
                 "console_password is shorter than 12 characters",
+            ),
+            // The security review's weak secrets of the right length (issue 30, item 9).
+            (
+                "console_user = \"ops\"\nconsole_password = \"            \"\n",
+                "console_password begins or ends with white space",
+            ),
+            (
+                "console_user = \"ops\"\nconsole_password = \" pa55word-0123456\"\n",
+                "console_password begins or ends with white space",
+            ),
+            (
+                "console_token = \"aaaaaaaaaaaaaaaa\"\n",
+                "console_token is one character repeated",
+            ),
+            (
+                "console_token = \"                \"\n",
+                "console_token begins or ends with white space",
             ),
         ] {
             let error = with(text).unwrap_err().0;

@@ -789,6 +789,30 @@ enum View {
     Hex,
 }
 
+/// The payload as text, and as JSON, where it reads so. JSON only up to
+/// [`page::PAYLOAD_SHOWN`]: pretty-printing cannot be cut short, and a page must stay small
+/// (a larger JSON payload is shown as its first bytes of text).
+fn readings(payload: &[u8]) -> (Option<&str>, Option<serde_json::Value>) {
+    let text = std::str::from_utf8(payload).ok();
+    let json = text
+        .filter(|_| payload.len() <= page::PAYLOAD_SHOWN)
+        .and_then(|t| serde_json::from_str(t).ok());
+    (text, json)
+}
+
+/// The view asked for (`&view=`) where the payload has it; else JSON, text, hex, the first
+/// the payload has.
+fn chosen_view(asked: Option<&str>, text: bool, json: bool) -> View {
+    match asked {
+        Some("hex") => View::Hex,
+        Some("text") if text => View::Text,
+        Some("json") if json => View::Json,
+        _ if json => View::Json,
+        _ if text => View::Text,
+        _ => View::Hex,
+    }
+}
+
 async fn dead_letter(
     State(c): State<Console>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -820,16 +844,8 @@ async fn dead_letter(
         Err(e) => return Ok(c.page(StatusCode::OK, "Dead letter", &error_box("dead letter", &e))),
     };
     let m = &row.message;
-    let text = std::str::from_utf8(&m.payload).ok();
-    let json = text.and_then(|t| serde_json::from_str::<serde_json::Value>(t).ok());
-    let view = match page::value(&query, "view") {
-        Some("hex") => View::Hex,
-        Some("text") if text.is_some() => View::Text,
-        Some("json") if json.is_some() => View::Json,
-        _ if json.is_some() => View::Json,
-        _ if text.is_some() => View::Text,
-        _ => View::Hex,
-    };
+    let (text, json) = readings(&m.payload);
+    let view = chosen_view(page::value(&query, "view"), text.is_some(), json.is_some());
     let mut body = format!(
         r#"<table>
 <tr><th>id</th><td>{id}</td></tr>
@@ -1169,6 +1185,19 @@ mod tests {
         assert!(!same_secret("abd", "abc"));
         assert!(!same_secret("ab", "abc"));
         assert!(!same_secret("", "abc"));
+    }
+
+    #[test]
+    fn a_json_payload_larger_than_a_page_shows_as_its_first_bytes_of_text() {
+        // The security review's 8 MB JSON payload gave an 8 MB page (issue 30, item 6).
+        let big = format!("[{}1]", "1,".repeat(page::PAYLOAD_SHOWN));
+        let (text, json) = readings(big.as_bytes());
+        assert!(text.is_some() && json.is_none());
+        assert!(chosen_view(Some("json"), true, json.is_some()) == View::Text);
+        let (_, small) = readings(br#"{"a": 1}"#);
+        assert!(small.is_some());
+        assert!(chosen_view(None, true, true) == View::Json);
+        assert!(chosen_view(Some("text"), false, false) == View::Hex);
     }
 
     #[test]
