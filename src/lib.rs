@@ -4,6 +4,13 @@
 pub use outbox_core as core;
 pub use outbox_core::*;
 
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod cli;
+#[cfg(feature = "cli")]
+#[doc(hidden)]
+pub mod fuzzing;
+
 /// PostgreSQL outbox storage (cargo feature `postgres`).
 #[cfg(feature = "postgres")]
 pub use outbox_postgres as postgres;

@@ -7,9 +7,7 @@
 //! temporary directory: the shared RabbitMQ on 5672 is not touched (the two only share the
 //! machine's epmd, where each registers under its own name).
 
-use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use outbox_amqp::lapin::options::{BasicGetOptions, QueueDeclareOptions};
@@ -18,158 +16,28 @@ use outbox_amqp::lapin::types::FieldTable;
 use outbox_amqp::lapin::{Connect, ConnectionProperties, runtime};
 use outbox_amqp::{AmqpConfig, AmqpSink};
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template};
+use outbox_test_support::servers::{self, Server};
 use outbox_test_support::tls::{Pki, pki};
 use outbox_test_support::unique_name;
 
-/// How long the node may take to open its TLS port (it usually takes 5–10 s).
-const START_DEADLINE: Duration = Duration::from_secs(60);
-/// How long it may take to stop after SIGTERM before it is killed.
-const STOP_DEADLINE: Duration = Duration::from_secs(20);
-
-/// A RabbitMQ node with a TLS listener only, client certificates required; stopped on drop.
-struct TlsRabbit {
-    /// The `rabbitmq-server` script, leader of a process group of its own with the Erlang VM.
-    child: Child,
-    node: String,
-    port: u16,
-    log: PathBuf,
-}
-
-/// A port that was free a moment ago.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port()
-}
-
-/// The real start script: Debian's `/usr/sbin/rabbitmq-server` re-runs it as the `rabbitmq`
-/// user when called by root, which could not write the test's directory.
-fn rabbitmq_server() -> PathBuf {
-    let script = Path::new("/usr/lib/rabbitmq/bin/rabbitmq-server");
-    if script.exists() {
-        return script.into();
-    }
-    "rabbitmq-server".into()
-}
-
-impl TlsRabbit {
-    fn start(pki: &Pki, dir: &Path) -> TlsRabbit {
-        let port = free_port();
-        let dist_port = free_port();
-        let node = format!("outbox-tls-{}-{port}@localhost", std::process::id());
-        let config = dir.join("rabbitmq.conf");
-        std::fs::write(
-            &config,
-            format!(
-                "listeners.tcp = none\n\
-                 listeners.ssl.default = 127.0.0.1:{port}\n\
-                 ssl_options.cacertfile = {}\n\
-                 ssl_options.certfile = {}\n\
-                 ssl_options.keyfile = {}\n\
-                 ssl_options.verify = verify_peer\n\
-                 ssl_options.fail_if_no_peer_cert = true\n",
-                pki.ca.display(),
-                pki.server_cert.display(),
-                pki.server_key.display(),
-            ),
+/// A RabbitMQ node of the test's own (`servers::rabbitmq`: its own name, ports, data, logs,
+/// configuration and cookie in `dir`) with a TLS listener only, client certificates
+/// required; not started yet. It stops cleanly when dropped.
+fn tls_rabbit(pki: &Pki, dir: &Path) -> Server {
+    servers::rabbitmq(dir, |port| {
+        format!(
+            "listeners.tcp = none\n\
+             listeners.ssl.default = 127.0.0.1:{port}\n\
+             ssl_options.cacertfile = {}\n\
+             ssl_options.certfile = {}\n\
+             ssl_options.keyfile = {}\n\
+             ssl_options.verify = verify_peer\n\
+             ssl_options.fail_if_no_peer_cert = true\n",
+            pki.ca.display(),
+            pki.server_cert.display(),
+            pki.server_key.display(),
         )
-        .expect("write rabbitmq.conf");
-        // Not /etc/rabbitmq/rabbitmq-env.conf, which names the shared node.
-        let env_file = dir.join("rabbitmq-env.conf");
-        std::fs::write(&env_file, "").expect("write rabbitmq-env.conf");
-        let log = dir.join("rabbitmq-server.log");
-        let output = std::fs::File::create(&log).expect("create the node's log");
-        let started = Instant::now();
-        let child = Command::new(rabbitmq_server())
-            // Its own Erlang cookie, made in the temporary directory.
-            .env("HOME", dir)
-            .env("RABBITMQ_CONF_ENV_FILE", &env_file)
-            .env("RABBITMQ_NODENAME", &node)
-            .env("RABBITMQ_DIST_PORT", dist_port.to_string())
-            .env("RABBITMQ_CONFIG_FILE", &config)
-            .env("RABBITMQ_ADVANCED_CONFIG_FILE", dir.join("advanced.config"))
-            .env("RABBITMQ_ENABLED_PLUGINS_FILE", dir.join("enabled_plugins"))
-            .env("RABBITMQ_MNESIA_BASE", dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", dir.join("log"))
-            .env(
-                "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
-                "-kernel inet_dist_use_interface {127,0,0,1}",
-            )
-            .env("ERL_EPMD_ADDRESS", "127.0.0.1")
-            .stdin(Stdio::null())
-            .stdout(output.try_clone().expect("log file"))
-            .stderr(output)
-            .process_group(0)
-            .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot run {} ({e}); RabbitMQ is installed by `cargo xtask services`",
-                    rabbitmq_server().display()
-                )
-            });
-        let mut node = TlsRabbit {
-            child,
-            node,
-            port,
-            log,
-        };
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Ok(Some(status)) = node.child.try_wait() {
-                panic!(
-                    "RabbitMQ node {} exited ({status}) before opening its TLS port:\n{}",
-                    node.node,
-                    node.log_tail()
-                );
-            }
-            assert!(
-                started.elapsed() < START_DEADLINE,
-                "RabbitMQ node {} did not open TLS port {port} within {START_DEADLINE:?}:\n{}",
-                node.node,
-                node.log_tail()
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        eprintln!(
-            "RabbitMQ node {} took {:.1?} to open TLS port {port}",
-            node.node,
-            started.elapsed()
-        );
-        node
-    }
-
-    /// The end of the node's output, for a failure message.
-    fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(30)..].join("\n")
-    }
-
-    /// Sends `signal` to the script and the Erlang VM (their process group).
-    fn signal(&self, signal: libc::c_int) {
-        let group = self.child.id() as libc::pid_t;
-        // SAFETY: kill(2) with the id of a process group this test made; no memory involved.
-        unsafe { libc::kill(-group, signal) };
-    }
-}
-
-impl Drop for TlsRabbit {
-    /// Stops the node: SIGTERM makes RabbitMQ shut down cleanly (and leave epmd); after
-    /// [`STOP_DEADLINE`] the whole group is killed.
-    fn drop(&mut self) {
-        self.signal(libc::SIGTERM);
-        let deadline = Instant::now() + STOP_DEADLINE;
-        while let Ok(None) = self.child.try_wait() {
-            if Instant::now() > deadline {
-                self.signal(libc::SIGKILL);
-                let _ = self.child.wait();
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        // The VM may outlive the script by a moment; nothing of the group may stay behind.
-        self.signal(libc::SIGKILL);
-    }
+    })
 }
 
 /// TLS settings trusting `trust`'s CA, presenting `client`'s certificate if given.
@@ -206,8 +74,13 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let ours = pki(&dir, "ours");
     let theirs = pki(&dir, "theirs");
-    let node = TlsRabbit::start(&ours, &dir);
-    let url = format!("amqps://guest:guest@127.0.0.1:{}/%2f", node.port);
+    let mut node = tls_rabbit(&ours, &dir.join("node"));
+    let took = node.start().await;
+    eprintln!(
+        "RabbitMQ node took {took:.1?} to open TLS port {}",
+        node.port()
+    );
+    let url = format!("amqps://guest:guest@{}/%2f", node.addr());
 
     // The test's own client, over the same verified TLS, makes the queue and reads it.
     let connection = url
@@ -230,7 +103,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
         .await
         .expect("declare the queue");
 
-    let sink = AmqpSink::connect(config(node.port, &ours, Some(&ours)))
+    let sink = AmqpSink::connect(config(node.port(), &ours, Some(&ours)))
         .await
         .expect("the sink connects over verified TLS");
     sink.health().await.expect("healthy over TLS");
@@ -268,7 +141,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     }
 
     // A sink that trusts another CA does not accept the broker's certificate.
-    let error = AmqpSink::connect(config(node.port, &theirs, Some(&ours)))
+    let error = AmqpSink::connect(config(node.port(), &theirs, Some(&ours)))
         .await
         .expect_err("the broker's certificate must be refused");
     eprintln!("a sink trusting another CA: {error}");
@@ -279,7 +152,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
         "{message}"
     );
     // The broker refuses a sink that presents no client certificate.
-    let error = AmqpSink::connect(config(node.port, &ours, None))
+    let error = AmqpSink::connect(config(node.port(), &ours, None))
         .await
         .expect_err("a client without a certificate must be refused");
     eprintln!("a sink without a client certificate: {error}");

@@ -17,6 +17,12 @@ pub struct DeadLetterFilter {
     pub topic: Option<String>,
     /// Only this partition key.
     pub key: Option<String>,
+    /// Only dead letters whose last error contains this text, ignoring the case of ASCII
+    /// letters. The storage matches it, so a search reads no more rows than it returns.
+    pub last_error: Option<String>,
+    /// Leave the payloads out: every row's payload is empty. For listings and for picking
+    /// ids, which show no payload and should not load megabytes to print a line.
+    pub without_payloads: bool,
 }
 
 /// Queue figures of one topic.

@@ -244,8 +244,9 @@ impl Received {
             && version != VERSION_VALUE
         {
             return Err(Error::permanent(format!(
-                "outbox message {id}: envelope version `{version}` is not known (this \
-                 consumer reads version {VERSION_VALUE}); upgrade the consumer"
+                "outbox message {id}: envelope version `{}` is not known (this consumer \
+                 reads version {VERSION_VALUE}); upgrade the consumer",
+                shown(version.as_bytes())
             )));
         }
         let topic = text(TOPIC)?
@@ -256,8 +257,9 @@ impl Received {
                     .map(|t| t.with_timezone(&Utc))
                     .map_err(|e| {
                         Error::permanent(format!(
-                            "outbox message {id}: its {CREATED_AT} `{value}` is not an \
-                             RFC 3339 time ({e})"
+                            "outbox message {id}: its {CREATED_AT} `{}` is not an RFC 3339 \
+                             time ({e})",
+                            shown(value.as_bytes())
                         ))
                     })
             })
@@ -568,6 +570,25 @@ mod tests {
         .unwrap_err();
         assert!(error.message().contains("outbox-topic"), "{error}");
         assert!(error.message().ends_with("is not UTF-8"), "{error}");
+    }
+
+    /// Every error quotes at most 64 bytes of a value; the version and the created time
+    /// were quoted whole (found by the fuzz target, fuzz/corpus/envelope/err-found-*-long.txt).
+    #[test]
+    fn errors_quote_at_most_64_bytes_of_a_value() {
+        let id = "0194195c-7a00-7c3e-8b5e-3f0d3c8e2a11";
+        let long = format!("2025-01-31T12:00:00Z{}", "x".repeat(1000));
+        let version = "9".repeat(1000);
+        for (name, value) in [("outbox-created-at", &long), ("outbox-envelope", &version)] {
+            let error =
+                read_pairs(&[("outbox-id", id), ("outbox-topic", "t"), (name, value)]).unwrap_err();
+            assert_eq!(error.kind(), crate::ErrorKind::Permanent);
+            assert!(
+                error.message().contains(&format!("`{}…`", &value[..64])),
+                "{error}"
+            );
+            assert!(error.message().len() < 250, "{error}");
+        }
     }
 
     #[test]

@@ -36,4 +36,4 @@ pub use storage::{
 #[cfg(feature = "runner")]
 pub use tokio_util::sync::CancellationToken;
 #[cfg(feature = "runner")]
-pub use worker::{Worker, WorkerConfig};
+pub use worker::{RunHealth, Worker, WorkerConfig};

@@ -55,8 +55,12 @@ pub const HTTP_CONNECTIONS_CLOSED_TOTAL: &str = "outbox_http_connections_closed_
 /// Label of [`HTTP_CONNECTIONS_CLOSED_TOTAL`]: why the connection was closed.
 pub const REASON: &str = "reason";
 
+/// Counter (relay): runs of the worker that failed (a claim, settlement or maintenance the
+/// storage refused or could not do); each is restarted after a wait.
+pub const RUN_FAILURES_TOTAL: &str = "outbox_run_failures_total";
+
 /// Every metric name above.
-pub const ALL: [&str; 18] = [
+pub const ALL: [&str; 19] = [
     DELIVERED_TOTAL,
     RETRIED_TOTAL,
     DEAD_LETTERED_TOTAL,
@@ -75,4 +79,5 @@ pub const ALL: [&str; 18] = [
     DELIVERY_LATENCY_SECONDS,
     BUILD_INFO,
     HTTP_CONNECTIONS_CLOSED_TOTAL,
+    RUN_FAILURES_TOTAL,
 ];

@@ -5,8 +5,9 @@
 use std::borrow::Cow;
 
 /// `text` with every control character escaped as Rust writes it (`\n`, `\r`, `\t`,
-/// `\u{1b}`) and every bidirectional-text control (U+202A–U+202E, U+2066–U+2069, U+200E,
-/// U+200F, U+061C, which reorder what follows on screen) as `\u{…}`. Other text, any
+/// `\u{1b}`), and every bidirectional-text control (U+202A–U+202E, U+2066–U+2069, U+200E,
+/// U+200F, U+061C, which reorder what follows on screen) and invisible character (U+200B–
+/// U+200D, U+2060, U+FEFF, which make two texts look alike) as `\u{…}`. Other text, any
 /// script included, is kept; text with nothing to escape is returned as it is.
 pub fn printable(text: &str) -> Cow<'_, str> {
     if !text.chars().any(needs_escape) {
@@ -29,7 +30,12 @@ fn needs_escape(c: char) -> bool {
     c.is_control()
         || matches!(
             c,
-            '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}' | '\u{061C}'
+            '\u{202A}'..='\u{202E}'
+                | '\u{2066}'..='\u{2069}'
+                | '\u{200B}'..='\u{200F}'
+                | '\u{2060}'
+                | '\u{FEFF}'
+                | '\u{061C}'
         )
 }
 

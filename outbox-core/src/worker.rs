@@ -143,6 +143,56 @@ pub struct Worker {
     storage: Arc<dyn Storage>,
     sink: Arc<dyn Sink>,
     topic_labels: TopicLabels,
+    runs: RunHealth,
+}
+
+/// How a worker's runs are going, for readiness probes and consoles: how many failed in a
+/// row (a claim, settlement or maintenance the storage refused or could not do) and the last
+/// failure. A claim that succeeds sets the count back to 0. Clones share one state.
+#[derive(Clone, Debug, Default)]
+pub struct RunHealth(Arc<RunHealthState>);
+
+#[derive(Debug, Default)]
+struct RunHealthState {
+    failures_in_a_row: std::sync::atomic::AtomicU32,
+    last_failure: std::sync::Mutex<Option<(DateTime<Utc>, String)>>,
+}
+
+impl RunHealth {
+    /// Runs that failed since the last claim that succeeded.
+    pub fn failures_in_a_row(&self) -> u32 {
+        self.0
+            .failures_in_a_row
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// The last failure of a run, and when; kept after the runs recover.
+    pub fn last_failure(&self) -> Option<(DateTime<Utc>, String)> {
+        self.0
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn failed(&self, error: &Error) {
+        self.0
+            .failures_in_a_row
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *self
+            .0
+            .last_failure
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some((Utc::now(), error.to_string()));
+    }
+
+    fn claimed(&self) {
+        if self.failures_in_a_row() > 0 {
+            self.0
+                .failures_in_a_row
+                .store(0, std::sync::atomic::Ordering::Relaxed);
+        }
+    }
 }
 
 /// The values of the counters' `topic` label: the first `limit` topics seen are their own,
@@ -294,7 +344,20 @@ impl Worker {
             config,
             storage,
             sink,
+            runs: RunHealth::default(),
         })
+    }
+
+    /// Reports how the runs go to `runs` (a handle made before the worker, e.g. for a
+    /// readiness probe that exists first).
+    pub fn with_run_health(mut self, runs: RunHealth) -> Self {
+        self.runs = runs;
+        self
+    }
+
+    /// A handle on how this worker's runs are going.
+    pub fn run_health(&self) -> RunHealth {
+        self.runs.clone()
     }
 
     /// The worker's settings.
@@ -324,6 +387,9 @@ impl Worker {
                         failures = 0;
                     }
                     failures += 1;
+                    self.runs.failed(&error);
+                    metrics::counter!(names::RUN_FAILURES_TOTAL, names::RELAY => self.config.relay_label().to_string())
+                        .increment(1);
                     let wait = RESTART_BACKOFF.delay(failures);
                     tracing::error!(worker = %self.config.worker_id, %error, ?wait, "relay run failed; restarting");
                     if sleep_or_cancel(wait, shutdown).await {
@@ -453,6 +519,7 @@ impl Worker {
             )
             .instrument(claim_span.clone())
             .await?;
+        self.runs.claimed();
         claim_span.record("claimed", claim.messages.len());
         trace::link_messages(&claim_span, &claim.messages);
         drop(claim_span);

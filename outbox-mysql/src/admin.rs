@@ -62,12 +62,8 @@ impl StorageAdmin for MySqlStorage {
         filter: &DeadLetterFilter,
         limit: usize,
     ) -> Result<Vec<DeadLetterRow>> {
-        let sql = self.sql.find_dead_letters(
-            filter.ids.as_ref().map(Vec::len),
-            filter.topic.is_some(),
-            filter.key.is_some(),
-        );
-        let mut query = sqlx::query(&sql);
+        let sql = self.sql.find_dead_letters(filter);
+        let mut query = sqlx::query(&sql).bind(filter.without_payloads);
         if let Some(ids) = &filter.ids {
             if ids.is_empty() {
                 return Ok(Vec::new());
@@ -81,6 +77,9 @@ impl StorageAdmin for MySqlStorage {
         }
         if let Some(key) = &filter.key {
             query = query.bind(key.as_bytes());
+        }
+        if let Some(text) = &filter.last_error {
+            query = query.bind(text.as_str());
         }
         let rows = query
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))

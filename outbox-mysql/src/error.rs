@@ -102,11 +102,15 @@ pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Erro
                 format!(
                     "`{}`: the server refused the user or password, or the user may not use \
                      database `{}`, or needs TLS or a client certificate (tls_ca_file, \
-                     tls_cert_file) (mysql: {context})",
-                    o.url, o.database
+                     tls_cert_file); not retryable: fix the user and password in the url, or \
+                     GRANT the user SELECT, INSERT, UPDATE, DELETE ON `{}`.* (mysql: {context})",
+                    o.url, o.database, o.database
                 ),
             ),
-            None => Error::config(format!("mysql: {context}: access denied")),
+            None => Error::config(format!(
+                "mysql: {context}: access denied (not retryable: check the user, its password \
+                 and its grants on the database)"
+            )),
         },
         Cause::UnknownDatabase => match origin {
             Some(o) => Error::setting(
@@ -123,9 +127,30 @@ pub(crate) fn db_error(origin: Option<&Origin>, context: &str, error: sqlx::Erro
             "mysql: {context}: the outbox tables are missing or older than this release; run \
              `outbox migrate` (or apply the SQL of `outbox migrate --print-sql`)"
         )),
-        Cause::Grants => Error::config(format!(
-            "mysql: {context}: the user lacks a grant on the outbox tables"
-        )),
+        Cause::Grants => {
+            let database = origin.map_or("<database>", |o| o.database.as_str());
+            let on = match origin {
+                Some(o) => format!(" in database `{}`", o.database),
+                None => String::new(),
+            };
+            let grant = format!(
+                "GRANT SELECT, INSERT, UPDATE, DELETE ON `{database}`.* TO the user, then \
+                 restart the relay (the server gives a database grant to new sessions only)"
+            );
+            Error::config(if context.contains("migration") {
+                format!(
+                    "mysql: {context}: the user lacks a privilege on the outbox tables{on}; not \
+                     retryable: migrations need CREATE and INDEX besides SELECT, INSERT, UPDATE, \
+                     DELETE (GRANT CREATE, INDEX, SELECT, INSERT, UPDATE, DELETE ON \
+                     `{database}`.*), or have a DBA apply `outbox migrate --print-sql`"
+                )
+            } else {
+                format!(
+                    "mysql: {context}: the user lacks a privilege on the outbox tables{on}; not \
+                     retryable until it is granted: {grant}"
+                )
+            })
+        }
         Cause::Data => Error::new(ErrorKind::Permanent, format!("mysql: {context}")),
         Cause::Setup => match origin {
             Some(o) => Error::setting(

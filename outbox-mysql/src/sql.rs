@@ -3,6 +3,8 @@
 //! placeholders, made by [`list`]. The migrations and the enqueue statements are the
 //! table's contract and stay with [`OutboxTable`].
 
+use outbox_core::DeadLetterFilter;
+
 use crate::{MySqlConfig, OutboxTable};
 
 /// Every relay connection runs its transactions at READ COMMITTED (see `connection.rs`).
@@ -325,9 +327,15 @@ impl Statements {
         )
     }
 
-    /// Dead letters matching a filter, oldest first: the conditions present, then `?` limit.
-    pub(crate) fn find_dead_letters(&self, ids: Option<usize>, topic: bool, key: bool) -> String {
+    /// Dead letters matching a filter, oldest first: `?` whether to leave the payloads out,
+    /// the conditions present, then `?` limit.
+    pub(crate) fn find_dead_letters(&self, filter: &DeadLetterFilter) -> String {
         let mut conditions = vec!["TRUE".to_string()];
+        let (ids, topic, key) = (
+            filter.ids.as_ref().map(Vec::len),
+            filter.topic.is_some(),
+            filter.key.is_some(),
+        );
         if let Some(n) = ids {
             conditions.push(format!("o.id IN ({})", list(n)));
         }
@@ -337,8 +345,14 @@ impl Statements {
         if key {
             conditions.push("o.partition_key = ?".into());
         }
+        if filter.last_error.is_some() {
+            conditions.push("LOCATE(LOWER(?), LOWER(o.last_error)) > 0".into());
+        }
         format!(
-            "SELECT {MESSAGE_COLUMNS}, o.last_error, o.dead_lettered_at FROM {} o
+            "SELECT o.seq, o.id, o.topic, o.partition_key,
+                    IF(?, X'', o.payload) AS payload, CAST(o.headers AS CHAR) AS headers,
+                    o.traceparent, o.tracestate, o.created_at, o.attempts,
+                    o.last_error, o.dead_lettered_at FROM {} o
              WHERE {} ORDER BY o.seq LIMIT ?",
             self.dead,
             conditions.join(" AND ")

@@ -5,7 +5,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::connection::State;
-use async_nats::jetstream::context::{Context, ContextBuilder, PublishAckFuture};
+use async_nats::jetstream::context::{Context, ContextBuilder, PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::{ConnectOptions, HeaderMap, HeaderName, HeaderValue, ServerAddr};
 use async_trait::async_trait;
@@ -222,28 +222,50 @@ impl NatsSink {
             });
         }
 
+        // Each outcome says whether JetStream had no responder for the subject.
         let acks = futures_util::future::join_all(pending.into_iter().map(|p| async move {
             match p {
-                Pending::Settled(outcome) => outcome,
+                Pending::Settled(outcome) => (outcome, false),
                 Pending::Acking(subject, ack) => match ack.await {
                     Ok(ack) => {
                         if ack.duplicate {
                             tracing::debug!(%subject, stream = %ack.stream, sequence = ack.sequence, "JetStream dropped a duplicate");
                         }
-                        Outcome::Delivered(Receipt::new(format!("{}:{}", ack.stream, ack.sequence)))
+                        let receipt = Receipt::new(format!("{}:{}", ack.stream, ack.sequence));
+                        (Outcome::Delivered(receipt), false)
                     }
-                    Err(error) => Outcome::Failed(publish_error(&subject, Stage::Ack, error)),
+                    Err(error) => {
+                        let no_responder = error.kind() == PublishErrorKind::StreamNotFound;
+                        let error = publish_error(&subject, Stage::Ack, error);
+                        (Outcome::Failed(error), no_responder)
+                    }
                 },
             }
         }));
         // Each ack has the client's time-out; this only guards against one that has none.
-        let outcomes = match timeout(self.config.publish_timeout + GRACE, acks).await {
-            Ok(outcomes) => outcomes,
-            Err(_) => window
-                .iter()
-                .map(|_| Outcome::Failed(acks_timed_out(&self.shown)))
-                .collect(),
-        };
+        let mut outcomes: Vec<(Outcome, bool)> =
+            match timeout(self.config.publish_timeout + GRACE, acks).await {
+                Ok(outcomes) => outcomes,
+                Err(_) => window
+                    .iter()
+                    .map(|_| (Outcome::Failed(acks_timed_out(&self.shown)), false))
+                    .collect(),
+            };
+        // No responder means no stream captures the subject, or JetStream itself is gone (a
+        // server shutting down stops JetStream before it closes connections). Only the first
+        // is the message's fault: where JetStream does not answer either, it is an outage
+        // and charges nothing.
+        if outcomes.iter().any(|(_, no_responder)| *no_responder)
+            && let Err(down) = self.jetstream_answers(jetstream).await
+        {
+            let why = format!("{down}; publishes found no JetStream responder meanwhile");
+            for (outcome, no_responder) in &mut outcomes {
+                if *no_responder {
+                    *outcome = Outcome::Failed(outbox_core::Error::unavailable(why.clone()));
+                }
+            }
+        }
+        let outcomes: Vec<Outcome> = outcomes.into_iter().map(|(o, _)| o).collect();
         // A window with no ack at all and time-outs means the connection is gone.
         let delivered = outcomes.iter().any(|o| matches!(o, Outcome::Delivered(_)));
         let unavailable = outcomes.iter().any(
@@ -256,6 +278,22 @@ impl NatsSink {
             ));
         }
         outcomes
+    }
+
+    /// Whether JetStream answers: the account query ($JS.API.INFO) answers only where
+    /// JetStream is enabled and running. Read as plain JSON: the client's typed
+    /// `query_account` expects fields that servers before 2.10 do not send.
+    async fn jetstream_answers(&self, jetstream: &Context) -> Result<()> {
+        let empty = serde_json::json!({});
+        let query = jetstream.request::<_, _, serde_json::Value>("INFO", &empty);
+        match timeout(self.config.publish_timeout + GRACE, query).await {
+            Ok(Ok(reply)) => match reply.get("error") {
+                None => Ok(()),
+                Some(error) => Err(health_refused(&self.shown, error)),
+            },
+            Ok(Err(error)) => Err(health_error(&self.shown, error)),
+            Err(_) => Err(health_timed_out(&self.shown)),
+        }
     }
 }
 
@@ -289,19 +327,7 @@ impl Sink for NatsSink {
 
     async fn health(&self) -> Result<()> {
         let jetstream = self.connected().await?;
-        // The account query ($JS.API.INFO) answers only where JetStream is enabled. Read as
-        // plain JSON: the client's typed `query_account` expects fields that servers before
-        // 2.10 do not send.
-        let empty = serde_json::json!({});
-        let query = jetstream.request::<_, _, serde_json::Value>("INFO", &empty);
-        match timeout(self.config.publish_timeout + GRACE, query).await {
-            Ok(Ok(reply)) => match reply.get("error") {
-                None => Ok(()),
-                Some(error) => Err(health_refused(&self.shown, error)),
-            },
-            Ok(Err(error)) => Err(health_error(&self.shown, error)),
-            Err(_) => Err(health_timed_out(&self.shown)),
-        }
+        self.jetstream_answers(jetstream).await
     }
 
     fn capabilities(&self) -> SinkCapabilities {

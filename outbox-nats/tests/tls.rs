@@ -3,54 +3,25 @@
 //! through `tls_ca_file` and presents a client certificate. A sink that trusts another CA is
 //! refused.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use async_nats::jetstream;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
 use outbox_nats::{NatsConfig, NatsSink};
+use outbox_test_support::servers::{self, Server};
 use outbox_test_support::tls::{Pki, pki};
 
-/// `nats-server` with JetStream, TLS and client certificates required; stopped on drop.
-struct TlsNats(Child, u16);
-
-impl TlsNats {
-    fn start(pki: &Pki, store: &std::path::Path) -> TlsNats {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("nats-server")
-            .args(["-a", "127.0.0.1", "-p", &port.to_string(), "-js", "-sd"])
-            .arg(store)
-            .args(["--tls", "--tlsverify", "--tlscert"])
-            .arg(&pki.server_cert)
-            .arg("--tlskey")
-            .arg(&pki.server_key)
-            .arg("--tlscacert")
-            .arg(&pki.ca)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("nats-server is installed (cargo xtask services installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "nats-server with TLS did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        TlsNats(child, port)
-    }
-}
-
-impl Drop for TlsNats {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `nats-server` of the test's own with JetStream (its store in `dir`), TLS and client
+/// certificates required; not started yet.
+fn tls_nats(pki: &Pki, dir: &Path) -> Server {
+    servers::nats(dir)
+        .args(["--tls", "--tlsverify", "--tlscert"])
+        .arg(&pki.server_cert)
+        .arg("--tlskey")
+        .arg(&pki.server_key)
+        .arg("--tlscacert")
+        .arg(&pki.ca)
 }
 
 fn config(port: u16, trust: &Pki, client: &Pki) -> NatsConfig {
@@ -70,14 +41,15 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let ours = pki(&dir, "ours");
     let theirs = pki(&dir, "theirs");
-    let server = TlsNats::start(&ours, &dir.join("store"));
+    let mut server = tls_nats(&ours, &dir.join("server"));
+    server.start().await;
 
     // The test's own client, over the same verified TLS, makes the stream.
     let client = async_nats::ConnectOptions::new()
         .add_root_certificates(ours.ca.clone())
         .add_client_certificate(ours.client_cert.clone(), ours.client_key.clone())
         .require_tls(true)
-        .connect(format!("nats://127.0.0.1:{}", server.1))
+        .connect(format!("nats://{}", server.addr()))
         .await
         .expect("the test's client connects over TLS");
     let js = jetstream::new(client);
@@ -90,7 +62,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     .await
     .expect("stream");
 
-    let sink = NatsSink::new(config(server.1, &ours, &ours)).expect("sink");
+    let sink = NatsSink::new(config(server.port(), &ours, &ours)).expect("sink");
     sink.health().await.expect("a verified TLS connection");
     let batch = vec![Message::from(
         NewMessage::new("tls.orders", "paid").key("k"),
@@ -104,7 +76,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     assert_eq!(stream.cached_info().state.messages, 1);
 
     // A sink that trusts another CA does not accept the server's certificate.
-    let wrong = NatsSink::new(config(server.1, &theirs, &ours)).expect("sink");
+    let wrong = NatsSink::new(config(server.port(), &theirs, &ours)).expect("sink");
     let error = wrong
         .health()
         .await

@@ -69,6 +69,8 @@ impl StorageAdmin for PgStorage {
             .bind(filter.ids.as_deref())
             .bind(filter.topic.as_deref())
             .bind(filter.key.as_deref())
+            .bind(filter.last_error.as_deref())
+            .bind(filter.without_payloads)
             .fetch_all(self.pool())
             .await
             .map_err(|e| db_error("cannot list dead letters", e))?;

@@ -323,13 +323,18 @@ impl Statements {
         )
     }
 
-    /// Dead letters that match a filter (`$2` ids, `$3` topic, `$4` key; NULL matches
-    /// everything), oldest first, at most `$1`.
+    /// Dead letters that match a filter (`$2` ids, `$3` topic, `$4` key, `$5` text in the
+    /// last error; NULL matches everything), oldest first, at most `$1`; payloads empty when
+    /// `$6`.
     fn find_dead_letters(t: &OutboxTable) -> String {
         format!(
-            "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {}
+            "SELECT seq, id, topic, partition_key,
+                    CASE WHEN $6 THEN ''::bytea ELSE payload END AS payload,
+                    headers, traceparent, tracestate, created_at, attempts,
+                    last_error, dead_lettered_at FROM {}
              WHERE ($2::uuid[] IS NULL OR id = ANY($2)) AND ($3::text IS NULL OR topic = $3)
                AND ($4::text IS NULL OR partition_key = $4)
+               AND ($5::text IS NULL OR strpos(lower(last_error), lower($5)) > 0)
              ORDER BY seq LIMIT $1",
             t.qualified("_dead_letters")
         )

@@ -5,182 +5,45 @@
 //! that trusts another CA, one without a client certificate, one whose certificate another CA
 //! signed and one without TLS are refused; so is a host name the certificate does not name.
 
-use std::io::Write;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use outbox_core::memory::MemorySink;
 use outbox_core::{CancellationToken, ErrorKind, NewMessage, Storage, Worker, WorkerConfig};
 use outbox_postgres::{PgStorage, PostgresConfig};
+use outbox_test_support::postgres_server::PostgresServer;
 use outbox_test_support::tls::{Pki, pki};
 
-/// Where Debian's `postgresql` package puts the server binaries of each major version.
-const PG_LIB: &str = "/usr/lib/postgresql";
-
-/// The `bin` directory of the newest PostgreSQL server installed.
-fn server_bin() -> PathBuf {
-    let newest = std::fs::read_dir(PG_LIB)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|entry| {
-            let version: u32 = entry.file_name().to_str()?.parse().ok()?;
-            let bin = entry.path().join("bin");
-            bin.join("initdb").is_file().then_some((version, bin))
-        })
-        .max();
-    match newest {
-        Some((_, bin)) => bin,
-        None => panic!(
-            "no PostgreSQL server binaries (initdb, pg_ctl) under {PG_LIB}/<version>/bin: \
-             install the `postgresql` package (cargo xtask services installs it)"
-        ),
-    }
-}
-
-/// PostgreSQL refuses to run as root: as root, run `program` as the `postgres` user.
-fn as_postgres(program: &Path) -> Command {
-    let root = std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0);
-    if root {
-        let mut command = Command::new("runuser");
-        command.args(["-u", "postgres", "--"]).arg(program);
-        command
-    } else {
-        Command::new(program)
-    }
-}
-
-/// Runs `command`; panics with its output if it fails.
-fn run(mut command: Command, what: &str) {
-    let output = command
-        .output()
-        .unwrap_or_else(|e| panic!("{what}: cannot run {command:?}: {e}"));
-    assert!(
-        output.status.success(),
-        "{what} failed ({}): {}{}",
-        output.status,
-        String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+/// A PostgreSQL server in `dir` (which holds the certificates), listening on 127.0.0.1 and
+/// 127.0.0.2 with TLS only, `pki`'s server certificate, and client certificates of `pki`'s
+/// CA required; stopped, and its dir removed, on drop.
+fn tls_postgres(dir: &Path, pki: &Pki) -> PostgresServer {
+    let server = PostgresServer::init(dir);
+    // The server refuses a key file that others may read.
+    std::fs::set_permissions(&pki.server_key, std::fs::Permissions::from_mode(0o600))
+        .expect("chmod the server key");
+    server.configure(&format!(
+        "listen_addresses = '127.0.0.1,127.0.0.2'\n\
+         ssl = on\n\
+         ssl_cert_file = '{cert}'\n\
+         ssl_key_file = '{key}'\n\
+         ssl_ca_file = '{ca}'\n",
+        cert = pki.server_cert.display(),
+        key = pki.server_key.display(),
+        ca = pki.ca.display(),
+    ));
+    // TLS with a certificate of the CA as the only way in: no `host` (plain) lines, no
+    // password; any certificate the CA signed logs in as `postgres`.
+    server.write_config_file(
+        "pg_hba.conf",
+        "hostssl all all 127.0.0.1/32 cert map=relay\n\
+         hostssl all all 127.0.0.2/32 cert map=relay\n",
     );
-}
-
-/// A PostgreSQL server in a temp dir, listening on 127.0.0.1 and 127.0.0.2 with TLS only and
-/// client certificates required; stopped, and its dir removed, on drop.
-struct TlsPostgres {
-    dir: PathBuf,
-    bin: PathBuf,
-    port: u16,
-}
-
-impl TlsPostgres {
-    /// Starts a server in `dir` (which holds the certificates) with `pki`'s server
-    /// certificate, accepting client certificates that `pki`'s CA signed.
-    fn start(dir: &Path, pki: &Pki) -> TlsPostgres {
-        let bin = server_bin();
-        let port = outbox_test_support::free_addr()
-            .rsplit_once(':')
-            .and_then(|(_, port)| port.parse().ok())
-            .expect("a free port");
-        let server = TlsPostgres {
-            dir: dir.to_path_buf(),
-            bin,
-            port,
-        };
-        if std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0) {
-            let mut chown = Command::new("chown");
-            chown.args(["-R", "postgres:"]).arg(dir);
-            run(chown, "chown the server's dir to postgres");
-        }
-        // The server refuses a key file that others may read.
-        std::fs::set_permissions(&pki.server_key, std::fs::Permissions::from_mode(0o600))
-            .expect("chmod the server key");
-
-        let data = server.data();
-        let mut initdb = as_postgres(&server.bin.join("initdb"));
-        initdb
-            .arg("-D")
-            .arg(&data)
-            .args(["-U", "postgres", "-A", "trust", "--no-sync", "-E", "UTF8"])
-            .args(["--locale=C"])
-            .current_dir(dir);
-        run(initdb, "initdb");
-
-        let settings = format!(
-            "listen_addresses = '127.0.0.1,127.0.0.2'\n\
-             port = {port}\n\
-             unix_socket_directories = '{dir}'\n\
-             ssl = on\n\
-             ssl_cert_file = '{cert}'\n\
-             ssl_key_file = '{key}'\n\
-             ssl_ca_file = '{ca}'\n\
-             fsync = off\n\
-             shared_buffers = 16MB\n\
-             max_connections = 30\n",
-            dir = dir.display(),
-            cert = pki.server_cert.display(),
-            key = pki.server_key.display(),
-            ca = pki.ca.display(),
-        );
-        std::fs::OpenOptions::new()
-            .append(true)
-            .open(data.join("postgresql.conf"))
-            .and_then(|mut file| file.write_all(settings.as_bytes()))
-            .expect("append to postgresql.conf");
-        // TLS with a certificate of the CA as the only way in: no `host` (plain) lines, no
-        // password; any certificate the CA signed logs in as `postgres`.
-        std::fs::write(
-            data.join("pg_hba.conf"),
-            "hostssl all all 127.0.0.1/32 cert map=relay\n\
-             hostssl all all 127.0.0.2/32 cert map=relay\n",
-        )
-        .expect("write pg_hba.conf");
-        std::fs::write(data.join("pg_ident.conf"), "relay /^.*$ postgres\n")
-            .expect("write pg_ident.conf");
-
-        let log = dir.join("server.log");
-        let mut pg_ctl = as_postgres(&server.bin.join("pg_ctl"));
-        pg_ctl
-            .arg("-D")
-            .arg(&data)
-            .arg("-l")
-            .arg(&log)
-            .args(["-w", "-t", "20", "start"])
-            .current_dir(dir);
-        let output = pg_ctl.output().expect("run pg_ctl start");
-        assert!(
-            output.status.success(),
-            "the TLS PostgreSQL server did not start ({}): {}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr),
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        server
-    }
-
-    fn data(&self) -> PathBuf {
-        self.dir.join("data")
-    }
-
-    /// The URL of the server's `postgres` database at `host`, with `query` appended.
-    fn url(&self, host: &str, query: &str) -> String {
-        format!("postgres://postgres@{host}:{}/postgres{query}", self.port)
-    }
-}
-
-impl Drop for TlsPostgres {
-    fn drop(&mut self) {
-        let mut pg_ctl = as_postgres(&self.bin.join("pg_ctl"));
-        pg_ctl
-            .arg("-D")
-            .arg(self.data())
-            .args(["-m", "immediate", "-w", "stop"])
-            .current_dir(&self.dir);
-        let _ = pg_ctl.output();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    server.write_config_file("pg_ident.conf", "relay /^.*$ postgres\n");
+    server.start();
+    server
 }
 
 /// A storage of `url` trusting `ca`'s CA, with `client`'s certificate if given.
@@ -207,11 +70,16 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let ours = pki(&dir, "ours");
     let theirs = pki(&dir, "theirs");
-    let server = TlsPostgres::start(&dir, &ours);
+    let server = tls_postgres(&dir, &ours);
 
     // No sslmode in the URL: the CA file makes it verify-full.
     let storage = Arc::new(
-        PgStorage::new(config(server.url("127.0.0.1", ""), &ours, Some(&ours))).expect("a storage"),
+        PgStorage::new(config(
+            server.url("127.0.0.1", "postgres", ""),
+            &ours,
+            Some(&ours),
+        ))
+        .expect("a storage"),
     );
     storage.migrate().await.expect("migrate over verified TLS");
     let (ssl, client_dn): (bool, Option<String>) = outbox_postgres::sqlx::query_as(
@@ -276,7 +144,11 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
 
     // A storage that trusts another CA refuses the server's certificate.
     let (kind, error) = refused(
-        config(server.url("127.0.0.1", ""), &theirs, Some(&ours)),
+        config(
+            server.url("127.0.0.1", "postgres", ""),
+            &theirs,
+            Some(&ours),
+        ),
         "the server's certificate must be refused",
     )
     .await;
@@ -285,11 +157,15 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
 
     // The certificate names localhost too; verify-ca needs the CA file as well.
     for (host, query) in [("localhost", ""), ("127.0.0.1", "?sslmode=verify-ca")] {
-        PgStorage::new(config(server.url(host, query), &ours, Some(&ours)))
-            .expect("a storage")
-            .health()
-            .await
-            .unwrap_or_else(|e| panic!("{host}{query} over verified TLS: {e}"));
+        PgStorage::new(config(
+            server.url(host, "postgres", query),
+            &ours,
+            Some(&ours),
+        ))
+        .expect("a storage")
+        .health()
+        .await
+        .unwrap_or_else(|e| panic!("{host}{query} over verified TLS: {e}"));
     }
 
     // verify-full checks the host name: 127.0.0.2 is not in the certificate. So does
@@ -298,7 +174,11 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
     // docs/storage/postgres.md.
     for query in ["", "?sslmode=verify-ca"] {
         let (_, error) = refused(
-            config(server.url("127.0.0.2", query), &ours, Some(&ours)),
+            config(
+                server.url("127.0.0.2", "postgres", query),
+                &ours,
+                Some(&ours),
+            ),
             "a host name the certificate does not name must be refused",
         )
         .await;
@@ -311,7 +191,7 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
     // The server refuses a client without a certificate, and one whose certificate another
     // CA signed.
     let (kind, error) = refused(
-        config(server.url("127.0.0.1", ""), &ours, None),
+        config(server.url("127.0.0.1", "postgres", ""), &ours, None),
         "a client without a certificate must be refused",
     )
     .await;
@@ -326,7 +206,11 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
         "{error}"
     );
     let (_, error) = refused(
-        config(server.url("127.0.0.1", ""), &ours, Some(&theirs)),
+        config(
+            server.url("127.0.0.1", "postgres", ""),
+            &ours,
+            Some(&theirs),
+        ),
         "a client certificate of another CA must be refused",
     )
     .await;
@@ -335,7 +219,7 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
     // A connection without TLS is refused: pg_hba.conf has no line for it.
     let plain = PostgresConfig {
         connect_timeout: Duration::from_secs(5),
-        ..PostgresConfig::new(server.url("127.0.0.1", "?sslmode=disable"))
+        ..PostgresConfig::new(server.url("127.0.0.1", "postgres", "?sslmode=disable"))
     };
     let (_, error) = refused(plain, "a connection without TLS must be refused").await;
     assert!(error.contains("no encryption"), "{error}");

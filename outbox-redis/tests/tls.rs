@@ -2,67 +2,44 @@
 //! certificates made at test time, a sink that trusts the test's CA through `tls_ca_file`
 //! and presents a client certificate. A sink that trusts another CA is refused.
 
-use std::net::TcpListener;
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::path::Path;
+use std::time::Duration;
 
 use outbox_core::{Message, NewMessage, Outcome, Sink};
 use outbox_redis::{RedisConfig, RedisSink};
+use outbox_test_support::servers::Server;
 use outbox_test_support::tls::{Pki, pki};
 
-/// `redis-server` listening with TLS only, client certificates required; stopped on drop.
-struct TlsRedis(Child, u16);
-
-impl TlsRedis {
-    fn start(pki: &Pki) -> TlsRedis {
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                "0",
-                "--tls-port",
-                &port.to_string(),
-                "--bind",
-                "127.0.0.1",
-            ])
-            .args([
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-                "--tls-auth-clients",
-                "yes",
-            ])
-            .arg("--tls-cert-file")
-            .arg(&pki.server_cert)
-            .arg("--tls-key-file")
-            .arg(&pki.server_key)
-            .arg("--tls-ca-cert-file")
-            .arg(&pki.ca)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("redis-server is installed (cargo xtask services installs it)");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            assert!(
-                Instant::now() < deadline,
-                "redis-server with TLS did not start"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        TlsRedis(child, port)
-    }
-}
-
-impl Drop for TlsRedis {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// `redis-server` of the test's own, listening with TLS only, client certificates required;
+/// not started yet.
+fn tls_redis(pki: &Pki, dir: &Path) -> Server {
+    let server = Server::new("redis-server", dir);
+    let port = server.port().to_string();
+    server
+        .args([
+            "--port",
+            "0",
+            "--tls-port",
+            port.as_str(),
+            "--bind",
+            "127.0.0.1",
+        ])
+        .args([
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--tls-auth-clients",
+            "yes",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .arg("--tls-cert-file")
+        .arg(&pki.server_cert)
+        .arg("--tls-key-file")
+        .arg(&pki.server_key)
+        .arg("--tls-ca-cert-file")
+        .arg(&pki.ca)
 }
 
 fn config(port: u16, trust: &Pki, client: &Pki) -> RedisConfig {
@@ -82,9 +59,10 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     std::fs::create_dir_all(&dir).expect("temp dir");
     let ours = pki(&dir, "ours");
     let theirs = pki(&dir, "theirs");
-    let server = TlsRedis::start(&ours);
+    let mut server = tls_redis(&ours, &dir);
+    server.start().await;
 
-    let sink = RedisSink::new(config(server.1, &ours, &ours)).expect("sink");
+    let sink = RedisSink::new(config(server.port(), &ours, &ours)).expect("sink");
     sink.health().await.expect("a verified TLS connection");
     let batch = vec![Message::from(
         NewMessage::new("tls-orders", "paid").key("k"),
@@ -96,7 +74,7 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     );
 
     // A sink that trusts another CA does not accept the server's certificate.
-    let wrong = RedisSink::new(config(server.1, &theirs, &ours)).expect("sink");
+    let wrong = RedisSink::new(config(server.port(), &theirs, &ours)).expect("sink");
     let error = wrong
         .health()
         .await

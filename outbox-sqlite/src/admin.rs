@@ -85,6 +85,8 @@ impl StorageAdmin for SqliteStorage {
             .bind(filter.ids.as_deref().map(|ids| json_ids(ids.iter())))
             .bind(filter.topic.as_deref())
             .bind(filter.key.as_deref())
+            .bind(filter.last_error.as_deref())
+            .bind(filter.without_payloads)
             .fetch_all(self.pool())
             .await
             .map_err(|e| self.error("cannot list dead letters", e))?;

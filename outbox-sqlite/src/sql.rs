@@ -171,9 +171,13 @@ impl Statements {
                     ORDER BY delivered_at LIMIT 1000)"
             ),
             find_dead_letters: format!(
-                "SELECT seq, {MESSAGE_COLUMNS}, last_error, dead_lettered_at FROM {dead}
+                "SELECT seq, id, topic, partition_key,
+                        CASE WHEN ?6 THEN X'' ELSE CAST(payload AS BLOB) END AS payload,
+                        headers, traceparent, tracestate, created_at, attempts,
+                        last_error, dead_lettered_at FROM {dead}
                  WHERE (?2 IS NULL OR id IN {}) AND (?3 IS NULL OR topic = ?3)
                    AND (?4 IS NULL OR partition_key = ?4)
+                   AND (?5 IS NULL OR instr(lower(last_error), lower(?5)) > 0)
                  ORDER BY seq LIMIT ?1",
                 json_list(2)
             ),

@@ -30,6 +30,8 @@ pub struct SqliteStorage {
     config: SqliteConfig,
     table: OutboxTable,
     pool: SqlitePool,
+    /// Why the pool's last new connection could not be set up, if it could not.
+    setup: connection::SetupError,
     /// Also used by the operator's repairs (`admin.rs`).
     pub(crate) sql: Statements,
     /// Serialises this process's writes before they queue for the file's write lock:
@@ -113,11 +115,13 @@ impl SqliteStorage {
         config.check_path()?;
         let table = OutboxTable::new(&config.table)?;
         let sql = Statements::new(&table, &config);
-        let pool = connection::pool(&config);
+        let setup = connection::SetupError::default();
+        let pool = connection::pool(&config, &setup);
         Ok(SqliteStorage {
             config,
             table,
             pool,
+            setup,
             sql,
             writer: tokio::sync::Mutex::new(()),
             cursor: std::sync::Mutex::new(String::new()),
@@ -127,9 +131,13 @@ impl SqliteStorage {
 
     /// A storage for `config` whose file is opened at once (and created if missing, as an
     /// empty database in WAL mode): a file that cannot be opened or is not a SQLite
-    /// database is a `Config` error keyed `path` here.
+    /// database is a `Config` error keyed `path` here, as is one that cannot be switched to
+    /// WAL mode (on a read-only file system, say).
     pub async fn open(config: SqliteConfig) -> Result<Self> {
         let storage = Self::new(config)?;
+        connection::check(&storage.config)
+            .await
+            .map_err(|e| storage.error("cannot open the database", e))?;
         sqlx::query(sql::PING)
             .execute(&storage.pool)
             .await
@@ -170,8 +178,16 @@ impl SqliteStorage {
         result
     }
 
-    /// Classifies an error; a problem with the file names `path`.
+    /// Classifies an error; a problem with the file names `path`. A pool time-out while
+    /// every new connection failed its set-up is reported as that failure.
     pub(crate) fn error(&self, context: &str, error: sqlx::Error) -> Error {
+        let error = match error {
+            sqlx::Error::PoolTimedOut => {
+                let wait = self.config.busy_timeout + Duration::from_secs(2);
+                self.setup.take(wait).unwrap_or(sqlx::Error::PoolTimedOut)
+            }
+            error => error,
+        };
         db_error(Some(&self.config.path), context, error)
     }
 

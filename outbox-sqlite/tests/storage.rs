@@ -371,6 +371,7 @@ async fn the_operators_repairs() {
         ids: Some(vec![a1.id]),
         topic: Some("orders".into()),
         key: Some("k".into()),
+        ..DeadLetterFilter::default()
     };
     assert_eq!(storage.dead_letters(&by_id, 10).await.unwrap().len(), 1);
 

@@ -4,7 +4,8 @@
 //! stalls, holds and counts.
 //!
 //! Helpers for one broker are behind a feature of its name, each bringing that broker's
-//! client crate only: `redis`, `amqp`, `kafka`, `nats`.
+//! client crate only: `redis`, `amqp`, `kafka`, `nats`. [`postgres_server`] (no crate, only
+//! the server's binaries) starts a PostgreSQL server of the test's own.
 //!
 //! Every helper talks to the real services. A server that is not there makes it panic with
 //! a message naming the server, its address and how to start it; nothing is skipped.
@@ -16,9 +17,12 @@ pub mod envelope;
 pub mod kafka;
 #[cfg(feature = "nats")]
 pub mod nats;
+pub mod postgres_server;
 mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "servers")]
+pub mod servers;
 #[cfg(feature = "tls")]
 pub mod tls;
 

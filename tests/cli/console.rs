@@ -853,3 +853,124 @@ async fn the_overview_shows_the_messages_waiting_to_retry() {
     assert_eq!(relay.terminate().0, Some(0));
     drop_schema(&pool, &schema).await;
 }
+
+/// The review's hardening notes (issue 30 item 9): each login opens a session of its own (a
+/// cookie with `Max-Age`, `Secure` when the browser came over HTTPS), logging out ends that
+/// one only; wrong credentials from one address are throttled: after 20, its next try waits
+/// (429 with `Retry-After`, the right token included), and after the wait it logs in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logins_open_sessions_of_their_own_and_guessing_is_throttled() {
+    let pool = pool().await;
+    let schema = unique_name("cli_console_sessions");
+    let name = unique_name("console_sessions");
+    let port = free_port();
+    let addr = format!("127.0.0.1:{port}");
+    let token = "s3ssion-t0ken-for-the-test-0123456789";
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\nconsole_token = \"{token}\"\n{}",
+        storage_section(&schema),
+        redis_sink(&name, 1000)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let relay = RelayProcess::start(&config.path);
+    let bearer = format!("Bearer {token}");
+    assert_eq!(
+        overview(&addr, &[("Authorization", bearer.as_str())])
+            .await
+            .status,
+        200
+    );
+    let login = |extra: &[(&str, &str)]| {
+        let reply = request(&addr, "POST", "/login", extra, &format!("token={token}"));
+        assert_eq!(reply.status, 303, "{}", reply.body);
+        reply
+            .headers
+            .lines()
+            .find_map(|l| l.strip_prefix("set-cookie: "))
+            .unwrap_or_else(|| panic!("no session cookie: {}", reply.headers))
+            .to_string()
+    };
+    let (first, second) = (login(&[]), login(&[]));
+    let https = login(&[("Origin", "https://console.example")]);
+    for cookie in [&first, &second] {
+        assert!(
+            cookie.contains("httponly")
+                && cookie.contains("samesite=strict")
+                && cookie.contains("max-age=43200")
+                && !cookie.contains("secure"),
+            "{cookie}"
+        );
+    }
+    assert!(https.contains("; secure"), "{https}");
+    let session = |cookie: &str| cookie.split(';').next().unwrap_or_default().to_string();
+    let (first, second) = (session(&first), session(&second));
+    assert_ne!(first, second, "one session per login");
+    let page = get(&addr, "/", &[("Cookie", &first)]);
+    assert_eq!(page.status, 200, "{}", page.body);
+    assert!(page.body.contains(r#"action="/logout""#), "{}", page.body);
+    // Logging out takes the form token; it ends the first session only.
+    let refused = request(&addr, "POST", "/logout", &[("Cookie", &first)], "csrf=x");
+    assert_eq!(refused.status, 403, "{}", refused.body);
+    let out = request(
+        &addr,
+        "POST",
+        "/logout",
+        &[("Cookie", &first)],
+        &format!("csrf={}", form_token(&page.body)),
+    );
+    assert_eq!(out.status, 303, "{}", out.body);
+    assert!(out.headers.contains("max-age=0"), "{}", out.headers);
+    assert_eq!(get(&addr, "/", &[("Cookie", &first)]).status, 401);
+    assert_eq!(get(&addr, "/", &[("Cookie", &second)]).status, 200);
+
+    // Guessing: 20 wrong tries cost nothing; from the 21st on the address waits 1 s, 2 s,
+    // 4 s… before its next try is checked, and while it waits even the right token is not.
+    let retry_after = |reply: &Reply| -> u64 {
+        reply
+            .headers
+            .lines()
+            .find_map(|l| l.strip_prefix("retry-after: "))
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or_else(|| panic!("429 without Retry-After: {}", reply.headers))
+    };
+    let (mut refused, mut tries) = (0, 0);
+    let wait = loop {
+        tries += 1;
+        assert!(tries < 40, "never throttled");
+        let wrong = if tries % 2 == 0 {
+            request(&addr, "POST", "/login", &[], "token=wrong-guess")
+        } else {
+            get(&addr, "/", &[("Authorization", "Bearer wrong-guess-0123")])
+        };
+        match wrong.status {
+            401 => refused += 1,
+            429 if retry_after(&wrong) >= 4 => break retry_after(&wrong),
+            429 => tokio::time::sleep(Duration::from_secs(retry_after(&wrong))).await,
+            other => panic!("try {tries}: {other} {}", wrong.body),
+        }
+    };
+    assert!(
+        refused >= 21,
+        "only {refused} wrong tries before the first wait"
+    );
+    let waiting = request(&addr, "POST", "/login", &[], &format!("token={token}"));
+    assert_eq!(waiting.status, 429, "{}", waiting.body);
+    assert_eq!(
+        get(&addr, "/", &[("Authorization", bearer.as_str())]).status,
+        429
+    );
+    assert_eq!(
+        get(&addr, "/", &[("Cookie", &second)]).status,
+        200,
+        "an open session goes on"
+    );
+    tokio::time::sleep(Duration::from_secs(wait)).await;
+    login(&[]);
+    assert_eq!(
+        get(&addr, "/", &[("Authorization", bearer.as_str())]).status,
+        200,
+        "a right login forgot the failures"
+    );
+    assert_eq!(relay.terminate().0, Some(0));
+    drop_schema(&pool, &schema).await;
+}

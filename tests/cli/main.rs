@@ -10,6 +10,10 @@ use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
 
+#[cfg(all(feature = "mysql", feature = "sqlite", feature = "file"))]
+mod access;
+#[cfg(feature = "redis")]
+mod clock;
 #[cfg(feature = "redis")]
 mod console;
 #[cfg(feature = "redis")]
@@ -552,6 +556,26 @@ async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
         listed.contains("1 dead letter(s)") && listed.contains("larger than sink.max_payload"),
         "{listed}"
     );
+    // `--error` matches the last error's text in the storage, ASCII case ignored.
+    let found = |text_in_error: &str| {
+        let out = outbox(
+            &strict.path,
+            &["dead-letters", "list", "--error", text_in_error],
+        );
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        text(&out.stdout)
+    };
+    assert!(found("MAX_PAYLOAD").contains("1 dead letter(s)"));
+    assert!(found("no such error").contains("0 dead letter(s)"));
+    let replay = outbox(
+        &strict.path,
+        &["dead-letters", "replay", "--error", "no such error"],
+    );
+    assert!(
+        text(&replay.stdout).contains("replayed 0"),
+        "{}",
+        text(&replay.stderr)
+    );
     assert_eq!(
         redis_stream(&format!("{name}:t")).await.len(),
         1,
@@ -723,10 +747,23 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     assert_eq!(http_get(&addr, "/health/live").0, 200);
     // A loopback listener answers only a loopback Host on every route: a page that rebinds
     // its name to 127.0.0.1 reads no metrics and no error texts (issue 30, review item 7).
+    // Host is parsed strictly: a port that is not a number, text after a bracketed address
+    // and a second Host header are refused too.
     for path in ["/metrics", "/health/ready", "/health/live"] {
-        let (status, body) = http_get_as(&addr, path, "evil.example");
-        assert_eq!(status, 403, "{path} for Host evil.example: {body}");
-        assert!(!body.contains("outbox_"), "{path}: {body}");
+        for host in [
+            "evil.example",
+            "localhost:evil.example",
+            "[::1]evil.example",
+            // Two Host headers.
+            "localhost\r\nHost: evil.example",
+        ] {
+            let (status, body) = http_get_as(&addr, path, host);
+            assert!(
+                status == 403 || status == 400,
+                "{path} for Host {host:?}: {status} {body}"
+            );
+            assert!(!body.contains("outbox_"), "{path}: {body}");
+        }
         assert_eq!(http_get_as(&addr, path, "localhost").0, 200, "{path}");
     }
     let (status, body) = checked_readiness(&addr).await;
@@ -774,6 +811,73 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     let (status, body) = checked_readiness(&addr).await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("relay default: sink"), "{body}");
+    assert_eq!(relay.terminate().0, Some(0));
+    drop_schema(&pool, &schema).await;
+}
+
+/// A database that answers the health check but refuses every claim (here: a column the
+/// claim needs is renamed away) is not ready: after three failed runs in a row
+/// `/health/ready` says so with the error, `outbox_run_failures_total` counts them, and once
+/// claims succeed again the relay is ready and delivers (issue 30 item 3).
+#[cfg(feature = "redis")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_fails_while_every_claim_fails_and_comes_back_with_the_claims() {
+    let pool = pool().await;
+    let schema = unique_name("cli_runs");
+    let name = unique_name("runs");
+    let addr = format!("127.0.0.1:{}", free_port());
+    let config = ConfigFile::new(&format!(
+        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
+        storage_section(&schema)
+    ));
+    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let relay = RelayProcess::start(&config.path);
+    wait_for_http(&addr).await;
+    let (status, body) = checked_readiness(&addr).await;
+    assert_eq!(status, 200, "{body}");
+    let rename = |from: &str, to: &str| {
+        format!(r#"ALTER TABLE "{schema}".outbox RENAME COLUMN {from} TO {to}"#)
+    };
+    sqlx::query(&rename("attempts", "attempts_gone"))
+        .execute(&pool)
+        .await
+        .expect("rename a column away");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let body = loop {
+        let (status, body) = http_get(&addr, "/health/ready");
+        if status == 503 && body.contains("runs failed") {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still ready while every claim fails: {status} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(
+        body.contains("relay default: its last") && body.contains("attempts"),
+        "the answer names the relay and the error: {body}"
+    );
+    let (_, metrics) = http_get(&addr, "/metrics");
+    let failures: f64 = metrics
+        .lines()
+        .find(|l| l.starts_with("outbox_run_failures_total{"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no outbox_run_failures_total in:\n{metrics}"));
+    assert!(failures >= 3.0, "{failures}");
+
+    sqlx::query(&rename("attempts_gone", "attempts"))
+        .execute(&pool)
+        .await
+        .expect("rename the column back");
+    assert!(
+        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines())
+            .status
+            .success()
+    );
+    wait_until_empty(&pool, &schema, Duration::from_secs(60)).await;
+    let (status, body) = http_get(&addr, "/health/ready");
+    assert_eq!(status, 200, "ready again once claims succeed: {body}");
     assert_eq!(relay.terminate().0, Some(0));
     drop_schema(&pool, &schema).await;
 }

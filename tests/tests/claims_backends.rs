@@ -60,6 +60,38 @@ impl Drop for MySqlTables {
     }
 }
 
+/// Tests `mysql`, `postgres` and `sqlite` that run `check` (an async fn taking a
+/// `&dyn StorageAdmin`) against a fresh, migrated outbox of each SQL storage.
+macro_rules! on_every_sql_storage {
+    ($check:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn mysql() {
+            let t = MySqlTables::new().await;
+            $check(&*t.0).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn postgres() {
+            let outbox = outbox_tests::TestOutbox::new().await;
+            $check(&*outbox.storage).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn sqlite() {
+            use outbox_sqlite::{SqliteConfig, SqliteStorage};
+            let dir = std::env::temp_dir().join(unique_name("outbox-claims"));
+            std::fs::create_dir_all(&dir).expect("making a temporary directory");
+            let storage = SqliteStorage::open(SqliteConfig::new(dir.join("app.db")))
+                .await
+                .expect("opening the file");
+            storage.migrate().await.expect("migrating");
+            $check(&storage).await;
+            drop(storage);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    };
+}
+
 mod secrets {
     use super::*;
     use outbox_core::{Sink, Template};
@@ -321,31 +353,97 @@ mod keys {
         assert_eq!(payloads(&c.messages), ["0-2"], "A flows once released");
     }
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn mysql() {
-        let t = MySqlTables::new().await;
-        keys_that_differ_in_any_byte_are_different_keys(&*t.0).await;
-    }
+    on_every_sql_storage!(keys_that_differ_in_any_byte_are_different_keys);
+}
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn postgres() {
-        let outbox = outbox_tests::TestOutbox::new().await;
-        keys_that_differ_in_any_byte_are_different_keys(&*outbox.storage).await;
-    }
+/// docs/console.md and `outbox dead-letters list --error`: the storage matches the text of
+/// the last error (ASCII case ignored) and leaves payloads out when asked, so a search or a
+/// listing reads no more than it shows (it read up to 10,000 dead letters with their payloads
+/// and filtered them in the relay).
+mod dead_letter_search {
+    use super::*;
+    use outbox_core::DeadLetterFilter;
 
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn sqlite() {
-        use outbox_sqlite::{SqliteConfig, SqliteStorage};
-        let dir = std::env::temp_dir().join(unique_name("outbox-claims-keys"));
-        std::fs::create_dir_all(&dir).expect("making a temporary directory");
-        let storage = SqliteStorage::open(SqliteConfig::new(dir.join("app.db")))
+    const LEASE: Duration = Duration::from_secs(30);
+
+    async fn the_storage_filters_by_error_text_and_leaves_payloads_out(s: &dyn StorageAdmin) {
+        let errors = [
+            "HTTP 503 Service Unavailable",
+            "broker said: TIMEOUT after 5 s",
+            "poison",
+        ];
+        let messages: Vec<NewMessage> = (0..errors.len())
+            .map(|i| NewMessage::new(format!("t{}", i % 2), vec![b'x'; 1000]).key(format!("k{i}")))
+            .collect();
+        s.enqueue(&messages).await.expect("enqueue");
+        let c = s.claim("search", 10, LEASE).await.expect("claim");
+        assert_eq!(c.messages.len(), errors.len());
+        let dead: Vec<DeadLetter> = c
+            .messages
+            .iter()
+            .zip(errors)
+            .map(|(m, error)| DeadLetter {
+                id: m.id,
+                error: error.into(),
+            })
+            .collect();
+        assert_eq!(
+            s.dead_letter(&c.token, &dead).await.expect("dead letter"),
+            3
+        );
+        let search = |text: &str, topic: Option<&str>| DeadLetterFilter {
+            last_error: Some(text.into()),
+            topic: topic.map(Into::into),
+            ..DeadLetterFilter::default()
+        };
+        let found = |rows: Vec<outbox_core::DeadLetterRow>| -> Vec<String> {
+            rows.into_iter().map(|r| r.last_error).collect()
+        };
+        for (filter, expected) in [
+            (search("timeout", None), vec![errors[1]]),
+            (search("Unavailable", Some("t0")), vec![errors[0]]),
+            (search("unavailable", Some("t1")), vec![]),
+            (search(" ", None), vec![errors[0], errors[1]]),
+            (search("%", None), vec![]),
+            (search("_", None), vec![]),
+        ] {
+            assert_eq!(
+                found(s.dead_letters(&filter, 10).await.expect("search")),
+                expected,
+                "{filter:?}"
+            );
+        }
+        let limited = s.dead_letters(&search("s", None), 1).await.expect("search");
+        assert_eq!(found(limited), [errors[0]], "the limit counts matches only");
+
+        let listed = s
+            .dead_letters(
+                &DeadLetterFilter {
+                    without_payloads: true,
+                    ..DeadLetterFilter::default()
+                },
+                10,
+            )
             .await
-            .expect("opening the file");
-        storage.migrate().await.expect("migrating");
-        keys_that_differ_in_any_byte_are_different_keys(&storage).await;
-        drop(storage);
-        let _ = std::fs::remove_dir_all(&dir);
+            .expect("list");
+        assert_eq!(listed.len(), 3);
+        for (row, m) in listed.iter().zip(&c.messages) {
+            assert!(row.message.payload.is_empty(), "payload left out: {row:?}");
+            assert_eq!(
+                (&row.message.id, &row.message.topic, &row.message.key),
+                (&m.id, &m.topic, &m.key),
+                "everything else is there"
+            );
+            assert_eq!(row.message.headers, m.headers);
+        }
+        let whole = s
+            .dead_letters(&DeadLetterFilter::default(), 10)
+            .await
+            .expect("list");
+        assert!(whole.iter().all(|r| r.message.payload.len() == 1000));
     }
+
+    on_every_sql_storage!(the_storage_filters_by_error_text_and_leaves_payloads_out);
 }
 
 /// docs/storage/mysql.md "How locks and gap locks behave under the claim": "a claim never

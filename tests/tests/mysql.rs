@@ -852,6 +852,7 @@ async fn the_operators_repairs() {
             ids,
             topic: topic.map(Into::into),
             key: key.map(Into::into),
+            ..DeadLetterFilter::default()
         };
     for (f, expected) in [
         (filter(Some(vec![a1.id]), Some("orders"), Some("k")), 1),

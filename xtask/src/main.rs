@@ -9,6 +9,8 @@
 //! - `chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N]`:
 //!   `services`, then the relay binary with every sink (debug build), then the chaos run
 //!   against it (docs/chaos.md).
+//! - `fuzz [--seconds N]`: every fuzz target of fuzz/ for N seconds each (default 30), with
+//!   cargo-fuzz on the nightly toolchain (fuzz/README.md); not part of `test`.
 
 mod browser;
 mod replica;
@@ -30,9 +32,11 @@ fn main() -> ExitCode {
         Some("bench") => services().and_then(|()| bench(&args[1..])),
         Some("chaos") => services().and_then(|()| chaos(&args[1..])),
         Some("container-build") => container_build(),
+        Some("fuzz") => fuzz(&args[1..]),
         _ => Err(
             "usage: cargo xtask <services | test [cargo test args] | bench [--quick] [drain|latency|enqueue|backlog|sqlite|mysql|log|log-drain|…] | container-build | \
-                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N]>"
+                  chaos [--minutes M] [--sink redis|amqp|kafka|nats] [--storage postgres|postgres-log|mysql] [--seed N] | \
+                  fuzz [--seconds N]>"
                 .into(),
         ),
     };
@@ -141,7 +145,18 @@ fn services() -> Result {
     prepare_postgres()?;
     allow_prepared_transactions()?;
     prepare_mariadb()?;
+    ensure_faketime()?;
     replica::ensure()
+}
+
+/// tests/cli/clock.rs runs relay processes under libfaketime, their clocks hours off the
+/// database's: installs Debian's `faketime` package (and with it `libfaketime`) when missing.
+fn ensure_faketime() -> Result {
+    if has_program("faketime") {
+        return Ok(());
+    }
+    println!("xtask: installing Debian package faketime (tests/cli/clock.rs)");
+    run(Command::new("apt-get").args(["install", "-y", "--no-install-recommends", "faketime"]))
 }
 
 /// The two-phase commit tests (a writer's `PREPARE TRANSACTION`) need
@@ -550,4 +565,70 @@ fn chaos(extra: &[String]) -> Result {
         ])
         .arg(&outbox)
         .args(extra))
+}
+
+/// Runs every fuzz target of fuzz/ for `--seconds N` each (default 30) with cargo-fuzz
+/// (installed from crates.io when missing) on the nightly toolchain. The seeds committed in
+/// fuzz/corpus/<target> are only read: what a run adds goes to fuzz/target/corpus/<target>,
+/// and an input that fails is saved in fuzz/artifacts/<target> (fuzz/README.md).
+fn fuzz(args: &[String]) -> Result {
+    let seconds: u64 = match args {
+        [] => 30,
+        [flag, n] if flag == "--seconds" => n
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| format!("--seconds takes a whole number above 0, not `{n}`"))?,
+        _ => return Err("usage: cargo xtask fuzz [--seconds N]".into()),
+    };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .ok_or("xtask has no parent directory")?;
+    let fuzz = root.join("fuzz");
+    // `cargo +nightly` needs rustup's `cargo`, not the toolchain's own that runs xtask.
+    let nightly = || {
+        let mut command = Command::new("cargo");
+        command.current_dir(&root).arg("+nightly");
+        command
+    };
+    let has_cargo_fuzz = nightly()
+        .args(["fuzz", "--version"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|status| status.success());
+    if !has_cargo_fuzz {
+        println!("xtask: installing cargo-fuzz");
+        run(Command::new("cargo").args(["install", "cargo-fuzz", "--locked"]))?;
+    }
+    let mut targets: Vec<String> = std::fs::read_dir(fuzz.join("fuzz_targets"))
+        .map_err(|e| format!("cannot read fuzz/fuzz_targets: {e}"))?
+        .filter_map(|entry| {
+            let name = entry.ok()?.file_name().to_string_lossy().to_string();
+            name.strip_suffix(".rs").map(str::to_string)
+        })
+        .collect();
+    targets.sort();
+    for target in &targets {
+        println!("xtask: fuzzing {target} for {seconds} s");
+        let grown = fuzz.join("target/corpus").join(target);
+        std::fs::create_dir_all(&grown)
+            .map_err(|e| format!("cannot create {}: {e}", grown.display()))?;
+        run(nightly()
+            .args(["fuzz", "run", "--sanitizer", "none", target])
+            .arg(&grown)
+            .arg(fuzz.join("corpus").join(target))
+            .args([
+                "--",
+                &format!("-max_total_time={seconds}"),
+                "-timeout=10",
+                "-print_final_stats=1",
+            ]))?;
+    }
+    println!(
+        "xtask: {} fuzz targets ran {seconds} s each without a failure",
+        targets.len()
+    );
+    Ok(())
 }

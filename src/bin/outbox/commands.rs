@@ -7,6 +7,7 @@ use base64::Engine;
 use clap::Args;
 use std::sync::Arc;
 
+use outbox::cli::enqueue::message_from_line;
 use outbox::{DeadLetterFilter, NewMessage, StorageAdmin, printable};
 use uuid::Uuid;
 
@@ -311,6 +312,9 @@ pub struct FilterArgs {
     /// Only this partition key.
     #[arg(long)]
     key: Option<String>,
+    /// Only dead letters whose last error contains this text (case of ASCII letters ignored).
+    #[arg(long)]
+    error: Option<String>,
     /// Which [[relay]] block, when there are several.
     #[arg(long)]
     relay: Option<String>,
@@ -323,15 +327,18 @@ impl FilterArgs {
             && !self.all
             && self.topic.is_none()
             && self.key.is_none()
+            && self.error.is_none()
         {
             return Err(Failure::Config(
-                "say which dead letters: give ids, or --all, --topic or --key".into(),
+                "say which dead letters: give ids, or --all, --topic, --key or --error".into(),
             ));
         }
         Ok(DeadLetterFilter {
             ids: (!self.ids.is_empty()).then(|| self.ids.clone()),
             topic: self.topic.clone(),
             key: self.key.clone(),
+            last_error: self.error.clone(),
+            without_payloads: false,
         })
     }
 }
@@ -344,7 +351,12 @@ pub async fn dead_letters(config: &Config, command: DeadLetterCommand) -> Result
             output,
         } => {
             let storage = storage(pick(config, filter.relay.as_deref())?).await?;
-            let rows = storage.dead_letters(&filter.filter(false)?, limit).await?;
+            let filter = DeadLetterFilter {
+                // The table shows no payload; JSON lines carry it.
+                without_payloads: output != Output::Json,
+                ..filter.filter(false)?
+            };
+            let rows = storage.dead_letters(&filter, limit).await?;
             if output == Output::Json {
                 rows.iter()
                     .for_each(|row| print_json(&dead_letter_json(row)));
@@ -430,8 +442,12 @@ async fn matching_ids(
     storage: &Arc<dyn StorageAdmin>,
     filter: &DeadLetterFilter,
 ) -> Result<Vec<Uuid>, Failure> {
+    let filter = DeadLetterFilter {
+        without_payloads: true,
+        ..filter.clone()
+    };
     Ok(storage
-        .dead_letters(filter, usize::MAX)
+        .dead_letters(&filter, usize::MAX)
         .await?
         .into_iter()
         .map(|d| d.message.id)
@@ -469,55 +485,6 @@ fn parse_header(text: &str) -> Result<(String, String), String> {
         .ok_or_else(|| format!("header `{text}` is not name=value"))
 }
 
-#[derive(serde::Deserialize)]
-#[serde(deny_unknown_fields)]
-struct Line {
-    topic: String,
-    key: Option<String>,
-    payload: Option<serde_json::Value>,
-    payload_base64: Option<String>,
-    #[serde(default)]
-    headers: std::collections::BTreeMap<String, String>,
-    /// W3C trace context of the writer, carried to the consumer.
-    traceparent: Option<String>,
-    tracestate: Option<String>,
-}
-
-fn message_from_line(number: usize, text: &str) -> Result<NewMessage, Failure> {
-    let bad = |why: String| Failure::Config(format!("standard input line {number}: {why}"));
-    let line: Line = serde_json::from_str(text).map_err(|e| bad(e.to_string()))?;
-    let mut message = match (line.payload, line.payload_base64) {
-        (Some(_), Some(_)) => return Err(bad("give payload or payload_base64, not both".into())),
-        (Some(serde_json::Value::String(s)), None) => NewMessage::new(line.topic, s.into_bytes()),
-        (Some(value), None) => {
-            NewMessage::json(line.topic, &value).map_err(|e| bad(e.to_string()))?
-        }
-        (None, Some(b64)) => NewMessage::new(
-            line.topic,
-            base64::engine::general_purpose::STANDARD
-                .decode(b64)
-                .map_err(|e| bad(format!("payload_base64: {e}")))?,
-        ),
-        (None, None) => NewMessage::new(line.topic, Vec::new()),
-    };
-    if message.topic.is_empty() {
-        return Err(bad("topic is empty".into()));
-    }
-    message.key = line.key;
-    message.headers.extend(line.headers);
-    match (line.traceparent, line.tracestate) {
-        (Some(traceparent), tracestate) => {
-            message.trace_context = Some(outbox::TraceContext {
-                traceparent,
-                tracestate,
-            })
-        }
-        (None, Some(_)) => return Err(bad("tracestate without traceparent".into())),
-        (None, None) => {}
-    }
-    Ok(message)
-}
-
 /// Messages `enqueue` commits in one transaction.
 const ENQUEUE_CHUNK: usize = 1000;
 
@@ -530,7 +497,7 @@ pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> 
             let line =
                 line.map_err(|e| Failure::Runtime(format!("cannot read standard input: {e}")))?;
             if !line.trim().is_empty() {
-                messages.push(message_from_line(i + 1, &line)?);
+                messages.push(message_from_line(i + 1, &line).map_err(Failure::Config)?);
             }
         }
         messages
@@ -572,33 +539,4 @@ pub async fn enqueue(config: &Config, args: EnqueueArgs) -> Result<(), Failure> 
     }
     eprintln!("enqueued {} message(s)", messages.len());
     Ok(())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn json_lines_become_messages() {
-        let m = message_from_line(
-            1,
-            r#"{"topic":"t","key":"k","payload":{"a":1},"headers":{"h":"v"}}"#,
-        )
-        .ok()
-        .unwrap();
-        assert_eq!(
-            (m.topic.as_str(), m.key.as_deref(), m.payload.as_slice()),
-            ("t", Some("k"), br#"{"a":1}"#.as_slice())
-        );
-        assert_eq!(m.headers["h"], "v");
-        assert_eq!(m.headers["content-type"], "application/json");
-        let m = message_from_line(2, r#"{"topic":"t","payload_base64":"AP8="}"#)
-            .ok()
-            .unwrap();
-        assert_eq!(m.payload, vec![0, 255]);
-        match message_from_line(7, r#"{"topic":"t","paylod":"x"}"#) {
-            Err(Failure::Config(e)) => assert!(e.contains("line 7") && e.contains("paylod"), "{e}"),
-            _ => panic!("unknown field accepted"),
-        }
-    }
 }

@@ -8,24 +8,28 @@
 //! clients reach it (the listener is on loopback, and the `Host` header must name loopback,
 //! against DNS rebinding). With a token every request needs it, as `Authorization: Bearer`;
 //! with a user and password, as `Authorization: Basic`; either also through the login form,
-//! which sets an HttpOnly session cookie. Actions are POSTs that carry a per-process form token and a
-//! same-origin `Origin`, so another site cannot make a browser act; read-only mode refuses
-//! them. Each action is logged with who did it. See docs/console.md.
+//! which opens a session of its own (an HttpOnly cookie, ended by logging out, after an hour
+//! idle or twelve hours). Wrong credentials are throttled per client address ([`access`]).
+//! Actions are POSTs that carry a per-process form token and a same-origin `Origin`, so
+//! another site cannot make a browser act; read-only mode refuses them. Each action is logged
+//! with who did it. See docs/console.md.
 
+mod access;
 mod page;
 pub mod watch;
 
 use std::fmt::Write;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use access::{Login, Sessions, Throttle};
 use axum::Router;
 use axum::extract::{ConnectInfo, RawQuery, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
-use outbox::{DeadLetterFilter, DeadLetterRow};
+use outbox::DeadLetterFilter;
 use uuid::Uuid;
 
 use crate::config::Observability;
@@ -33,15 +37,55 @@ use crate::http::{Readiness, loopback_host};
 use crate::relay::Relay;
 use page::{esc, url};
 
+/// Message text (a topic, a key) as a page shows it: control characters, bidirectional-text
+/// controls and invisible characters escaped (`\u{202e}`), so a key cannot pass for another
+/// on screen; then HTML-escaped.
+fn shown(text: &str) -> String {
+    esc(&outbox::printable(text))
+}
+
+/// A key as a form carries it: hex of its bytes, since a browser turns NUL into U+FFFD and
+/// line breaks into CR LF when it parses and submits a form.
+fn key_field(key: &str) -> String {
+    let hex = key.bytes().fold(String::new(), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    });
+    format!(r#"<input type="hidden" name="key_hex" value="{hex}">"#)
+}
+
+/// The key a form names: `key_hex` (the console's own forms), else `key` (as typed by hand,
+/// e.g. with curl). `Err` when `key_hex` is not the hex of UTF-8 text.
+fn form_key(form: &[(String, String)]) -> Result<Option<String>, &'static str> {
+    let Some(hex) = page::value(form, "key_hex") else {
+        return Ok(page::value(form, "key").map(str::to_string));
+    };
+    let bytes: Option<Vec<u8>> = (hex.len() % 2 == 0)
+        .then(|| {
+            (0..hex.len())
+                .step_by(2)
+                .map(|i| {
+                    hex.get(i..i + 2)
+                        .and_then(|b| u8::from_str_radix(b, 16).ok())
+                })
+                .collect()
+        })
+        .flatten();
+    bytes
+        .and_then(|b| String::from_utf8(b).ok())
+        .map(Some)
+        .ok_or("The key field is not hex of UTF-8 text.")
+}
+
 /// How long a page waits for a storage before it shows the storage's error instead.
 const STORAGE_TIMEOUT: Duration = Duration::from_secs(5);
 /// Dead letters listed when the search gives no limit, and the most it may ask for.
 const DEFAULT_LIMIT: usize = 100;
 const MAX_LIMIT: usize = 1000;
-/// Dead letters the error search reads (the storages filter by topic and key only).
-const ERROR_SEARCH_SCAN: usize = 10_000;
 /// The session cookie set by the login form.
 const COOKIE: &str = "outbox_console";
+/// The `Set-Cookie` value that makes a browser drop the session cookie.
+const CLEAR_COOKIE: &str = "outbox_console=; HttpOnly; SameSite=Strict; Path=/; Max-Age=0";
 
 /// The console's routes, with the settings of `observability`, or none when it is off.
 pub fn router(readiness: Readiness, observability: &Observability) -> Option<Router> {
@@ -57,7 +101,8 @@ pub fn router(readiness: Readiness, observability: &Observability) -> Option<Rou
             .zip(observability.console_password.as_ref())
             .map(|(user, password)| (Arc::from(user.as_str()), Arc::from(password.0.as_str()))),
         read_only: observability.console_read_only,
-        session: Arc::from(random_hex()?),
+        sessions: Sessions::default(),
+        throttle: Throttle::default(),
         form_token: Arc::from(random_hex()?),
     };
     Some(
@@ -69,6 +114,7 @@ pub fn router(readiness: Readiness, observability: &Observability) -> Option<Rou
             .route("/relays", get(relays))
             .route("/action", axum::routing::post(action))
             .route("/login", get(login_form).post(login))
+            .route("/logout", axum::routing::post(logout))
             .route("/console.css", get(css))
             .with_state(console),
     )
@@ -96,8 +142,10 @@ struct Console {
     /// `observability.console_user` and `console_password`, for basic authentication.
     basic: Option<(Arc<str>, Arc<str>)>,
     read_only: bool,
-    /// The value of the session cookie the login form sets: random per process.
-    session: Arc<str>,
+    /// The sessions the login form opened, by their cookie's random value.
+    sessions: Sessions,
+    /// Wrong credentials per client address.
+    throttle: Throttle,
     /// The token every action form carries: random per process, only on the console's pages.
     form_token: Arc<str>,
 }
@@ -108,8 +156,8 @@ enum Who {
     Loopback(SocketAddr),
     Token(SocketAddr),
     User(Arc<str>, SocketAddr),
-    /// Logged in through the form (the session cookie does not say with what).
-    Session(SocketAddr),
+    /// A session the login form opened, and what it was opened with.
+    Session(Login, SocketAddr),
 }
 
 impl std::fmt::Display for Who {
@@ -118,7 +166,12 @@ impl std::fmt::Display for Who {
             Who::Loopback(peer) => write!(f, "loopback client {peer}"),
             Who::Token(peer) => write!(f, "console token holder at {peer}"),
             Who::User(user, peer) => write!(f, "console user {user:?} at {peer}"),
-            Who::Session(peer) => write!(f, "logged-in console session at {peer}"),
+            Who::Session(Login::Token, peer) => {
+                write!(f, "console token holder (logged-in session) at {peer}")
+            }
+            Who::Session(Login::User(user), peer) => {
+                write!(f, "console user {user:?} (logged-in session) at {peer}")
+            }
         }
     }
 }
@@ -132,6 +185,13 @@ fn same_secret(given: &str, expected: &str) -> bool {
             .zip(expected)
             .fold(0u8, |diff, (a, b)| diff | (a ^ b))
             == 0
+}
+
+/// The credentials of an `Authorization` value of `scheme`, whose name is matched ignoring
+/// case (RFC 9110).
+fn scheme<'a>(value: &'a str, scheme: &str) -> Option<&'a str> {
+    let (name, credentials) = value.split_once(' ')?;
+    name.eq_ignore_ascii_case(scheme).then_some(credentials)
 }
 
 /// The value of cookie `name` in the request, if any.
@@ -191,19 +251,29 @@ impl Console {
                 )
                 .into());
         }
-        let authorization = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
+        if let Some(id) = cookie(headers, COOKIE)
+            && let Some(login) = self.sessions.find(id, Instant::now())
+        {
+            return Ok(Who::Session(login, peer));
+        }
+        let Some(authorization) = headers.get(header::AUTHORIZATION) else {
+            return Err(self
+                .login_page(StatusCode::UNAUTHORIZED, "", headers)
+                .into());
+        };
+        self.throttled(peer)?;
+        let authorization = authorization.to_str().ok();
         if let Some(token) = &self.token
             && authorization
-                .and_then(|v| v.strip_prefix("Bearer "))
+                .and_then(|v| scheme(v, "Bearer"))
                 .is_some_and(|given| same_secret(given.trim(), token))
         {
+            self.throttle.succeeded(peer.ip());
             return Ok(Who::Token(peer));
         }
         if let Some((user, password)) = &self.basic
             && authorization
-                .and_then(|v| v.strip_prefix("Basic "))
+                .and_then(|v| scheme(v, "Basic"))
                 .and_then(|given| {
                     use base64::Engine;
                     base64::engine::general_purpose::STANDARD
@@ -213,12 +283,33 @@ impl Console {
                 .and_then(|decoded| String::from_utf8(decoded).ok())
                 .is_some_and(|given| self.basic_matches(&given, user, password))
         {
+            self.throttle.succeeded(peer.ip());
             return Ok(Who::User(user.clone(), peer));
         }
-        if cookie(headers, COOKIE).is_some_and(|given| same_secret(given, &self.session)) {
-            return Ok(Who::Session(peer));
-        }
-        Err(self.login_page(StatusCode::UNAUTHORIZED, "").into())
+        // Neither the credentials nor the header are logged, only that they were wrong.
+        tracing::warn!(%peer, "console: a request with wrong credentials");
+        self.throttle.failed(peer.ip(), Instant::now());
+        Err(self
+            .login_page(StatusCode::UNAUTHORIZED, "", headers)
+            .into())
+    }
+
+    /// 429 while `peer`'s address must wait after too many wrong credentials: nothing it
+    /// sends is checked until then.
+    fn throttled(&self, peer: SocketAddr) -> Result<(), Refused> {
+        let Err(wait) = self.throttle.check(peer.ip(), Instant::now()) else {
+            return Ok(());
+        };
+        let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+        let text = format!(
+            "<p>Too many wrong tokens or passwords from {}: try again in {seconds} s.</p>",
+            peer.ip()
+        );
+        let mut response = self.page(StatusCode::TOO_MANY_REQUESTS, "Wait", &text);
+        response
+            .headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from(seconds));
+        Err(response.into())
     }
 
     /// Whether `user:password` (the decoded basic credentials) are the configured ones:
@@ -260,10 +351,13 @@ impl Console {
 
     /// An HTML answer with the console's security headers.
     fn page(&self, status: StatusCode, title: &str, body: &str) -> Response {
-        html(status, page::frame(title, self.read_only, body))
+        let logout = (self.token.is_some() || self.basic.is_some()).then_some(&*self.form_token);
+        html(status, page::frame(title, self.read_only, logout, body))
     }
 
-    fn login_page(&self, status: StatusCode, message: &str) -> Response {
+    /// The login form. A session cookie the request carried is no longer live (this is
+    /// where it ends up), so the answer clears it.
+    fn login_page(&self, status: StatusCode, message: &str, request: &HeaderMap) -> Response {
         let mut fields = String::new();
         if self.token.is_some() {
             fields.push_str(r#"<p><label>Token <input type="password" name="token" autocomplete="current-password"></label></p>"#);
@@ -283,7 +377,12 @@ impl Console {
             r#"{message}<p>This console needs {needs}.</p>
 <form method="post" action="/login">{fields}<button>Log in</button></form>"#
         );
-        let mut response = html(status, page::frame("Log in", false, &body));
+        let mut response = html(status, page::frame("Log in", false, None, &body));
+        if cookie(request, COOKIE).is_some() {
+            response
+                .headers_mut()
+                .insert(header::SET_COOKIE, HeaderValue::from_static(CLEAR_COOKIE));
+        }
         if status == StatusCode::UNAUTHORIZED {
             let headers = response.headers_mut();
             if self.token.is_some() {
@@ -435,7 +534,7 @@ async fn overview(
                         r#"<tr><td><a href="/dead-letters?relay={}&amp;topic={}">{}</a></td><td class="n">{}</td><td class="n">{}</td><td class="n">{}</td><td class="n" data-figure="retrying-{}">{}</td><td class="n">{}</td></tr>"#,
                         esc(&url(&relay.def.name)),
                         esc(&url(&t.topic)),
-                        esc(&t.topic),
+                        shown(&t.topic),
                         t.pending,
                         age_of(t.oldest_pending),
                         t.in_flight,
@@ -473,7 +572,7 @@ fn charts(relay: &Relay) -> String {
         let _ = write!(
             out,
             r#"<tr><td>{}</td><td>{} <span class="peak">peak {peak_rate:.1}/s</span></td><td>{} <span class="peak">peak {}, last {}</span></td></tr>"#,
-            esc(&topic),
+            shown(&topic),
             page::chart(
                 &rates.iter().map(|r| Some(*r)).collect::<Vec<_>>(),
                 "delivered per second"
@@ -590,7 +689,7 @@ async fn parked(
                     let _ = write!(
                         body,
                         r#"<tr><td class="key">{key}</td><td><a href="/dead-letter?relay={relay}&amp;id={id}">{id}</a></td><td class="n" data-figure="waiting">{waiting}</td><td>{release}</td></tr>"#,
-                        key = esc(&k.key),
+                        key = shown(&k.key),
                         relay = esc(&url(&relay.def.name)),
                         id = k.dead_letter,
                         release = action_form(
@@ -633,11 +732,7 @@ fn action_form(
         let _ = write!(form, r#"<input type="hidden" name="id" value="{id}">"#);
     }
     if let Some(key) = key {
-        let _ = write!(
-            form,
-            r#"<input type="hidden" name="key" value="{}">"#,
-            esc(key)
-        );
+        form.push_str(&key_field(key));
     }
     let _ = write!(form, "<button>{}</button></form>", esc(label));
     form
@@ -705,28 +800,16 @@ async fn dead_letters(
         ids: None,
         topic: topic.clone(),
         key: key.clone(),
+        last_error: error.clone(),
+        without_payloads: true,
     };
-    let scan = if error.is_some() {
-        ERROR_SEARCH_SCAN
-    } else {
-        limit
-    };
-    let rows = match ask(relay.storage.dead_letters(&filter, scan)).await {
+    let rows = match ask(relay.storage.dead_letters(&filter, limit)).await {
         Ok(rows) => rows,
         Err(e) => {
             body.push_str(&error_box("dead letters", &e));
             return Ok(c.page(StatusCode::OK, "Dead letters", &body));
         }
     };
-    let rows: Vec<DeadLetterRow> = rows
-        .into_iter()
-        .filter(|row| {
-            error
-                .as_ref()
-                .is_none_or(|e| row.last_error.to_lowercase().contains(&e.to_lowercase()))
-        })
-        .take(limit)
-        .collect();
     let _ = write!(
         body,
         "<p>{} dead letter(s) of relay {}, oldest first.</p>",
@@ -751,8 +834,8 @@ async fn dead_letters(
             body,
             r#"<tr><td><a href="/dead-letter?relay={}&amp;id={id}">{id}</a></td><td>{}</td><td class="key">{}</td><td class="n">{}</td><td>{}</td><td>{}</td></tr>"#,
             esc(&url(&relay.def.name)),
-            esc(&m.topic),
-            esc(m.key.as_deref().unwrap_or("-")),
+            shown(&m.topic),
+            shown(m.key.as_deref().unwrap_or("-")),
             m.attempts,
             time(row.dead_lettered_at),
             esc(&first_line),
@@ -859,8 +942,8 @@ async fn dead_letter(
 </table>"#,
         id = m.id,
         relay = esc(&relay.def.name),
-        topic = esc(&m.topic),
-        key = esc(m.key.as_deref().unwrap_or("-")),
+        topic = shown(&m.topic),
+        key = shown(m.key.as_deref().unwrap_or("-")),
         attempts = m.attempts,
         created = time(m.created_at),
         dead = time(row.dead_lettered_at),
@@ -996,7 +1079,8 @@ async fn action(
                 .map_err(|_| bad("A dead letter id is not a UUID."))?,
         );
     }
-    let key = page::value(&form, "key");
+    let key = form_key(&form).map_err(bad)?;
+    let key = key.as_deref();
     match (action, ids.is_empty(), key) {
         ("release", _, None) => return Err(bad("Say which key to release.").into()),
         ("replay" | "purge", true, _) => return Err(bad("Say which dead letters (id).").into()),
@@ -1057,11 +1141,12 @@ async fn confirmation(
         let _ = write!(
             body,
             r#"<p>Key: <strong class="key">{}</strong></p>"#,
-            esc(key.unwrap_or_default())
+            shown(key.unwrap_or_default())
         );
     } else {
         let filter = DeadLetterFilter {
             ids: Some(ids.to_vec()),
+            without_payloads: true,
             ..Default::default()
         };
         match ask(relay.storage.dead_letters(&filter, ids.len())).await {
@@ -1077,8 +1162,8 @@ async fn confirmation(
                         body,
                         r#"<tr><td>{}</td><td>{}</td><td class="key">{}</td></tr>"#,
                         row.message.id,
-                        esc(&row.message.topic),
-                        esc(row.message.key.as_deref().unwrap_or("-"))
+                        shown(&row.message.topic),
+                        shown(row.message.key.as_deref().unwrap_or("-"))
                     );
                 }
                 body.push_str("</table>");
@@ -1096,11 +1181,7 @@ async fn confirmation(
         let _ = write!(form, r#"<input type="hidden" name="id" value="{id}">"#);
     }
     if let Some(key) = key {
-        let _ = write!(
-            form,
-            r#"<input type="hidden" name="key" value="{}">"#,
-            esc(key)
-        );
+        form.push_str(&key_field(key));
     }
     let _ = write!(
         form,
@@ -1116,9 +1197,9 @@ async fn confirmation(
     c.page(StatusCode::OK, title, &body)
 }
 
-async fn login_form(State(c): State<Console>) -> Response {
+async fn login_form(State(c): State<Console>, headers: HeaderMap) -> Response {
     match c.token.is_some() || c.basic.is_some() {
-        true => c.login_page(StatusCode::OK, ""),
+        true => c.login_page(StatusCode::OK, "", &headers),
         false => c.page(
             StatusCode::OK,
             "Log in",
@@ -1127,11 +1208,12 @@ async fn login_form(State(c): State<Console>) -> Response {
     }
 }
 
-/// The login form's POST: with the right token, sets the session cookie and goes to the
-/// overview.
+/// The login form's POST: with the right token, or user and password, opens a session (its
+/// cookie `Secure` when the browser came over HTTPS) and goes to the overview.
 async fn login(
     State(c): State<Console>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
     body: String,
 ) -> Response {
     if c.token.is_none() && c.basic.is_none() {
@@ -1140,6 +1222,9 @@ async fn login(
             "Log in",
             "<p>This console needs no token.</p>",
         );
+    }
+    if let Err(refused) = c.throttled(peer) {
+        return refused.into_response();
     }
     let form = page::pairs(&body);
     let by_token = c.token.as_ref().is_some_and(|token| {
@@ -1153,31 +1238,126 @@ async fn login(
         );
         c.basic_matches(&given, user, password)
     });
-    if by_token || by_password {
-        let who = match (by_token, &c.basic) {
-            (false, Some((user, _))) => Who::User(user.clone(), peer),
-            _ => Who::Token(peer),
-        };
-        tracing::info!(%who, "console: logged in");
-    } else {
-        // Neither the token nor the password is logged, only that they were wrong.
-        tracing::warn!(%peer, "console: a login with wrong credentials");
-        return c.login_page(
-            StatusCode::UNAUTHORIZED,
-            r#"<p class="error">Wrong token, user or password.</p>"#,
+    let login = match (by_token, by_password, &c.basic) {
+        (false, true, Some((user, _))) => Login::User(user.clone()),
+        (true, _, _) => Login::Token,
+        _ => {
+            // Neither the token nor the password is logged, only that they were wrong.
+            tracing::warn!(%peer, "console: a login with wrong credentials");
+            c.throttle.failed(peer.ip(), Instant::now());
+            return c.login_page(
+                StatusCode::UNAUTHORIZED,
+                r#"<p class="error">Wrong token, user or password.</p>"#,
+                &headers,
+            );
+        }
+    };
+    c.throttle.succeeded(peer.ip());
+    let Some(id) = random_hex() else {
+        return c.page(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "Log in",
+            "<p>No randomness for a session: log in with the Authorization header instead.</p>",
         );
-    }
+    };
+    tracing::info!(who = %Who::Session(login.clone(), peer), "console: logged in");
+    c.sessions.open(id.clone(), login, Instant::now());
     let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/")]).into_response();
-    let cookie = format!("{COOKIE}={}; HttpOnly; SameSite=Strict; Path=/", c.session);
+    let secure = if came_over_https(&headers) {
+        "; Secure"
+    } else {
+        ""
+    };
+    let cookie = format!(
+        "{COOKIE}={id}; HttpOnly; SameSite=Strict; Path=/; Max-Age={}{secure}",
+        access::SESSION_LIFETIME.as_secs()
+    );
     if let Ok(value) = HeaderValue::from_str(&cookie) {
         response.headers_mut().insert(header::SET_COOKIE, value);
     }
     response
 }
 
+/// Whether the browser reached the console over HTTPS (through a proxy that ends TLS): its
+/// form's `Origin`, or the proxy's `X-Forwarded-Proto`, says so. A `Secure` cookie would not
+/// be sent back over plain HTTP, so it is set only then.
+fn came_over_https(headers: &HeaderMap) -> bool {
+    let says_https = |name| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim().to_ascii_lowercase().starts_with("https"))
+    };
+    says_https(header::ORIGIN) || says_https(header::HeaderName::from_static("x-forwarded-proto"))
+}
+
+/// Logging out: ends this session (others stay open) and clears its cookie.
+async fn logout(
+    State(c): State<Console>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    headers: HeaderMap,
+    body: String,
+) -> Response {
+    let form = page::pairs(&body);
+    if let Err(refused) = c.same_origin(&headers, &form) {
+        return refused.into_response();
+    }
+    if let Some(id) = cookie(&headers, COOKIE)
+        && c.sessions.close(id)
+    {
+        tracing::info!(%peer, "console: logged out");
+    }
+    let mut response = (StatusCode::SEE_OTHER, [(header::LOCATION, "/login")]).into_response();
+    response
+        .headers_mut()
+        .insert(header::SET_COOKIE, HeaderValue::from_static(CLEAR_COOKIE));
+    response
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Keys a browser would change (NUL, line breaks) go through the forms as hex, and pages
+    /// show control, bidirectional and invisible characters escaped (review item 9).
+    #[test]
+    fn keys_survive_forms_and_cannot_pass_for_others() {
+        for key in [
+            "a",
+            "nul\0key",
+            "line\r\nbreak",
+            "\u{202e}evil",
+            "zero\u{200b}width",
+            "é",
+        ] {
+            let field = key_field(key);
+            let hex = field
+                .split("value=\"")
+                .nth(1)
+                .and_then(|v| v.split('"').next())
+                .unwrap_or_default();
+            let form = vec![("key_hex".to_string(), hex.to_string())];
+            assert_eq!(form_key(&form), Ok(Some(key.to_string())), "{field}");
+        }
+        let typed = vec![("key".to_string(), "k".to_string())];
+        assert_eq!(form_key(&typed), Ok(Some("k".to_string())));
+        for bad in ["f", "zz", "ff"] {
+            let form = vec![("key_hex".to_string(), bad.to_string())];
+            assert!(form_key(&form).is_err(), "{bad}");
+        }
+        assert_eq!(shown("\u{202e}x<y"), "\\u{202e}x&lt;y");
+        assert_eq!(shown("a\u{200b}b"), "a\\u{200b}b");
+        assert_eq!(shown("nul\0"), "nul\\u{0}");
+    }
+
+    #[test]
+    fn authorization_schemes_ignore_case() {
+        assert_eq!(scheme("Bearer t0k", "Bearer"), Some("t0k"));
+        assert_eq!(scheme("bearer t0k", "Bearer"), Some("t0k"));
+        assert_eq!(scheme("BASIC b64", "Basic"), Some("b64"));
+        assert_eq!(scheme("Bearer t0k", "Basic"), None);
+        assert_eq!(scheme("Bearert0k", "Bearer"), None);
+    }
 
     #[test]
     fn secrets_compare_whole() {

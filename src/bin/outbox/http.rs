@@ -25,6 +25,10 @@ const READY_TIMEOUT: Duration = Duration::from_secs(2);
 /// How often the health checks behind `/health/ready` run: a probe reads their last result,
 /// so probes cost no I/O however often they come.
 const READY_INTERVAL: Duration = Duration::from_secs(5);
+/// Runs of a relay's worker that may fail in a row (each restarted after 1 s, 2 s, …) before
+/// `/health/ready` says so: a database that answers its health check but refuses every
+/// claim (a grant taken away, a row it cannot read) is not ready.
+const RUN_FAILURES_NOT_READY: u32 = 3;
 
 /// Installs the Prometheus recorder that the worker's metrics go to.
 pub fn install_metrics() -> Result<PrometheusHandle, Failure> {
@@ -115,6 +119,21 @@ impl Readiness {
                     .map(|e| format!("relay {}: sink: {e}", c.relay));
                 storage.into_iter().chain(sink)
             })
+            .chain(self.relays().iter().flat_map(|relays| {
+                relays.iter().filter_map(|relay| {
+                    let failed = relay.runs.failures_in_a_row();
+                    (failed >= RUN_FAILURES_NOT_READY).then(|| {
+                        let last = relay
+                            .runs
+                            .last_failure()
+                            .map_or(String::new(), |(_, error)| format!(": {error}"));
+                        format!(
+                            "relay {}: its last {failed} runs failed{last}",
+                            relay.def.name
+                        )
+                    })
+                })
+            }))
             .collect();
         if problems.is_empty() {
             (StatusCode::OK, "ready\n".into())
@@ -167,23 +186,40 @@ pub async fn serve(
 }
 
 /// Whether the `Host` header names this machine's loopback (`localhost`, `127.0.0.1`,
-/// `[::1]`, any port): a page served without a token is only for local clients, and a
-/// foreign name there is a DNS-rebinding attempt.
+/// `[::1]`, with or without a numeric port): a page served without a token is only for local
+/// clients, and a foreign name there is a DNS-rebinding attempt. Anything else is refused:
+/// two `Host` headers, a port that is not a number, text after a bracketed address.
 pub fn loopback_host(headers: &axum::http::HeaderMap) -> bool {
-    let Some(host) = headers
-        .get(axum::http::header::HOST)
-        .and_then(|h| h.to_str().ok())
-    else {
+    let mut hosts = headers.get_all(axum::http::header::HOST).iter();
+    let (Some(host), None) = (hosts.next(), hosts.next()) else {
         return false;
     };
-    let name = match host.strip_prefix('[') {
-        Some(rest) => rest.split(']').next().unwrap_or(""),
-        None => host.split(':').next().unwrap_or(""),
+    let Ok(host) = host.to_str() else {
+        return false;
     };
-    name.eq_ignore_ascii_case("localhost")
-        || name
-            .parse::<std::net::IpAddr>()
-            .is_ok_and(|ip| ip.is_loopback())
+    let (name, port) = match host.strip_prefix('[') {
+        Some(rest) => match rest.split_once(']') {
+            Some((name, after)) => match after {
+                "" => (name, None),
+                _ => match after.strip_prefix(':') {
+                    Some(port) => (name, Some(port)),
+                    None => return false,
+                },
+            },
+            None => return false,
+        },
+        None => match host.split_once(':') {
+            Some((name, port)) => (name, Some(port)),
+            None => (host, None),
+        },
+    };
+    let port_ok =
+        port.is_none_or(|p| !p.is_empty() && p.len() <= 5 && p.bytes().all(|b| b.is_ascii_digit()));
+    port_ok
+        && (name.eq_ignore_ascii_case("localhost")
+            || name
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback()))
 }
 
 /// On a loopback listener every route, the probes and `/metrics` too, answers only a `Host`
@@ -210,8 +246,8 @@ async fn render_metrics(State(state): State<AppState>) -> String {
     state.metrics.render()
 }
 
-/// Ready once the relays are built and the last health checks found every storage and
-/// sink answering.
+/// Ready once the relays are built, the last health checks found every storage and sink
+/// answering, and no relay's runs have failed [`RUN_FAILURES_NOT_READY`] times in a row.
 async fn ready(State(state): State<AppState>) -> (StatusCode, String) {
     state.readiness.answer()
 }
@@ -238,4 +274,52 @@ async fn check(relays: &[Relay]) -> Vec<RelayHealth> {
         });
     }
     checks
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::http::{HeaderMap, HeaderValue, header::HOST};
+
+    fn hosts(values: &[&str]) -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        for value in values {
+            headers.append(HOST, HeaderValue::from_str(value).expect("a header value"));
+        }
+        headers
+    }
+
+    #[test]
+    fn only_a_single_loopback_host_with_a_numeric_port_passes() {
+        for good in [
+            "localhost",
+            "LocalHost:9187",
+            "127.0.0.1",
+            "127.0.0.1:9187",
+            "127.1.2.3:1",
+            "[::1]",
+            "[::1]:9187",
+        ] {
+            assert!(loopback_host(&hosts(&[good])), "{good}");
+        }
+        for bad in [
+            "localhost:evil.example",
+            "[::1]evil.example",
+            "[::1",
+            "localhost:",
+            "localhost:123456",
+            "127.0.0.1:80:80",
+            "evil.example",
+            "localhost.evil.example",
+            "10.0.0.1:9187",
+            "::1",
+        ] {
+            assert!(!loopback_host(&hosts(&[bad])), "{bad}");
+        }
+        assert!(!loopback_host(&hosts(&[])), "no Host");
+        assert!(
+            !loopback_host(&hosts(&["localhost", "evil.example"])),
+            "two Host headers"
+        );
+    }
 }

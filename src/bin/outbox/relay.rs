@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox::metrics as names;
-use outbox::{CancellationToken, Sink, Storage, StorageAdmin, Worker};
+use outbox::{CancellationToken, RunHealth, Sink, Storage, StorageAdmin, Worker};
 
 use crate::Failure;
 use crate::config::{Config, RelayDef};
@@ -21,6 +21,8 @@ pub struct Relay {
     /// What the console shows of this relay's worker: its health gate, backoff, last
     /// error and deliveries, recorded by the [`WatchedSink`] the worker publishes through.
     pub watch: Arc<Watch>,
+    /// How its worker's runs go: `/health/ready` fails after several failed in a row.
+    pub runs: RunHealth,
 }
 
 /// Builds the storage of `def` from the registry; a bad setting is a configuration error
@@ -102,6 +104,7 @@ pub async fn build(
             storage,
             sink,
             watch: Arc::new(Watch::new(def.worker.backoff)),
+            runs: RunHealth::default(),
             def: def.clone(),
         });
     }
@@ -158,7 +161,8 @@ pub async fn run(config: Config) -> Result<(), Failure> {
             relay.def.worker.clone(),
             relay.storage.clone() as Arc<dyn Storage>,
             Arc::new(sink),
-        )?;
+        )?
+        .with_run_health(relay.runs.clone());
         tracing::info!(
             relay = %relay.def.name,
             storage = %relay.storage.describe(),

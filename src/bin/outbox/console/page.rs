@@ -174,9 +174,16 @@ pub fn hex(bytes: &[u8]) -> String {
     esc(&out)
 }
 
-/// A whole page: the frame (title, navigation, read-only notice) around `body`, which must
-/// already be escaped HTML.
-pub fn frame(title: &str, read_only: bool, body: &str) -> String {
+/// A whole page: the frame (title, navigation, a logout button carrying the form token when
+/// the console has credentials, read-only notice) around `body`, which must already be
+/// escaped HTML.
+pub fn frame(title: &str, read_only: bool, logout: Option<&str>, body: &str) -> String {
+    let logout = logout.map_or(String::new(), |form_token| {
+        format!(
+            r#" <form class="inline" method="post" action="/logout"><input type="hidden" name="csrf" value="{}"><button>Log out</button></form>"#,
+            esc(form_token)
+        )
+    });
     let notice = if read_only {
         r#"<p class="notice">Read-only console: actions are turned off (observability.console_read_only).</p>"#
     } else {
@@ -186,7 +193,7 @@ pub fn frame(title: &str, read_only: bool, body: &str) -> String {
         r#"<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>{title} · outbox</title><link rel="stylesheet" href="/console.css"></head>
-<body><header><strong>outbox</strong> <nav><a href="/">Overview</a> <a href="/parked">Parked keys</a> <a href="/dead-letters">Dead letters</a> <a href="/relays">Relays</a></nav></header>
+<body><header><strong>outbox</strong> <nav><a href="/">Overview</a> <a href="/parked">Parked keys</a> <a href="/dead-letters">Dead letters</a> <a href="/relays">Relays</a></nav>{logout}</header>
 <main>{notice}<h1>{title}</h1>
 {body}</main></body></html>
 "#,
