@@ -100,9 +100,28 @@ impl WorkerConfig {
         self.relay.as_deref().unwrap_or(&self.worker_id)
     }
 
+    /// The longest duration of any setting: one year (365.25 days, as `1y` is written).
+    /// Longer means nothing to a relay, and the worker could not compute with some (a lease
+    /// of `u64::MAX` seconds panicked adding it to the clock at the first claim).
+    pub const MAX_DURATION: Duration = Duration::from_secs(31_557_600);
+
     /// Checks every setting; the error is keyed by the bad one (place it in its section
     /// with [`Error::in_section`]).
     pub fn validate(&self) -> Result<()> {
+        for (setting, duration) in [
+            ("lease", self.lease),
+            ("poll_interval", self.poll_interval),
+            ("shutdown_timeout", self.shutdown_timeout),
+            ("backoff.initial", self.backoff.initial),
+            ("backoff.max", self.backoff.max),
+        ] {
+            if duration > Self::MAX_DURATION {
+                return Err(Error::setting(
+                    setting,
+                    format!("is {duration:?}; it must be at most 1 year"),
+                ));
+            }
+        }
         if self.worker_id.trim().is_empty() {
             return Err(Error::setting(
                 "worker_id",

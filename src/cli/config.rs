@@ -278,11 +278,10 @@ pub enum LogFormat {
     Json,
 }
 
-/// The longest duration of a relay setting. Longer means nothing to a relay, and the worker
-/// could not compute with some: `lease = "18446744073709551615s"` was accepted and its first
-/// claim panicked adding it to the clock, as a backoff that long did at the first retry.
-/// One year as durations are written (`1y` is 365.25 days).
-const MAX_RELAY_DURATION: Duration = Duration::from_secs(31_557_600);
+/// The longest duration of a relay setting (`lease = "18446744073709551615s"` was accepted
+/// and its first claim panicked adding it to the clock); checked here too so the error names
+/// the setting as the file writes it.
+const MAX_RELAY_DURATION: Duration = WorkerConfig::MAX_DURATION;
 
 /// Keys that used to sit in `[relay]` and are settings of the storage now.
 const MOVED_TO_STORAGE: [&str; 4] = ["per_key_order", "max_per_key", "wakeup", "retention"];

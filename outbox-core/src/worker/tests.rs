@@ -516,6 +516,49 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
     assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
 }
 
+/// Found by fuzzing the binary's configuration: a lease of `u64::MAX` seconds was accepted
+/// and the first claim panicked adding it to the clock. Library users get the same bound.
+#[test]
+fn durations_over_a_year_are_refused_naming_the_setting() {
+    let huge = Duration::from_secs(u64::MAX);
+    for (setting, cfg) in [
+        (
+            "lease",
+            WorkerConfig {
+                lease: huge,
+                ..config()
+            },
+        ),
+        (
+            "poll_interval",
+            WorkerConfig {
+                poll_interval: huge,
+                ..config()
+            },
+        ),
+        (
+            "shutdown_timeout",
+            WorkerConfig {
+                shutdown_timeout: huge,
+                ..config()
+            },
+        ),
+    ] {
+        let err = cfg.validate().expect_err("longer than a year");
+        assert_eq!(err.kind(), ErrorKind::Config);
+        let text = err.in_section("relay").to_string();
+        assert!(
+            text.contains(&format!("relay.{setting} is")) && text.contains("at most 1 year"),
+            "{text}"
+        );
+    }
+    let year = WorkerConfig {
+        lease: WorkerConfig::MAX_DURATION,
+        ..config()
+    };
+    assert!(year.validate().is_ok());
+}
+
 #[test]
 fn a_lease_shorter_than_the_worst_batch_is_refused_naming_both_settings() {
     let sink = Arc::new(SlowSink::new(Duration::ZERO, Some(Duration::from_secs(10))));
