@@ -2298,15 +2298,34 @@ fn min_time<T: Ord>(a: Option<T>, b: Option<T>) -> Option<T> {
 /// Reads new rows below the horizon from `source` (the primary or a replica: either way
 /// every row below its horizon is there, see `HORIZON`) as `plan` says, and decodes them.
 /// Changes nothing: [`LogEngine::take`] puts the rows in memory.
+///
+/// The read runs in a transaction whose first statement takes this session's picture of
+/// `pg_stat_activity`, before the read's snapshot: the horizon rule leaves out a running
+/// transaction of another database only when that picture shows it, and one that ended
+/// between a snapshot and a later picture would count as running, holding the horizon
+/// below rows committed before the claim (a claim would hand out nothing it could). With
+/// the picture first, a transaction it does not show is either over before the snapshot
+/// or newer than everything committed before the read began.
 async fn read_rows(source: &PgPool, sql: &str, plan: &ReadPlan) -> Result<Vec<ReadRow>> {
+    let fail = |e| db_error("cannot read the outbox log", e);
+    // Read committed whatever the database's default: each statement its own snapshot.
+    let mut tx = source
+        .begin_with("BEGIN ISOLATION LEVEL READ COMMITTED")
+        .await
+        .map_err(fail)?;
+    sqlx::query("SELECT count(*) FROM pg_stat_activity")
+        .execute(&mut *tx)
+        .await
+        .map_err(fail)?;
     let rows = sqlx::query(sql)
         .bind(&plan.shards)
         .bind(&plan.xids)
         .bind(&plan.seqs)
         .bind(&plan.room)
-        .fetch_all(source)
+        .fetch_all(&mut *tx)
         .await
-        .map_err(|e| db_error("cannot read the outbox log", e))?;
+        .map_err(fail)?;
+    tx.commit().await.map_err(fail)?;
     rows.iter()
         .map(|row| {
             let (shard, pos) = position(row)?;
