@@ -456,7 +456,7 @@ async fn partition_run(n: u64, keys: u64) -> Result<(f64, f64, f64), String> {
         .fetch_all(&outbox.pool)
         .await
         .map_err(text)?;
-    // The housekeeping's statement (outbox-postgres/src/log.rs, `cleanup`), without retention.
+    // The housekeeping's statement (outbox-postgres/src/log/sql.rs, `cleanup`), without retention.
     let cleanup = format!(
         "DELETE FROM {t} o USING {shards} s
          WHERE s.shard = ANY($1) AND o.shard = s.shard
@@ -645,7 +645,7 @@ async fn open_transaction(scale: Scale, report: &mut Report) -> Result<(), Strin
         .map_err(text)?;
     let opened = Instant::now();
     tokio::time::sleep(hold / 2).await;
-    let lag = storage.horizon_lag().await.map_err(text)?;
+    let lag = storage.horizon().await.map_err(text)?;
     tokio::time::sleep(hold - hold / 2).await;
     blocker.commit().await.map_err(text)?;
     let committed = Instant::now();
@@ -729,10 +729,10 @@ async fn open_transaction(scale: Scale, report: &mut Report) -> Result<(), Strin
         report.add(
             "log open txn",
             &format!(
-                "{name}: horizon_lag() at half time: waiting rows (blocker found: {})",
-                lag.blocker_pid.is_some()
+                "{name}: horizon() at half time: waiting rows (blocker found: {})",
+                lag.held_by.is_some()
             ),
-            lag.waiting_rows as f64,
+            lag.waiting as f64,
             "rows",
             None,
         );

@@ -17,9 +17,15 @@ use crate::report::Report;
 use crate::setup::{CountingSink, SinkKind, text};
 use crate::{Scale, median};
 
+// test-support's list of services, read here without depending on the crate; the
+// benchmark uses only the MySQL URL of it.
+#[allow(dead_code)]
+#[path = "../../test-support/src/service.rs"]
+mod service;
+
+/// `$OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
 fn mysql_url() -> String {
-    std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
+    service::Service::MySql.url()
 }
 
 /// A fresh, migrated outbox table of its own.

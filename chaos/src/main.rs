@@ -86,11 +86,7 @@ struct Args {
     postgres_url: String,
     /// The database of the outbox with `--storage mysql` (tables of the run's own are created
     /// and dropped).
-    #[arg(
-        long,
-        env = "OUTBOX_TEST_MYSQL_URL",
-        default_value = "mysql://root@127.0.0.1:3306/test"
-    )]
+    #[arg(long, env = Service::MySql.env(), default_value = Service::MySql.default_url())]
     mysql_url: String,
     /// Relay processes on the one outbox table.
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u8).range(1..))]

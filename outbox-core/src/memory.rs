@@ -8,14 +8,19 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use async_trait::async_trait;
+use chrono::{DateTime, Utc};
 use tokio::sync::Notify;
 use tokio::time::Instant;
 use uuid::Uuid;
 
 use crate::{
-    Claim, ClaimToken, Error, Message, NewMessage, Outcome, QueueStats, Receipt, Result,
-    Settlement, Sink, Storage, StorageCapabilities,
+    Claim, ClaimToken, DeadLetterFilter, DeadLetterRow, Error, Message, NewMessage, Outcome,
+    ParkedKey, QueueStats, Receipt, Result, Settlement, Sink, Storage, StorageAdmin,
+    StorageCapabilities, TopicStats,
 };
+
+#[cfg(test)]
+mod tests;
 
 struct Row {
     message: Message,
@@ -26,14 +31,44 @@ struct Row {
     last_error: Option<String>,
 }
 
+impl Row {
+    /// Claimed under a lease that has not run out at `now`: in flight, not pending.
+    fn leased(&self, now: Instant) -> bool {
+        self.token.is_some() && self.due > now
+    }
+}
+
+/// Whether `dead` matches every field of `filter` that is set; `error` is the filter's
+/// [`last_error`](DeadLetterFilter::last_error) in ASCII lower case.
+fn matches(filter: &DeadLetterFilter, dead: &Dead, error: Option<&str>) -> bool {
+    let m = &dead.message;
+    filter.ids.as_ref().is_none_or(|ids| ids.contains(&m.id))
+        && filter.topic.as_ref().is_none_or(|t| *t == m.topic)
+        && filter
+            .key
+            .as_ref()
+            .is_none_or(|k| m.key.as_ref() == Some(k))
+        && error.is_none_or(|e| dead.error.to_ascii_lowercase().contains(e))
+}
+
+/// A dead-lettered message, with the sequence number it keeps for a replay.
+struct Dead {
+    seq: u64,
+    message: Message,
+    error: String,
+    /// When it was dead-lettered, on the wall clock.
+    at: DateTime<Utc>,
+}
+
 #[derive(Default)]
 struct State {
     next_seq: u64,
     rows: BTreeMap<u64, Row>,
     delivered: Vec<(Message, Receipt)>,
-    /// Dead letters with the sequence number they keep for a replay.
-    dead: Vec<(u64, Message, String)>,
-    parked: HashSet<String>,
+    /// Dead letters, in the order they were dead-lettered.
+    dead: Vec<Dead>,
+    /// Parked keys, each with the dead letter that parked it.
+    parked: BTreeMap<String, Uuid>,
     /// How far [`MemoryStorage::advance`] moved this storage's clock ahead of tokio's.
     offset: Duration,
 }
@@ -150,7 +185,7 @@ impl MemoryStorage {
         self.lock()
             .dead
             .iter()
-            .map(|(_, m, e)| (m.clone(), e.clone()))
+            .map(|d| (d.message.clone(), d.error.clone()))
             .collect()
     }
 
@@ -162,16 +197,22 @@ impl MemoryStorage {
         let now = state.now();
         let (back, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut state.dead)
             .into_iter()
-            .partition(|(_, m, _)| ids.contains(&m.id));
+            .partition(|d| ids.contains(&d.message.id));
         state.dead = kept;
         let n = back.len() as u64;
-        for (seq, mut message, error) in back {
+        for Dead {
+            seq,
+            mut message,
+            error,
+            ..
+        } in back
+        {
             message.attempts = 0;
             if let Some(key) = &message.key
                 && !state
                     .dead
                     .iter()
-                    .any(|(_, m, _)| m.key.as_ref() == Some(key))
+                    .any(|d| d.message.key.as_ref() == Some(key))
             {
                 state.parked.remove(key);
             }
@@ -195,14 +236,14 @@ impl MemoryStorage {
     pub fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
         let mut state = self.lock();
         let before = state.dead.len();
-        state.dead.retain(|(_, m, _)| !ids.contains(&m.id));
+        state.dead.retain(|d| !ids.contains(&d.message.id));
         (before - state.dead.len()) as u64
     }
 
     /// Lets a parked key's messages flow again without replaying its dead letter. Returns
     /// whether the key was parked.
     pub fn release_parked_key(&self, key: &str) -> bool {
-        let released = self.lock().parked.remove(key);
+        let released = self.lock().parked.remove(key).is_some();
         self.notify.notify_one();
         released
     }
@@ -234,17 +275,17 @@ impl Storage for MemoryStorage {
         let token = ClaimToken(Uuid::now_v7());
         let mut state = self.lock();
         let now = state.now();
-        let parked = state.parked.clone();
+        let State { rows, parked, .. } = &mut *state;
         // Keys stopped at a message that is not due: nothing after it may go.
         let mut stopped: HashSet<String> = HashSet::new();
         let mut messages = Vec::new();
-        for row in state.rows.values_mut().filter(|r| r.visible) {
+        for row in rows.values_mut().filter(|r| r.visible) {
             if messages.len() == limit {
                 break;
             }
             let key = row.message.key.clone().filter(|_| self.per_key_order);
             if let Some(k) = &key
-                && (parked.contains(k) || stopped.contains(k))
+                && (parked.contains_key(k) || stopped.contains(k))
             {
                 continue;
             }
@@ -272,9 +313,15 @@ impl Storage for MemoryStorage {
                 };
                 row.message.attempts += 1;
                 if let (true, Some(key)) = (self.per_key_order, &row.message.key) {
-                    state.parked.insert(key.clone());
+                    // A key already parked stays parked behind its first dead letter.
+                    state.parked.entry(key.clone()).or_insert(row.message.id);
                 }
-                state.dead.push((seq, row.message, d.error.clone()));
+                state.dead.push(Dead {
+                    seq,
+                    message: row.message,
+                    error: d.error.clone(),
+                    at: Utc::now(),
+                });
                 n += 1;
             }
         }
@@ -332,7 +379,7 @@ impl Storage for MemoryStorage {
         let state = self.lock();
         let now = state.now();
         let rows = || state.rows.values().filter(|r| r.visible);
-        let waiting = |r: &&Row| r.token.is_none() || r.due <= now;
+        let waiting = |r: &&Row| !r.leased(now);
         Ok(QueueStats {
             pending: rows().filter(waiting).count() as u64,
             oldest_pending: rows().filter(waiting).map(|r| r.message.created_at).min(),
@@ -353,6 +400,166 @@ impl Storage for MemoryStorage {
     async fn wait_for_work(&self) -> Result<()> {
         self.notify.notified().await;
         Ok(())
+    }
+}
+
+/// The operator's side, as the SQL storages do it: what `outbox status` and the dead-letter
+/// commands see. The repairs are the inherent methods of the same names.
+#[async_trait]
+impl StorageAdmin for MemoryStorage {
+    fn describe(&self) -> String {
+        "memory".to_string()
+    }
+
+    /// Nothing to create: an in-memory storage is always up to date.
+    async fn migrate(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Empty: [`migrate`](StorageAdmin::migrate) has nothing to run.
+    async fn migration_sql(&self) -> Result<String> {
+        Ok(String::new())
+    }
+
+    /// Enqueues `messages` as one committed transaction and wakes a waiting worker. Like a
+    /// table's unique index on the id, a message whose id is already in the queue (or twice
+    /// in `messages`) fails the whole call, and none is enqueued.
+    async fn enqueue(&self, messages: &[NewMessage]) -> Result<()> {
+        if messages.is_empty() {
+            return Ok(());
+        }
+        {
+            let state = self.lock();
+            let mut ids: HashSet<Uuid> = state.rows.values().map(|r| r.message.id).collect();
+            if let Some(m) = messages.iter().find(|m| !ids.insert(m.id)) {
+                return Err(Error::permanent(format!(
+                    "memory: enqueue failed: message {} is already in the outbox",
+                    m.id
+                )));
+            }
+        }
+        let tx = self.begin(messages.to_vec());
+        self.commit(tx);
+        Ok(())
+    }
+
+    /// Figures per topic of the committed messages and the dead letters, on this storage's
+    /// clock: a message claimed under a lease that ran out counts as pending again.
+    async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
+        let state = self.lock();
+        let now = state.now();
+        let mut topics: BTreeMap<&str, TopicStats> = BTreeMap::new();
+        fn of<'a, 'k>(
+            topics: &'a mut BTreeMap<&'k str, TopicStats>,
+            topic: &'k str,
+        ) -> &'a mut TopicStats {
+            topics.entry(topic).or_insert_with(|| TopicStats {
+                topic: topic.to_string(),
+                ..TopicStats::default()
+            })
+        }
+        for row in state.rows.values().filter(|r| r.visible) {
+            let figures = of(&mut topics, &row.message.topic);
+            if row.leased(now) {
+                figures.in_flight += 1;
+                continue;
+            }
+            figures.pending += 1;
+            if row.message.attempts > 0 {
+                figures.retrying += 1;
+            }
+            let created = row.message.created_at;
+            figures.oldest_pending =
+                Some(figures.oldest_pending.map_or(created, |o| o.min(created)));
+        }
+        for dead in &state.dead {
+            of(&mut topics, &dead.message.topic).dead_lettered += 1;
+        }
+        Ok(topics.into_values().collect())
+    }
+
+    async fn dead_letters(
+        &self,
+        filter: &DeadLetterFilter,
+        limit: usize,
+    ) -> Result<Vec<DeadLetterRow>> {
+        let state = self.lock();
+        let error = filter.last_error.as_deref().map(str::to_ascii_lowercase);
+        let mut found: Vec<&Dead> = state
+            .dead
+            .iter()
+            .filter(|d| matches(filter, d, error.as_deref()))
+            .collect();
+        // Oldest first: in enqueue order, as the SQL storages sort by sequence number.
+        found.sort_by_key(|d| d.seq);
+        Ok(found
+            .into_iter()
+            .take(limit)
+            .map(|d| {
+                let m = &d.message;
+                DeadLetterRow {
+                    message: Message {
+                        id: m.id,
+                        topic: m.topic.clone(),
+                        key: m.key.clone(),
+                        payload: if filter.without_payloads {
+                            Vec::new()
+                        } else {
+                            m.payload.clone()
+                        },
+                        headers: m.headers.clone(),
+                        created_at: m.created_at,
+                        attempts: m.attempts,
+                        trace_context: m.trace_context.clone(),
+                    },
+                    last_error: d.error.clone(),
+                    dead_lettered_at: d.at,
+                }
+            })
+            .collect())
+    }
+
+    async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        Ok(MemoryStorage::replay_dead_letters(self, ids))
+    }
+
+    async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
+        Ok(MemoryStorage::purge_dead_letters(self, ids))
+    }
+
+    /// Parked keys in key order, each with its oldest dead letter still there, or the one
+    /// that parked it once every dead letter of the key has been purged.
+    async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {
+        let state = self.lock();
+        Ok(state
+            .parked
+            .iter()
+            .map(|(key, parked_by)| ParkedKey {
+                key: key.clone(),
+                dead_letter: state
+                    .dead
+                    .iter()
+                    .filter(|d| d.message.key.as_ref() == Some(key))
+                    .min_by_key(|d| d.seq)
+                    .map_or(*parked_by, |d| d.message.id),
+            })
+            .collect())
+    }
+
+    async fn release_parked_key(&self, key: &str) -> Result<bool> {
+        Ok(MemoryStorage::release_parked_key(self, key))
+    }
+
+    /// The committed messages of `key` still in the queue (pending, in flight or waiting to
+    /// retry), as the SQL storages count the key's rows in the outbox table.
+    async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
+        let state = self.lock();
+        let n = state
+            .rows
+            .values()
+            .filter(|r| r.visible && r.message.key.as_deref() == Some(key))
+            .count();
+        Ok(Some(n as u64))
     }
 }
 

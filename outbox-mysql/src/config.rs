@@ -7,11 +7,8 @@ use std::time::Duration;
 use outbox_core::{Error, Result, redact_url};
 use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 
-/// The default of [`MySqlConfig::max_per_key`].
-pub const DEFAULT_MAX_PER_KEY: usize = 8;
-
-/// The largest [`MySqlConfig::max_per_key`] accepted.
-const MAX_MAX_PER_KEY: usize = 10_000;
+pub use outbox_sql::DEFAULT_MAX_PER_KEY;
+use outbox_sql::config::{check_max_connections, check_max_per_key, check_retention};
 
 /// Settings of the MySQL / MariaDB storage: the `[storage]` section of the relay's file and
 /// the Rust API alike. Every key but `url` has a default. `Debug` hides the password in the
@@ -266,27 +263,9 @@ impl MySqlConfig {
                 e
             }
         })?;
-        if self.max_connections < 1 {
-            return Err(Error::setting(
-                "max_connections",
-                "is 0; it must be at least 1",
-            ));
-        }
-        if !(1..=MAX_MAX_PER_KEY).contains(&self.max_per_key) {
-            return Err(Error::setting(
-                "max_per_key",
-                format!(
-                    "is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
-                    self.max_per_key
-                ),
-            ));
-        }
-        if self.retention.is_some_and(|r| r.is_zero()) {
-            return Err(Error::setting(
-                "retention",
-                "is 0; leave it unset to delete delivered rows, or give a duration",
-            ));
-        }
+        check_max_connections(self.max_connections)?;
+        check_max_per_key(self.max_per_key)?;
+        check_retention(self.retention)?;
         if self.connect_timeout.is_zero() {
             return Err(Error::setting("connect_timeout", "is 0; give e.g. 5s"));
         }

@@ -8,24 +8,15 @@ use sqlx::mysql::MySqlDatabaseError;
 use sqlx::{Connection, Executor, MySqlConnection, Row};
 use uuid::Uuid;
 
+use outbox_sql::inbox::{self, COLUMNS};
+use outbox_sql::migrate;
+
 use crate::OutboxTable;
 use crate::error::{Cause, cause, db_error};
-
-/// Longest consumer name accepted, in bytes.
-const MAX_CONSUMER: usize = 255;
-
-/// Ages past this delete nothing: no record is that old, and the cut-off would fall outside
-/// the range of a DATETIME.
-const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
-
-/// How long a migrator waits for another one before giving up, in seconds.
-const MIGRATION_WAIT_SECS: i64 = 60;
+use crate::table::Versions;
 
 /// ER_DUP_ENTRY: the (consumer, message_id) key is taken.
 const DUPLICATE_KEY: u16 = 1062;
-
-/// The columns an inbox table must have; a table without them is not an inbox.
-const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
 
 /// A consumer's inbox: the message ids it has processed, per consumer name, in the table
 /// `database.table` (and its versions in `<table>_migrations`). Inside the transaction that
@@ -108,69 +99,21 @@ impl Inbox {
     /// say). MySQL commits each DDL statement at once, and with it any open transaction:
     /// run it on a connection of its own.
     pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
-        let name = self.lock_name();
-        let got: Option<i64> = conn
-            .fetch_one(
-                sqlx::query("SELECT GET_LOCK(?, ?)")
-                    .bind(&name)
-                    .bind(MIGRATION_WAIT_SECS),
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        if got != Some(1) {
-            return Err(Error::unavailable(format!(
-                "mysql: migration of the inbox {} waited {MIGRATION_WAIT_SECS} s for another \
-                 migrator (lock `{name}`)",
-                self.qualified("")
-            )));
-        }
-        let result = self.migrate_locked(conn).await;
-        let released = conn
-            .execute(sqlx::query("SELECT RELEASE_LOCK(?)").bind(&name))
-            .await;
-        result?;
-        released.map_err(fail)?;
-        Ok(())
-    }
-
-    async fn migrate_locked(&self, conn: &mut MySqlConnection) -> Result<()> {
-        self.refuse_other_table(conn).await?;
-        let versions = self.qualified("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
-             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB"
-        );
-        conn.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i64 = conn
-            .fetch_one(
-                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
-                    .as_str(),
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        let record =
-            format!("INSERT INTO {versions} (version, applied_at) VALUES (?, UTC_TIMESTAMP(6))");
-        for (version, steps) in (1i64..).zip(MIGRATIONS) {
-            if version <= applied {
-                continue;
-            }
-            tracing::info!(table = %self.qualified(""), version, "applying inbox migration");
-            for step in *steps {
-                conn.execute(self.render(step).as_str())
-                    .await
-                    .map_err(fail)?;
-            }
-            conn.execute(sqlx::query(&record).bind(version))
-                .await
-                .map_err(fail)?;
-        }
-        Ok(())
+        let render = |step: &str| self.render(step);
+        let mut versions = Versions {
+            conn,
+            what: "inbox",
+            qualified: self.qualified(""),
+            versions: self.qualified("_migrations"),
+            lock: self.lock_name(),
+            render: &render,
+            inbox: Some(self),
+        };
+        migrate::run(&mut versions, MIGRATIONS, MIGRATIONS.len()).await
     }
 
     /// A `Config` error when a table of the inbox's name exists without the inbox's columns.
-    async fn refuse_other_table(&self, conn: &mut MySqlConnection) -> Result<()> {
+    pub(crate) async fn refuse_other_table(&self, conn: &mut MySqlConnection) -> Result<()> {
         let (exists, found): (i64, i64) = conn
             .fetch_one(
                 sqlx::query(
@@ -191,18 +134,12 @@ impl Inbox {
             .await
             .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
             .map_err(fail)?;
-        if exists > 0 && found < COLUMNS.len() as i64 {
-            return Err(Error::setting(
-                "table",
-                format!(
-                    "`{}` names an existing table in database `{}` that is not an inbox (it \
-                     lacks the columns consumer, message_id and processed_at); give the inbox \
-                     a table of its own, not the outbox's or an application's",
-                    self.table, self.database
-                ),
-            ));
-        }
-        Ok(())
+        inbox::check_table(
+            &self.table,
+            Some(("database", &self.database)),
+            exists > 0,
+            found,
+        )
     }
 
     /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
@@ -226,9 +163,9 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        check_consumer(consumer)?;
+        inbox::check_consumer(consumer)?;
         if !conn.is_in_transaction() {
-            return Err(outside_transaction());
+            return Err(inbox::outside_transaction());
         }
         let id = message_id.hyphenated().to_string();
         match conn
@@ -252,10 +189,10 @@ impl Inbox {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64> {
-        if limit == 0 || older_than > MAX_AGE {
+        let Some(age) = inbox::purge_age(older_than, limit) else {
             return Ok(0);
-        }
-        let micros = i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX);
+        };
+        let micros = outbox_sql::saturating_micros(age);
         let done = conn
             .execute(sqlx::query(&self.purge).bind(micros).bind(limit))
             .await
@@ -267,12 +204,7 @@ impl Inbox {
     /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
     fn error(&self, context: &str, error: sqlx::Error) -> Error {
         if cause(&error) == Cause::Schema {
-            return Error::schema(format!(
-                "mysql: {context}: the inbox table {} is missing or older than this release; \
-                 run Inbox::migrate",
-                self.qualified("")
-            ))
-            .with_source(error);
+            return inbox::missing_table("mysql", context, &self.qualified("")).with_source(error);
         }
         db_error(None, context, error)
     }
@@ -280,12 +212,10 @@ impl Inbox {
     /// The name of the migration lock: `GET_LOCK` names are server-wide and at most 64
     /// characters, so a hash of the qualified table stands for it.
     fn lock_name(&self) -> String {
-        // FNV-1a: stable across builds and platforms, unlike std's hasher.
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in format!("{}.{}", self.database, self.table).bytes() {
-            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        format!("outbox_inbox_migrate_{hash:016x}")
+        outbox_sql::lock_name(
+            "outbox_inbox_migrate",
+            &format!("{}.{}", self.database, self.table),
+        )
     }
 
     /// Fills a migration template's placeholders with validated, quoted names.
@@ -304,27 +234,6 @@ fn is_duplicate(error: &sqlx::Error) -> bool {
             .is_some_and(|e| e.number() == DUPLICATE_KEY),
         _ => false,
     }
-}
-
-/// A `Config` error unless `consumer` is 1 to 255 bytes.
-fn check_consumer(consumer: &str) -> Result<()> {
-    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
-        return Err(Error::config(format!(
-            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
-             (one name per consumer, the same on every delivery)"
-        )));
-    }
-    Ok(())
-}
-
-/// The error of [`Inbox::process`] outside a transaction.
-fn outside_transaction() -> Error {
-    Error::config(
-        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
-         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
-         change; outside one it would commit at once, and a failing handler would lose the \
-         message",
-    )
 }
 
 /// Classifies an error of a migration statement.
@@ -360,17 +269,6 @@ mod tests {
         assert!(err.to_string().contains("database `Bad`"), "{err}");
         let err = Inbox::new("app", "x`; DROP TABLE y; --").unwrap_err();
         assert!(err.to_string().contains("is not allowed"), "{err}");
-    }
-
-    #[test]
-    fn consumer_names_are_checked() {
-        assert!(check_consumer("billing").is_ok());
-        assert!(check_consumer(&"c".repeat(255)).is_ok());
-        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
-            let err = check_consumer(&bad).unwrap_err();
-            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
-            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
-        }
     }
 
     #[test]

@@ -1,9 +1,8 @@
 //! Reading rows: messages, dead letters and figures.
 
-use std::collections::BTreeMap;
-
 use chrono::{DateTime, NaiveDateTime, Utc};
 use outbox_core::{DeadLetterRow, Error, Message, QueueStats, Result, TopicStats, TraceContext};
+use outbox_sql::rows::headers_from_json;
 use sqlx::Row;
 use sqlx::mysql::MySqlRow;
 use uuid::Uuid;
@@ -115,44 +114,4 @@ pub(crate) fn dead_letter(row: &MySqlRow) -> Result<DeadLetterRow> {
         last_error: text(row, "last_error").map_err(get)?,
         dead_lettered_at: utc(row.try_get("dead_lettered_at").map_err(get)?),
     })
-}
-
-/// Headers are a JSON object of strings. Rows written by hand may hold other JSON values:
-/// non-string values are passed on as their JSON text, anything else in a header named
-/// `headers`, rather than dropped.
-fn headers_from_json(id: Uuid, text: &str) -> BTreeMap<String, String> {
-    match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(serde_json::Value::Object(map)) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        Ok(serde_json::Value::Null) => BTreeMap::new(),
-        _ if text.is_empty() => BTreeMap::new(),
-        _ => {
-            tracing::warn!(%id, "headers column is not a JSON object; passing it on as `headers`");
-            BTreeMap::from([("headers".to_string(), text.to_string())])
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn headers_survive_odd_json() {
-        let id = Uuid::now_v7();
-        assert_eq!(
-            headers_from_json(id, r#"{"a": "b", "n": 1}"#),
-            BTreeMap::from([("a".into(), "b".into()), ("n".into(), "1".into())])
-        );
-        assert!(headers_from_json(id, "null").is_empty());
-        assert_eq!(
-            headers_from_json(id, "[1]"),
-            BTreeMap::from([("headers".into(), "[1]".into())])
-        );
-    }
 }

@@ -2,7 +2,7 @@
 //! [`Storage`] implementation: claims under fenced leases, settlements, queue figures and
 //! housekeeping. The operator's repairs are in `admin.rs`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -14,6 +14,8 @@ use outbox_core::{
 use sqlx::mysql::{MySqlConnection, MySqlPool, MySqlRow};
 use sqlx::{MySql, Row, Transaction};
 use uuid::Uuid;
+
+use outbox_sql::first_of_each;
 
 use crate::error::{Origin, db_error};
 use crate::sql::{self, Statements};
@@ -63,13 +65,7 @@ impl std::fmt::Debug for MySqlStorage {
 /// A delay or lease as the microseconds the statements add to the database's clock,
 /// saturating at [`MAX_DELAY`].
 pub(crate) fn micros(d: Duration) -> i64 {
-    i64::try_from(d.min(MAX_DELAY).as_micros()).unwrap_or(i64::MAX)
-}
-
-/// Keeps the first entry of each id: a list that names a message twice changes it once.
-fn first_of_each<T>(items: &[T], id: impl Fn(&T) -> Uuid) -> Vec<&T> {
-    let mut seen = HashSet::new();
-    items.iter().filter(|item| seen.insert(id(item))).collect()
+    outbox_sql::saturating_micros(d.min(MAX_DELAY))
 }
 
 /// Ids as the text the `id` columns hold.
@@ -843,8 +839,8 @@ fn no_such_table(error: &sqlx::Error) -> bool {
 /// 42S02, no such table; 42S22, unknown column): the schema is an older release's, which
 /// relays accept until a DBA applies the new steps.
 fn older_schema(error: &sqlx::Error) -> bool {
-    no_such_table(error)
-        || matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S22"))
+    matches!(error, sqlx::Error::Database(db)
+        if outbox_sql::missing_table_or_column(db.code().as_deref()))
 }
 
 #[cfg(test)]
@@ -855,12 +851,5 @@ mod tests {
     fn delays_saturate() {
         assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
         assert_eq!(micros(Duration::MAX), MAX_DELAY.as_micros() as i64);
-    }
-
-    #[test]
-    fn lists_name_each_message_once() {
-        let a = Uuid::now_v7();
-        let b = Uuid::now_v7();
-        assert_eq!(first_of_each(&[a, b, a], |id| *id), vec![&a, &b]);
     }
 }

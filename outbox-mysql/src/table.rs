@@ -4,12 +4,11 @@
 use std::time::{Duration, Instant};
 
 use outbox_core::{Error, NewMessage, Result};
+use outbox_sql::columns::{Columns, Inserts};
+use outbox_sql::{migrate, names};
 use sqlx::{Executor, MySqlConnection, Row};
 
 use crate::error::db_error;
-
-/// Longest database or table name accepted (MySQL allows 64; the companions add up to 14).
-const MAX_NAME: usize = 40;
 
 /// Messages per INSERT of [`OutboxTable::enqueue_many`] (8 placeholders each, far below the
 /// 65,535 a prepared statement may have).
@@ -17,10 +16,6 @@ const ROWS_PER_INSERT: usize = 500;
 
 /// How long a migrator waits for another one before giving up, in seconds.
 const MIGRATION_WAIT_SECS: u64 = 60;
-
-/// The columns an application writes, in the order of the INSERTs.
-pub(crate) const INSERT_COLUMNS: &str =
-    "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
 /// The suffixes of an outbox's tables: the outbox itself (`""`) and its companions, named
 /// `<table><suffix>`. Every table the migrations create is listed here.
@@ -43,53 +38,21 @@ pub const TABLE_SUFFIXES: [&str; 8] = [
 pub struct OutboxTable {
     database: String,
     table: String,
-    insert_one: String,
-    insert_chunk: String,
-}
-
-/// Checks that `name` is a plain lower-case identifier; the error is keyed `key`.
-fn validate_name(key: &str, name: &str) -> Result<()> {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
-    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !first_ok || !rest_ok || name.len() > MAX_NAME {
-        return Err(Error::setting(
-            key,
-            format!(
-                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
-                 underscores, starting with a letter or underscore"
-            ),
-        ));
-    }
-    Ok(())
+    inserts: Inserts,
 }
 
 impl OutboxTable {
     /// The outbox table `table` in database `database`. Fails if a name is not a plain
     /// identifier (errors keyed `database` and `table`).
     pub fn new(database: &str, table: &str) -> Result<Self> {
-        validate_name("database", database)?;
-        validate_name("table", table)?;
-        let mut outbox = OutboxTable {
+        // MySQL allows 64; the companions add up to 14.
+        names::validate("database", database, None)?;
+        names::validate("table", table, None)?;
+        Ok(OutboxTable {
             database: database.to_string(),
             table: table.to_string(),
-            insert_one: String::new(),
-            insert_chunk: String::new(),
-        };
-        outbox.insert_one = outbox.insert(1);
-        outbox.insert_chunk = outbox.insert(ROWS_PER_INSERT);
-        Ok(outbox)
-    }
-
-    /// An INSERT of `rows` messages.
-    fn insert(&self, rows: usize) -> String {
-        let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?)"; rows].join(", ");
-        format!(
-            "INSERT INTO {} ({INSERT_COLUMNS}) VALUES {values}",
-            self.qualified("")
-        )
+            inserts: Inserts::new(format!("`{database}`.`{table}`"), ROWS_PER_INSERT),
+        })
     }
 
     /// The database name.
@@ -127,16 +90,8 @@ impl OutboxTable {
         conn: &mut MySqlConnection,
         messages: &[NewMessage],
     ) -> Result<()> {
-        let mut rows = Vec::with_capacity(messages.len());
-        for message in messages {
-            rows.push(Columns::of(message)?);
-        }
-        for chunk in rows.chunks(ROWS_PER_INSERT) {
-            let sql = match chunk.len() {
-                1 => self.insert_one.clone(),
-                ROWS_PER_INSERT => self.insert_chunk.clone(),
-                n => self.insert(n),
-            };
+        let rows = Columns::all(messages)?;
+        for (sql, chunk) in self.inserts.chunks(&rows) {
             let mut query = sqlx::query(&sql);
             for row in chunk {
                 query = query
@@ -147,7 +102,8 @@ impl OutboxTable {
                     .bind(row.headers.as_str())
                     .bind(row.traceparent)
                     .bind(row.tracestate)
-                    .bind(row.created_at);
+                    // DATETIME holds no zone: the table's times are UTC.
+                    .bind(row.created_at.naive_utc());
             }
             conn.execute(query)
                 .await
@@ -161,32 +117,17 @@ impl OutboxTable {
     /// another), versions are recorded in `<table>_migrations` and never run twice. MySQL
     /// commits DDL at once, so a version is not atomic; every step of one can run again.
     pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
-        let name = self.lock_name();
-        let started = Instant::now();
-        let got: Option<i64> = sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
-            .bind(&name)
-            .bind(MIGRATION_WAIT_SECS as i64)
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(fail)?;
-        if got != Some(1) {
-            return Err(Error::unavailable(format!(
-                "mysql: migration of {} waited {:?} for another migrator (lock `{name}`)",
-                self.qualified(""),
-                started
-                    .elapsed()
-                    .min(Duration::from_secs(MIGRATION_WAIT_SECS))
-            )));
-        }
-        let result = self.migrate_locked(conn).await;
-        if let Err(e) = sqlx::query("SELECT RELEASE_LOCK(?)")
-            .bind(&name)
-            .execute(&mut *conn)
-            .await
-        {
-            tracing::warn!(error = %e, "mysql: releasing the migration lock failed");
-        }
-        result
+        let render = |step: &str| self.render(step);
+        let mut versions = Versions {
+            conn,
+            what: "outbox",
+            qualified: self.qualified(""),
+            versions: self.qualified("_migrations"),
+            lock: self.lock_name(),
+            render: &render,
+            inbox: None,
+        };
+        migrate::run(&mut versions, MIGRATIONS, MIGRATIONS.len()).await
     }
 
     /// The script that [`migrate`](Self::migrate) would run on `conn` now, for a database
@@ -219,9 +160,7 @@ impl OutboxTable {
             .and_then(|row| row.try_get(0))
             .map_err(fail)?
         };
-        let pending: Vec<String> = (1i64..)
-            .zip(MIGRATIONS)
-            .filter(|(version, _)| *version > applied)
+        let pending: Vec<String> = migrate::pending(applied, MIGRATIONS, MIGRATIONS.len())
             .map(|(version, steps)| {
                 let statements: String = steps
                     .iter()
@@ -244,53 +183,13 @@ impl OutboxTable {
         ))
     }
 
-    async fn migrate_locked(&self, conn: &mut MySqlConnection) -> Result<()> {
-        let versions = self.qualified("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
-             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB"
-        );
-        conn.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i64 = conn
-            .fetch_one(
-                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
-                    .as_str(),
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        let record =
-            format!("INSERT INTO {versions} (version, applied_at) VALUES (?, UTC_TIMESTAMP(6))");
-        for (version, steps) in (1i64..).zip(MIGRATIONS) {
-            if version <= applied {
-                continue;
-            }
-            tracing::info!(table = %self.qualified(""), version, "applying outbox migration");
-            for step in *steps {
-                match conn.execute(self.render(step).as_str()).await {
-                    Ok(_) => {}
-                    // DDL is not transactional here: an `ADD COLUMN` that ran before a crash
-                    // (its version unrecorded) is done, not an error.
-                    Err(e) if duplicate_column(&e) => {}
-                    Err(e) => return Err(fail(e)),
-                }
-            }
-            conn.execute(sqlx::query(&record).bind(version))
-                .await
-                .map_err(fail)?;
-        }
-        Ok(())
-    }
-
     /// The name of the migration lock: `GET_LOCK` names are server-wide and at most 64
     /// characters, so a hash of the qualified table stands for it.
     fn lock_name(&self) -> String {
-        // FNV-1a: stable across builds and platforms, unlike std's hasher.
-        let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-        for byte in format!("{}.{}", self.database, self.table).bytes() {
-            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        format!("outbox_migrate_{hash:016x}")
+        outbox_sql::lock_name(
+            "outbox_migrate",
+            &format!("{}.{}", self.database, self.table),
+        )
     }
 
     /// Fills a migration template's placeholders with validated, quoted names.
@@ -313,49 +212,142 @@ fn fail(error: sqlx::Error) -> Error {
     db_error(None, "migration failed", error)
 }
 
+/// The versions of an outbox's or an inbox's migrations (`<table>_migrations`), under a
+/// named lock (`GET_LOCK`, server-wide): migrators take turns, one waits up to a minute for
+/// another. MySQL commits each DDL statement at once, so a version is not atomic; every
+/// step of one can run again.
+pub(crate) struct Versions<'a> {
+    pub(crate) conn: &'a mut MySqlConnection,
+    /// `outbox` or `inbox`, for the log.
+    pub(crate) what: &'static str,
+    /// The quoted, qualified table, for the log and errors.
+    pub(crate) qualified: String,
+    /// The quoted, qualified `<table>_migrations`.
+    pub(crate) versions: String,
+    /// The name of the `GET_LOCK` lock.
+    pub(crate) lock: String,
+    pub(crate) render: &'a (dyn Fn(&str) -> String + Sync),
+    /// The inbox being migrated, which refuses a table that is not one.
+    pub(crate) inbox: Option<&'a crate::Inbox>,
+}
+
+impl Versions<'_> {
+    /// Classifies an error of a migration statement.
+    fn fail(&self) -> impl Fn(sqlx::Error) -> Error + use<> {
+        let context = if self.inbox.is_some() {
+            "inbox migration failed"
+        } else {
+            "migration failed"
+        };
+        move |error| db_error(None, context, error)
+    }
+}
+
+impl migrate::Dialect for Versions<'_> {
+    type Step = &'static [&'static str];
+
+    async fn lock(&mut self) -> Result<()> {
+        let started = Instant::now();
+        let got: Option<i64> = self
+            .conn
+            .fetch_one(
+                sqlx::query("SELECT GET_LOCK(?, ?)")
+                    .bind(&self.lock)
+                    .bind(MIGRATION_WAIT_SECS as i64),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(self.fail())?;
+        if got == Some(1) {
+            return Ok(());
+        }
+        let name = &self.lock;
+        Err(Error::unavailable(if self.inbox.is_some() {
+            format!(
+                "mysql: migration of the inbox {} waited {MIGRATION_WAIT_SECS} s for another \
+                 migrator (lock `{name}`)",
+                self.qualified
+            )
+        } else {
+            format!(
+                "mysql: migration of {} waited {:?} for another migrator (lock `{name}`)",
+                self.qualified,
+                started
+                    .elapsed()
+                    .min(Duration::from_secs(MIGRATION_WAIT_SECS))
+            )
+        }))
+    }
+
+    async fn check(&mut self) -> Result<()> {
+        match self.inbox {
+            Some(inbox) => inbox.refuse_other_table(self.conn).await,
+            None => Ok(()),
+        }
+    }
+
+    async fn applied(&mut self) -> Result<i64> {
+        let versions = &self.versions;
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INT NOT NULL PRIMARY KEY, \
+             applied_at DATETIME(6) NOT NULL) ENGINE=InnoDB"
+        );
+        self.conn
+            .execute(create.as_str())
+            .await
+            .map_err(self.fail())?;
+        self.conn
+            .fetch_one(
+                format!("SELECT CAST(COALESCE(MAX(version), 0) AS SIGNED) FROM {versions}")
+                    .as_str(),
+            )
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(self.fail())
+    }
+
+    async fn apply(&mut self, version: i64, steps: &&'static [&'static str]) -> Result<()> {
+        tracing::info!(table = %self.qualified, version, "applying {} migration", self.what);
+        for step in *steps {
+            match self.conn.execute((self.render)(step).as_str()).await {
+                Ok(_) => {}
+                // DDL is not transactional here: an `ADD COLUMN` that ran before a crash
+                // (its version unrecorded) is done, not an error.
+                Err(e) if duplicate_column(&e) => {}
+                Err(e) => return Err(self.fail()(e)),
+            }
+        }
+        let record = format!(
+            "INSERT INTO {} (version, applied_at) VALUES (?, UTC_TIMESTAMP(6))",
+            self.versions
+        );
+        self.conn
+            .execute(sqlx::query(&record).bind(version))
+            .await
+            .map_err(self.fail())?;
+        Ok(())
+    }
+
+    async fn unlock(&mut self) -> Result<()> {
+        let released = self
+            .conn
+            .execute(sqlx::query("SELECT RELEASE_LOCK(?)").bind(&self.lock))
+            .await;
+        match released {
+            Ok(_) => Ok(()),
+            // The outbox's migration only warns: the lock goes with the session.
+            Err(e) if self.inbox.is_none() => {
+                tracing::warn!(error = %e, "mysql: releasing the migration lock failed");
+                Ok(())
+            }
+            Err(e) => Err(self.fail()(e)),
+        }
+    }
+}
+
 /// `ADD COLUMN` of a column that is there (SQLSTATE 42S21, error 1060).
 fn duplicate_column(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db) if db.code().as_deref() == Some("42S21"))
-}
-
-/// One message as the columns of the outbox table hold it.
-struct Columns<'a> {
-    id: String,
-    topic: &'a str,
-    key: Option<&'a str>,
-    payload: &'a [u8],
-    headers: String,
-    traceparent: Option<&'a str>,
-    tracestate: Option<&'a str>,
-    created_at: chrono::NaiveDateTime,
-}
-
-impl<'a> Columns<'a> {
-    fn of(m: &'a NewMessage) -> Result<Self> {
-        if m.topic.is_empty() {
-            return Err(Error::permanent(format!(
-                "message {} has an empty topic; every message needs a topic",
-                m.id
-            )));
-        }
-        let headers = serde_json::to_string(&m.headers)
-            .map_err(|e| Error::permanent(format!("message {}: headers: {e}", m.id)))?;
-        let (traceparent, tracestate) = match &m.trace_context {
-            Some(t) => (Some(t.traceparent.as_str()), t.tracestate.as_deref()),
-            None => (None, None),
-        };
-        Ok(Columns {
-            id: m.id.hyphenated().to_string(),
-            topic: &m.topic,
-            key: m.key.as_deref(),
-            payload: &m.payload,
-            headers,
-            traceparent,
-            tracestate,
-            // DATETIME holds no zone: the table's times are UTC.
-            created_at: m.created_at.naive_utc(),
-        })
-    }
 }
 
 /// Schema migrations, applied in order (version = position + 1), each a list of

@@ -49,14 +49,7 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn topic_stats(&self) -> Result<Vec<TopicStats>> {
-        if let Some(log) = &self.log {
-            return log.topic_stats(self.pool()).await;
-        }
-        let rows = sqlx::query(&self.sql.topic_stats)
-            .fetch_all(self.pool())
-            .await
-            .map_err(|e| db_error("cannot read topic figures", e))?;
-        rows.iter().map(rows::topic_stats).collect()
+        self.mode().topic_stats(&self.shared).await
     }
 
     async fn dead_letters(
@@ -64,7 +57,7 @@ impl StorageAdmin for PgStorage {
         filter: &DeadLetterFilter,
         limit: usize,
     ) -> Result<Vec<DeadLetterRow>> {
-        let rows = sqlx::query(&self.sql.find_dead_letters)
+        let rows = sqlx::query(&self.shared.sql.find_dead_letters)
             .bind(i64::try_from(limit).unwrap_or(i64::MAX))
             .bind(filter.ids.as_deref())
             .bind(filter.topic.as_deref())
@@ -78,26 +71,11 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn replay_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
-        if let Some(log) = &self.log {
-            let n: i64 = sqlx::query_scalar(&log.sql.replay)
-                .bind(ids)
-                .bind(self.config().per_key_order)
-                .fetch_one(self.pool())
-                .await
-                .map_err(|e| db_error("cannot replay dead letters", e))?;
-            return Ok(n.max(0) as u64);
-        }
-        let n: i64 = sqlx::query_scalar(&self.sql.replay_dead_letters)
-            .bind(ids)
-            .bind(self.table().lock_key())
-            .fetch_one(self.pool())
-            .await
-            .map_err(|e| db_error("cannot replay dead letters", e))?;
-        Ok(n.max(0) as u64)
+        self.mode().replay(&self.shared, ids).await
     }
 
     async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
-        let done = sqlx::query(&self.sql.purge_dead_letters)
+        let done = sqlx::query(&self.shared.sql.purge_dead_letters)
             .bind(ids)
             .execute(self.pool())
             .await
@@ -106,7 +84,7 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {
-        let rows: Vec<(String, Uuid)> = sqlx::query_as(&self.sql.parked_keys)
+        let rows: Vec<(String, Uuid)> = sqlx::query_as(&self.shared.sql.parked_keys)
             .fetch_all(self.pool())
             .await
             .map_err(|e| db_error("cannot list parked keys", e))?;
@@ -117,33 +95,13 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn release_parked_key(&self, key: &str) -> Result<bool> {
-        let sql = match &self.log {
-            // The owner delivers the key's held rows, then unparks it.
-            Some(log) => &log.sql.release,
-            None => &self.sql.release_parked_key,
-        };
-        let done = sqlx::query(sql)
-            .bind(key)
-            .execute(self.pool())
-            .await
-            .map_err(|e| db_error("cannot release parked key", e))?;
-        Ok(done.rows_affected() > 0)
+        self.mode().release(&self.shared, key).await
     }
 
     async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {
-        // Log mode keeps a key's held messages elsewhere (its own count lives in log.rs).
-        if self.log.is_some() {
-            return self.log_waiting_behind(key).await;
-        }
-        let sql = format!(
-            "SELECT count(*) FROM {} WHERE partition_key = $1",
-            self.table().qualified("")
-        );
-        let n: i64 = sqlx::query_scalar(&sql)
-            .bind(key)
-            .fetch_one(self.pool())
+        self.mode()
+            .waiting_behind(&self.shared, key)
             .await
-            .map_err(|e| db_error("cannot count the messages behind a parked key", e))?;
-        Ok(Some(n.max(0) as u64))
+            .map(Some)
     }
 }

@@ -5,11 +5,8 @@ use std::time::Duration;
 
 use outbox_core::{Error, Result, redact_url};
 
-/// The default of [`PostgresConfig::max_per_key`].
-pub const DEFAULT_MAX_PER_KEY: usize = 8;
-
-/// The largest [`PostgresConfig::max_per_key`] accepted.
-const MAX_MAX_PER_KEY: usize = 10_000;
+pub use outbox_sql::DEFAULT_MAX_PER_KEY;
+use outbox_sql::config::{check_max_per_key, check_retention};
 
 /// The default of [`PostgresConfig::shards`].
 pub const DEFAULT_SHARDS: u32 = 16;
@@ -235,28 +232,14 @@ impl PostgresConfig {
                 ),
             ));
         }
-        if !(1..=MAX_MAX_PER_KEY).contains(&self.max_per_key) {
-            return Err(Error::setting(
-                "max_per_key",
-                format!(
-                    "is {}; it must be between 1 and {MAX_MAX_PER_KEY}",
-                    self.max_per_key
-                ),
-            ));
-        }
+        check_max_per_key(self.max_per_key)?;
         if !(1..=MAX_SHARDS).contains(&self.shards) {
             return Err(Error::setting(
                 "shards",
                 format!("is {}; it must be between 1 and {MAX_SHARDS}", self.shards),
             ));
         }
-        if self.retention.is_some_and(|r| r.is_zero()) {
-            return Err(Error::setting(
-                "retention",
-                "is 0; leave it unset to delete delivered rows, or give a duration",
-            ));
-        }
-        Ok(())
+        check_retention(self.retention)
     }
 
     /// Whether any of the `tls_*` files is given.

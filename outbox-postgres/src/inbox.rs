@@ -7,18 +7,11 @@ use outbox_core::{Error, Result};
 use sqlx::{Connection, Executor, PgConnection, Row};
 use uuid::Uuid;
 
+use outbox_sql::inbox::{self, COLUMNS};
+use outbox_sql::{fnv1a, migrate};
+
 use crate::OutboxTable;
 use crate::error::db_error;
-
-/// Longest consumer name accepted, in bytes.
-const MAX_CONSUMER: usize = 255;
-
-/// Ages past this delete nothing: no record is that old, and the cut-off would fall outside
-/// the range of a timestamp.
-const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
-
-/// The columns an inbox table must have; a table without them is not an inbox.
-const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
 
 /// A consumer's inbox: the message ids it has processed, per consumer name, in the table
 /// `schema.table` (and its versions in `<table>_migrations`). Inside the transaction that
@@ -125,30 +118,15 @@ impl Inbox {
         tx.execute(sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(self.migration_key()))
             .await
             .map_err(fail)?;
-        self.refuse_other_table(&mut tx).await?;
-        let versions = self.qualified("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        );
-        tx.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i32 = tx
-            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        let record = format!("INSERT INTO {versions} (version) VALUES ($1)");
-        for (version, template) in (1..).zip(MIGRATIONS) {
-            if version <= applied {
-                continue;
-            }
-            tracing::info!(schema = %self.schema, table = %self.table, version, "applying inbox migration");
-            tx.execute(self.render(template).as_str())
-                .await
-                .map_err(fail)?;
-            tx.execute(sqlx::query(&record).bind(version))
-                .await
-                .map_err(fail)?;
-        }
+        migrate::run(
+            &mut Versions {
+                conn: &mut tx,
+                inbox: self,
+            },
+            MIGRATIONS,
+            MIGRATIONS.len(),
+        )
+        .await?;
         tx.commit().await.map_err(fail)
     }
 
@@ -166,18 +144,7 @@ impl Inbox {
             .await
             .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
             .map_err(fail)?;
-        if exists && found < COLUMNS.len() as i64 {
-            return Err(Error::setting(
-                "table",
-                format!(
-                    "`{}` names an existing table in schema `{}` that is not an inbox (it lacks \
-                     the columns consumer, message_id and processed_at); give the inbox a \
-                     table of its own, not the outbox's or an application's",
-                    self.table, self.schema
-                ),
-            ));
-        }
-        Ok(())
+        inbox::check_table(&self.table, Some(("schema", &self.schema)), exists, found)
     }
 
     /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
@@ -200,9 +167,9 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        check_consumer(consumer)?;
+        inbox::check_consumer(consumer)?;
         if !conn.is_in_transaction() {
-            return Err(outside_transaction());
+            return Err(inbox::outside_transaction());
         }
         let done = conn
             .execute(sqlx::query(&self.insert).bind(consumer).bind(message_id))
@@ -222,10 +189,10 @@ impl Inbox {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64> {
-        if limit == 0 || older_than > MAX_AGE {
+        let Some(age) = inbox::purge_age(older_than, limit) else {
             return Ok(0);
-        }
-        let micros = i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX);
+        };
+        let micros = outbox_sql::saturating_micros(age);
         let done = conn
             .execute(sqlx::query(&self.purge).bind(micros).bind(i64::from(limit)))
             .await
@@ -238,15 +205,11 @@ impl Inbox {
     fn error(&self, context: &str, error: sqlx::Error) -> Error {
         let missing = matches!(
             &error,
-            sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("42P01" | "42703"))
+            sqlx::Error::Database(db) if outbox_sql::missing_table_or_column(db.code().as_deref())
         );
         if missing {
-            return Error::schema(format!(
-                "postgres: {context}: the inbox table {} is missing or older than this release; \
-                 run Inbox::migrate",
-                self.qualified("")
-            ))
-            .with_source(error);
+            return inbox::missing_table("postgres", context, &self.qualified(""))
+                .with_source(error);
         }
         db_error(context, error)
     }
@@ -273,41 +236,59 @@ fn schema_key(schema: &str) -> i64 {
     fnv1a(&format!("outbox-schema:{schema}")) as i64
 }
 
-/// 64-bit FNV-1a: stable across processes and versions, unlike std's hasher (as in
-/// `OutboxTable`, whose lock keys these must match).
-fn fnv1a(text: &str) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in text.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    hash
-}
-
-/// A `Config` error unless `consumer` is 1 to 255 bytes.
-fn check_consumer(consumer: &str) -> Result<()> {
-    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
-        return Err(Error::config(format!(
-            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
-             (one name per consumer, the same on every delivery)"
-        )));
-    }
-    Ok(())
-}
-
-/// The error of [`Inbox::process`] outside a transaction.
-fn outside_transaction() -> Error {
-    Error::config(
-        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
-         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
-         change; outside one it would commit at once, and a failing handler would lose the \
-         message",
-    )
-}
-
 /// Classifies an error of a migration statement.
 fn fail(error: sqlx::Error) -> Error {
     db_error("inbox migration failed", error)
+}
+
+/// The versions of an inbox's migrations (`<table>_migrations`), in the migration's
+/// transaction, which holds the inbox's advisory lock: the steps commit together.
+struct Versions<'a> {
+    conn: &'a mut PgConnection,
+    inbox: &'a Inbox,
+}
+
+impl migrate::Dialect for Versions<'_> {
+    type Step = &'static str;
+
+    async fn check(&mut self) -> Result<()> {
+        self.inbox.refuse_other_table(self.conn).await
+    }
+
+    async fn applied(&mut self) -> Result<i64> {
+        let versions = self.inbox.qualified("_migrations");
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+        );
+        self.conn.execute(create.as_str()).await.map_err(fail)?;
+        let applied: i32 = self
+            .conn
+            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(fail)?;
+        Ok(i64::from(applied))
+    }
+
+    async fn apply(&mut self, version: i64, template: &&'static str) -> Result<()> {
+        let Inbox { schema, table, .. } = self.inbox;
+        tracing::info!(%schema, %table, version, "applying inbox migration");
+        let version = i32::try_from(version)
+            .map_err(|_| Error::permanent(format!("inbox migration {version} is out of range")))?;
+        let record = format!(
+            "INSERT INTO {} (version) VALUES ($1)",
+            self.inbox.qualified("_migrations")
+        );
+        self.conn
+            .execute(self.inbox.render(template).as_str())
+            .await
+            .map_err(fail)?;
+        self.conn
+            .execute(sqlx::query(&record).bind(version))
+            .await
+            .map_err(fail)?;
+        Ok(())
+    }
 }
 
 /// Inbox migrations, applied in order (version = position + 1); never change the effect of
@@ -337,17 +318,6 @@ mod tests {
         assert!(err.to_string().contains("schema `Bad`"), "{err}");
         let err = Inbox::new("app", "x\"; DROP TABLE y; --").unwrap_err();
         assert!(err.to_string().contains("is not allowed"), "{err}");
-    }
-
-    #[test]
-    fn consumer_names_are_checked() {
-        assert!(check_consumer("billing").is_ok());
-        assert!(check_consumer(&"c".repeat(255)).is_ok());
-        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
-            let err = check_consumer(&bad).unwrap_err();
-            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
-            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
-        }
     }
 
     #[test]

@@ -6,6 +6,7 @@ mod config;
 mod connection;
 mod error;
 mod inbox;
+mod lease;
 mod log;
 mod rows;
 mod sql;
@@ -14,7 +15,6 @@ mod table;
 mod wakeup;
 
 pub use config::{DEFAULT_MAX_PER_KEY, DEFAULT_SHARDS, LogStart, PostgresConfig, StorageMode};
-pub use log::HorizonLag;
 /// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
 /// code written against this crate.
 pub use outbox_core::{DeadLetterFilter, DeadLetterRow, TopicStats};

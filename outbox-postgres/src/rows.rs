@@ -1,8 +1,7 @@
 //! Decoding rows into the engine's types. The statements that select them are in `sql.rs`.
 
-use std::collections::BTreeMap;
-
 use outbox_core::{Message, QueueStats, Result, TraceContext};
+use outbox_sql::rows::headers_from_value as headers_from_json;
 use sqlx::Row;
 use sqlx::postgres::PgRow;
 use uuid::Uuid;
@@ -93,23 +92,4 @@ pub(crate) fn dead_letter(row: &PgRow) -> Result<DeadLetterRow> {
         last_error: row.try_get("last_error").map_err(get)?,
         dead_lettered_at: row.try_get("dead_lettered_at").map_err(get)?,
     })
-}
-
-/// Headers are a JSON object of strings. Rows written by hand in SQL may hold other JSON
-/// values: those are passed on as their JSON text rather than dropped.
-fn headers_from_json(id: Uuid, value: serde_json::Value) -> BTreeMap<String, String> {
-    match value {
-        serde_json::Value::Object(map) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        serde_json::Value::Null => BTreeMap::new(),
-        other => {
-            tracing::warn!(%id, "headers column is not a JSON object; passing it on as `headers`");
-            BTreeMap::from([("headers".to_string(), other.to_string())])
-        }
-    }
 }

@@ -1,47 +1,108 @@
 //! [`PgStorage`]: its lifecycle (connection pool, migrations) and the relay side, the
-//! [`Storage`] implementation: claims under fenced leases, settlements, queue figures and
-//! housekeeping. The operator's repairs are in `admin.rs`, the wake-up in `wakeup.rs`.
+//! [`Storage`] implementation. What the two modes share (pool, table, configuration, the
+//! shared queue figures, the wake-up) is here; what each does its own way is a [`Mode`]:
+//! lease mode in `lease.rs`, log mode in `log/`. The operator's repairs are in `admin.rs`,
+//! the wake-up in `wakeup.rs`.
 
 use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Claim, ClaimToken, QueueStats, Result, Settlement, Storage, StorageCapabilities,
+    Claim, ClaimToken, HorizonLag, QueueStats, Result, Settlement, Storage, StorageCapabilities,
+    TopicStats,
 };
+use outbox_sql::saturating_millis;
 use sqlx::Row;
-use sqlx::postgres::PgPool;
+use sqlx::postgres::{PgConnection, PgPool};
 use uuid::Uuid;
 
 use crate::error::db_error;
+use crate::lease::LeaseEngine;
 use crate::log::LogEngine;
 use crate::sql::{self, Statements};
 use crate::wakeup::Wakeup;
 use crate::{LogStart, OutboxTable, PostgresConfig, StorageMode, connection, rows};
 
-/// The PostgreSQL [`Storage`]: claims with `FOR UPDATE` under leases on the database clock,
-/// fences every later write with the claim's token, keeps per-key order, and wakes the
-/// relay with LISTEN/NOTIFY.
+/// The PostgreSQL [`Storage`], in one of two modes ([`StorageMode`]): lease mode claims with
+/// `FOR UPDATE` under leases on the database clock, fences every later write with the
+/// claim's token and keeps per-key order; log mode reads an append-only log past per-shard
+/// cursors (docs/storage/postgres.md). Both wake the relay with LISTEN/NOTIFY.
 pub struct PgStorage {
-    config: PostgresConfig,
-    table: OutboxTable,
-    pool: PgPool,
-    /// Log mode: the pool of `replica_url`, which the rows and the horizon are read from.
-    replica: Option<PgPool>,
-    /// Also used by the operator's repairs (`admin.rs`).
-    pub(crate) sql: Statements,
+    /// What both modes use.
+    pub(crate) shared: Shared,
     wakeup: Wakeup,
-    /// The partition key after which the next ordered claim starts its sweep.
-    cursor: std::sync::Mutex<String>,
-    /// Log mode's shards and what this relay has read of them (`None` in lease mode).
-    pub(crate) log: Option<LogEngine>,
+    engine: Engine,
     /// Whether the table was found migrated for the configured mode.
     mode_checked: std::sync::atomic::AtomicBool,
+}
+
+/// What both modes use: the configuration, the table, the relay's pool and the statements
+/// the two share (dead letters, parked keys, the shared queue figures).
+pub(crate) struct Shared {
+    pub(crate) config: PostgresConfig,
+    pub(crate) table: OutboxTable,
+    pub(crate) pool: PgPool,
+    /// Built for both modes; lease mode's own statements among them are used by `lease.rs`
+    /// only.
+    pub(crate) sql: Statements,
+}
+
+/// The mode's engine.
+enum Engine {
+    Lease(LeaseEngine),
+    /// Log mode's shards and what this relay has read of them (boxed: it is large).
+    Log(Box<LogEngine>),
+}
+
+/// What each mode does its own way. Every method gets what both share.
+#[async_trait]
+pub(crate) trait Mode: Send + Sync {
+    /// Creates or upgrades the mode's tables in `conn`.
+    async fn migrate(&self, s: &Shared, conn: &mut PgConnection) -> Result<()>;
+    /// [`Storage::claim`].
+    async fn claim(
+        &self,
+        s: &Shared,
+        worker_id: &str,
+        limit: usize,
+        lease: Duration,
+    ) -> Result<Claim>;
+    /// [`Storage::settle`] of a settlement that is not empty.
+    async fn settle(&self, s: &Shared, token: &ClaimToken, settlement: &Settlement) -> Result<u64>;
+    /// [`Storage::extend_lease`].
+    async fn extend_lease(
+        &self,
+        s: &Shared,
+        token: &ClaimToken,
+        ids: &[Uuid],
+        lease: Duration,
+    ) -> Result<u64>;
+    /// [`Storage::stats`], counted now.
+    async fn stats(&self, s: &Shared) -> Result<QueueStats>;
+    /// [`outbox_core::StorageAdmin::topic_stats`].
+    async fn topic_stats(&self, s: &Shared) -> Result<Vec<TopicStats>>;
+    /// [`Storage::maintain`].
+    async fn maintain(&self, s: &Shared) -> Result<()>;
+    /// [`outbox_core::StorageAdmin::replay_dead_letters`].
+    async fn replay(&self, s: &Shared, ids: &[Uuid]) -> Result<u64>;
+    /// [`outbox_core::StorageAdmin::release_parked_key`].
+    async fn release(&self, s: &Shared, key: &str) -> Result<bool>;
+    /// [`outbox_core::StorageAdmin::waiting_behind`].
+    async fn waiting_behind(&self, s: &Shared, key: &str) -> Result<u64>;
+    /// [`Storage::horizon`]: `None` for a mode that does not wait for older transactions.
+    async fn horizon(&self, _s: &Shared) -> Result<Option<HorizonLag>> {
+        Ok(None)
+    }
+    /// [`Storage::stop`].
+    async fn stop(&self, _s: &Shared) -> Result<()> {
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for PgStorage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PgStorage")
-            .field("config", &self.config)
+            .field("config", &self.shared.config)
             .finish_non_exhaustive()
     }
 }
@@ -60,41 +121,63 @@ impl PgStorage {
             config.wakeup_with_prepared_transactions,
             &table,
         );
-        let log = (config.mode == StorageMode::Log)
-            .then(|| LogEngine::new(&table, config.start == LogStart::Now));
+        let engine = match config.mode {
+            StorageMode::Lease => Engine::Lease(LeaseEngine::new()),
+            StorageMode::Log => Engine::Log(Box::new(LogEngine::new(
+                &table,
+                config.start == LogStart::Now,
+                replica,
+            ))),
+        };
         Ok(PgStorage {
-            config,
-            table,
-            pool,
-            replica,
-            sql,
+            shared: Shared {
+                config,
+                table,
+                pool,
+                sql,
+            },
             wakeup,
-            cursor: std::sync::Mutex::new(String::new()),
-            log,
+            engine,
             mode_checked: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
+    /// The engine of the configured mode.
+    pub(crate) fn mode(&self) -> &dyn Mode {
+        match &self.engine {
+            Engine::Lease(lease) => lease,
+            Engine::Log(log) => &**log,
+        }
+    }
+
+    /// Log mode's engine (`None` in lease mode), for what only log mode has.
+    fn log(&self) -> Option<&LogEngine> {
+        match &self.engine {
+            Engine::Log(log) => Some(&**log),
+            Engine::Lease(_) => None,
+        }
+    }
+
     /// The outbox table this storage relays from.
     pub fn table(&self) -> &OutboxTable {
-        &self.table
+        &self.shared.table
     }
 
     /// The relay's connection pool (its sessions run with `synchronous_commit = off`: do not
     /// enqueue through it).
     pub fn pool(&self) -> &PgPool {
-        &self.pool
+        &self.shared.pool
     }
 
     /// The configuration.
     pub fn config(&self) -> &PostgresConfig {
-        &self.config
+        &self.shared.config
     }
 
     /// Creates or upgrades the outbox tables.
     pub async fn migrate(&self) -> Result<()> {
         let mut conn = self
-            .pool
+            .pool()
             .acquire()
             .await
             .map_err(|e| db_error("cannot connect", e))?;
@@ -102,10 +185,7 @@ impl PgStorage {
             .execute(&mut *conn)
             .await
             .map_err(|e| db_error("migration failed", e))?;
-        let result = match self.config.mode {
-            StorageMode::Lease => self.table.migrate(&mut conn).await,
-            StorageMode::Log => self.table.migrate_log(&mut conn, self.config.shards).await,
-        };
+        let result = self.mode().migrate(&self.shared, &mut conn).await;
         if result.is_ok() {
             self.mode_checked
                 .store(true, std::sync::atomic::Ordering::Relaxed);
@@ -118,12 +198,13 @@ impl PgStorage {
     /// [`OutboxTable::migration_sql`]).
     pub async fn migration_sql(&self) -> Result<String> {
         let mut conn = self
-            .pool
+            .pool()
             .acquire()
             .await
             .map_err(|e| db_error("cannot connect", e))?;
-        self.table
-            .migration_sql(&mut conn, self.config.mode, self.config.shards)
+        let config = self.config();
+        self.table()
+            .migration_sql(&mut conn, config.mode, config.shards)
             .await
     }
 
@@ -135,59 +216,36 @@ impl PgStorage {
             return Ok(());
         }
         let mut conn = self
-            .pool
+            .pool()
             .acquire()
             .await
             .map_err(|e| db_error("cannot connect", e))?;
-        self.table
-            .refuse_other_mode(&mut conn, self.config.mode)
+        self.table()
+            .refuse_other_mode(&mut conn, self.config().mode)
             .await?;
-        if self.table.mode(&mut conn).await?.is_some() {
+        if self.table().mode(&mut conn).await?.is_some() {
             self.mode_checked.store(true, Ordering::Relaxed);
         }
         Ok(())
     }
 
-    /// Log mode: gives every shard this relay owns up at once, so other relays take them
-    /// without waiting for the lease to run out (call it when a relay stops; the worker
-    /// does through [`Storage::stop`]). A no-op in lease mode.
-    pub async fn give_up_shards(&self) -> Result<()> {
-        match &self.log {
-            Some(log) => log.give_up(&self.pool).await,
-            None => Ok(()),
-        }
-    }
-
-    /// Log mode: how far the readable horizon trails the log: committed rows waiting for an
-    /// older transaction of the database to end, and which transaction that is (its backend
-    /// and age, or a prepared transaction). `None` in lease mode.
-    pub async fn horizon_lag(&self) -> Result<Option<crate::HorizonLag>> {
-        match &self.log {
-            Some(log) => log
-                .horizon_lag(&self.pool, self.replica.as_ref())
-                .await
-                .map(Some),
-            None => Ok(None),
-        }
-    }
-
     /// Log mode: the pool of `replica_url`, if one is set (its sessions read only).
     pub fn replica_pool(&self) -> Option<&PgPool> {
-        self.replica.as_ref()
+        self.log().and_then(|log| log.replica())
     }
 
     /// Log mode: how many of `key`'s messages wait behind it: held aside (a parked or
     /// draining key) and past the stored cursor of its shard. `None` in lease mode.
     pub async fn log_waiting_behind(&self, key: &str) -> Result<Option<u64>> {
-        match &self.log {
-            Some(log) => log.waiting_behind(&self.pool, key).await.map(Some),
+        match self.log() {
+            Some(log) => log.waiting_behind(self.pool(), key).await.map(Some),
             None => Ok(None),
         }
     }
 
     /// Log mode: the shards this relay owns, with their fencing epochs (empty in lease mode).
     pub async fn owned_shards(&self) -> Vec<(i32, i64)> {
-        match &self.log {
+        match self.log() {
             Some(log) => log.owned().await,
             None => Vec::new(),
         }
@@ -195,14 +253,14 @@ impl PgStorage {
 
     /// Log mode: this relay's name in the shards table (`None` in lease mode).
     pub fn relay_name(&self) -> Option<&str> {
-        self.log.as_ref().map(|l| l.owner())
+        self.log().map(|l| l.owner())
     }
 
     /// Tests only: log mode's read buffer per shard holds at least `rows` (default 256),
     /// so that small queues fill it.
     #[doc(hidden)]
     pub fn set_log_buffer_min(&self, rows: usize) {
-        if let Some(log) = &self.log {
+        if let Some(log) = self.log() {
             log.set_buffer_min(rows);
         }
     }
@@ -210,178 +268,61 @@ impl PgStorage {
     /// Tests only: moves log mode's in-memory clock (leases, retry delays) ahead.
     #[doc(hidden)]
     pub fn advance_clock(&self, by: Duration) {
-        if let Some(log) = &self.log {
+        if let Some(log) = self.log() {
             log.advance(by);
         }
     }
-
-    /// Runs a statement that returns a count.
-    async fn count(
-        &self,
-        what: &str,
-        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-    ) -> Result<u64> {
-        let row = query
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| db_error(what, e))?;
-        let n: i64 = row.try_get(0).map_err(|e| db_error(what, e))?;
-        Ok(n as u64)
-    }
-}
-
-/// A duration as the milliseconds the statements take, saturating.
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 #[async_trait]
 impl Storage for PgStorage {
-    async fn horizon(&self) -> Result<Option<outbox_core::HorizonLag>> {
-        Ok(self
-            .horizon_lag()
-            .await?
-            .map(|lag| outbox_core::HorizonLag {
-                waiting: lag.waiting_rows,
-                held_by: lag.held_by(),
-                held_for: lag.blocker_age,
-            }))
+    async fn horizon(&self) -> Result<Option<HorizonLag>> {
+        self.mode().horizon(&self.shared).await
     }
 
     async fn claim(&self, worker_id: &str, limit: usize, lease: Duration) -> Result<Claim> {
         self.check_mode().await?;
-        if let Some(log) = &self.log {
-            let claim = log
-                .claim(
-                    &self.pool,
-                    self.replica.as_ref(),
-                    &self.config,
-                    limit,
-                    lease,
-                )
-                .await?;
-            self.wakeup
-                .claimed(&self.pool, !claim.messages.is_empty())
-                .await?;
-            return Ok(claim);
-        }
-        let fail = |e| db_error("claim failed", e);
-        let token = ClaimToken(Uuid::now_v7());
-        let query = sqlx::query(&self.sql.claim)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(token.0)
-            .bind(worker_id)
-            .bind(millis(lease));
-        let query = if self.config.per_key_order {
-            let cursor = self
-                .cursor
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone();
-            query.bind(cursor)
-        } else {
-            query
-        };
-        let rows = if self.config.per_key_order {
-            let mut tx = self.pool.begin().await.map_err(fail)?;
-            sqlx::query(sql::CLAIM_LOCK)
-                .bind(self.table.lock_key())
-                .execute(&mut *tx)
-                .await
-                .map_err(fail)?;
-            let rows = query.fetch_all(&mut *tx).await.map_err(fail)?;
-            tx.commit().await.map_err(fail)?;
-            rows
-        } else {
-            query.fetch_all(&self.pool).await.map_err(fail)?
-        };
-        let (messages, cursor) = rows::claimed(&rows)?;
-        if let Some(cursor) = cursor {
-            *self.cursor.lock().unwrap_or_else(|e| e.into_inner()) = cursor;
-        }
-        self.wakeup
-            .claimed(&self.pool, !messages.is_empty())
+        let claim = self
+            .mode()
+            .claim(&self.shared, worker_id, limit, lease)
             .await?;
-        Ok(Claim { token, messages })
+        self.wakeup
+            .claimed(self.pool(), !claim.messages.is_empty())
+            .await?;
+        Ok(claim)
     }
 
     async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
         if settlement.is_empty() {
             return Ok(0);
         }
-        if let Some(log) = &self.log {
-            return log
-                .settle(&self.pool, &self.config, token, settlement)
-                .await;
-        }
-        let sql = if settlement.holds_back() {
-            &self.sql.settle_holding_back
-        } else {
-            &self.sql.settle
-        };
-        let s = settlement;
-        let query = sqlx::query(sql)
-            .bind(token.0)
-            .bind(s.dead.iter().map(|d| d.id).collect::<Vec<Uuid>>())
-            .bind(s.dead.iter().map(|d| d.error.as_str()).collect::<Vec<_>>())
-            .bind(s.retries.iter().map(|r| r.id).collect::<Vec<Uuid>>())
-            .bind(
-                s.retries
-                    .iter()
-                    .map(|r| millis(r.delay))
-                    .collect::<Vec<i64>>(),
-            )
-            .bind(
-                s.retries
-                    .iter()
-                    .map(|r| r.error.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(s.delivered.iter().map(|d| d.id).collect::<Vec<Uuid>>())
-            .bind(
-                s.delivered
-                    .iter()
-                    .map(|d| d.receipt.0.as_str())
-                    .collect::<Vec<_>>(),
-            )
-            .bind(s.released.clone());
-        self.count("settling a batch failed", query).await
+        self.mode().settle(&self.shared, token, settlement).await
     }
 
     async fn extend_lease(&self, token: &ClaimToken, ids: &[Uuid], lease: Duration) -> Result<u64> {
-        if let Some(log) = &self.log {
-            return log.extend_lease(&self.pool, token, ids, lease).await;
-        }
-        let query = sqlx::query(&self.sql.extend_lease)
-            .bind(ids.to_vec())
-            .bind(token.0)
-            .bind(millis(lease));
-        self.count("renewing a lease failed", query).await
+        self.mode()
+            .extend_lease(&self.shared, token, ids, lease)
+            .await
     }
 
     async fn health(&self) -> Result<()> {
         sqlx::query(sql::PING)
-            .execute(&self.pool)
+            .execute(self.pool())
             .await
             .map_err(|e| db_error("health check failed", e))?;
         Ok(())
     }
 
     async fn stats(&self) -> Result<QueueStats> {
-        if let Some(log) = &self.log {
-            return log.stats(&self.pool).await;
-        }
-        let row = sqlx::query(&self.sql.stats)
-            .fetch_one(&self.pool)
-            .await
-            .map_err(|e| db_error("cannot read queue figures", e))?;
-        rows::queue_stats(&row)
+        self.mode().stats(&self.shared).await
     }
 
     async fn shared_stats(&self, max_age: Duration) -> Result<QueueStats> {
-        let turn = sqlx::query(&self.sql.stats_turn)
-            .bind(millis(max_age))
-            .execute(&self.pool)
+        let sql = &self.shared.sql;
+        let pool = self.pool();
+        let turn = sqlx::query(&sql.stats_turn)
+            .bind(saturating_millis(max_age))
+            .execute(pool)
             .await;
         let ours = match turn {
             Ok(done) => done.rows_affected() > 0,
@@ -390,10 +331,7 @@ impl Storage for PgStorage {
             Err(e) => return Err(db_error("cannot read queue figures", e)),
         };
         if !ours {
-            let row = match sqlx::query(&self.sql.stats_read)
-                .fetch_one(&self.pool)
-                .await
-            {
+            let row = match sqlx::query(&sql.stats_read).fetch_one(pool).await {
                 Ok(row) => row,
                 Err(e) if older_schema(&e) => return self.stats().await,
                 Err(e) => return Err(db_error("cannot read queue figures", e)),
@@ -411,14 +349,14 @@ impl Storage for PgStorage {
             return self.stats().await;
         }
         let stats = self.stats().await?;
-        let stored = sqlx::query(&self.sql.stats_store)
+        let stored = sqlx::query(&sql.stats_store)
             .bind(stats.pending as i64)
             .bind(stats.oldest_pending)
             .bind(stats.in_flight as i64)
             .bind(stats.dead_lettered as i64)
             .bind(stats.parked_keys as i64)
             .bind(stats.retrying as i64)
-            .fetch_one(&self.pool)
+            .fetch_one(pool)
             .await
             .and_then(|row| row.try_get(0));
         let measured_at: chrono::DateTime<chrono::Utc> = match stored {
@@ -434,38 +372,25 @@ impl Storage for PgStorage {
     }
 
     fn capabilities(&self) -> StorageCapabilities {
-        let per_key_order = self.config.per_key_order;
+        let config = self.config();
+        let per_key_order = config.per_key_order;
         StorageCapabilities::new(per_key_order)
-            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
-            .with_waits_for_older_transactions(self.log.is_some())
+            .with_max_per_key(per_key_order.then_some(config.max_per_key))
+            .with_waits_for_older_transactions(config.mode == StorageMode::Log)
     }
 
+    /// Log mode gives every shard this relay owns up at once, so other relays take them
+    /// without waiting for the lease to run out; a no-op in lease mode.
     async fn stop(&self) -> Result<()> {
-        self.give_up_shards().await
+        self.mode().stop(&self.shared).await
     }
 
     async fn wait_for_work(&self) -> Result<()> {
-        self.wakeup.wait(&self.pool).await
+        self.wakeup.wait(self.pool()).await
     }
 
     async fn maintain(&self) -> Result<()> {
-        if let Some(log) = &self.log {
-            return log.maintain(&self.pool, self.config.retention).await;
-        }
-        if let Some(retention) = self.config.retention {
-            let done = sqlx::query(&self.sql.purge_delivered)
-                .bind(millis(retention))
-                .execute(&self.pool)
-                .await
-                .map_err(|e| db_error("cannot purge delivered rows", e))?;
-            if done.rows_affected() > 0 {
-                tracing::debug!(
-                    rows = done.rows_affected(),
-                    "purged delivered rows past retention"
-                );
-            }
-        }
-        Ok(())
+        self.mode().maintain(&self.shared).await
     }
 }
 
@@ -474,5 +399,5 @@ impl Storage for PgStorage {
 /// which relays accept until a DBA applies the new steps.
 fn older_schema(error: &sqlx::Error) -> bool {
     matches!(error, sqlx::Error::Database(db)
-        if matches!(db.code().as_deref(), Some("42P01" | "42703")))
+        if outbox_sql::missing_table_or_column(db.code().as_deref()))
 }

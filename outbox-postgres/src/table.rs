@@ -4,14 +4,12 @@
 use std::time::Duration;
 
 use outbox_core::{Error, NewMessage, Result};
+use outbox_sql::columns::{INSERT_COLUMNS, check_topic, trace_columns};
+use outbox_sql::{fnv1a, names};
 use sqlx::{Connection, Executor, PgConnection, Row};
 
 use crate::StorageMode;
 use crate::error::db_error;
-
-/// Longest schema or table name accepted, leaving room for the suffixes of the companion
-/// tables within PostgreSQL's 63-byte identifiers.
-const MAX_NAME: usize = 40;
 
 /// PostgreSQL's longest identifier (NAMEDATALEN - 1); `pg_notify` refuses longer channels.
 const MAX_IDENTIFIER: usize = 63;
@@ -30,33 +28,13 @@ pub struct OutboxTable {
     insert_many: String,
 }
 
-/// Checks that `name` is a plain lower-case identifier; `what` names the setting in errors.
-fn validate_name(what: &str, name: &str) -> Result<()> {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
-    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !first_ok || !rest_ok || name.len() > MAX_NAME || name.starts_with("pg_") {
-        return Err(Error::setting(
-            what,
-            format!(
-                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
-                 underscores, starting with a letter or underscore and not with `pg_`"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 impl OutboxTable {
     /// The outbox table `schema.table`. Fails if either name is not a plain identifier.
     pub fn new(schema: &str, table: &str) -> Result<Self> {
-        validate_name("schema", schema)?;
-        validate_name("table", table)?;
+        names::validate("schema", schema, Some("pg_"))?;
+        names::validate("table", table, Some("pg_"))?;
         let outbox = format!(r#""{schema}"."{table}""#);
-        let columns =
-            "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+        let columns = INSERT_COLUMNS;
         Ok(OutboxTable {
             schema: schema.to_string(),
             table: table.to_string(),
@@ -634,33 +612,6 @@ fn fail(error: sqlx::Error) -> Error {
     db_error("migration failed", error)
 }
 
-/// 64-bit FNV-1a: stable across processes and versions, unlike std's hasher.
-fn fnv1a(text: &str) -> u64 {
-    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
-    for byte in text.bytes() {
-        hash ^= u64::from(byte);
-        hash = hash.wrapping_mul(0x0100_0000_01b3);
-    }
-    hash
-}
-
-fn check_topic(message: &NewMessage) -> Result<()> {
-    if message.topic.is_empty() {
-        return Err(Error::permanent(format!(
-            "message {} has an empty topic; every message needs a topic",
-            message.id
-        )));
-    }
-    Ok(())
-}
-
-fn trace_columns(message: &NewMessage) -> (Option<&str>, Option<&str>) {
-    match &message.trace_context {
-        Some(t) => (Some(t.traceparent.as_str()), t.tracestate.as_deref()),
-        None => (None, None),
-    }
-}
-
 /// One schema migration.
 enum Step {
     /// SQL run in the migration transaction.
@@ -1051,10 +1002,12 @@ mod tests {
         assert_eq!(exact.channel(), format!("{s31}.{t31}"));
         assert_eq!(exact.channel().len(), MAX_IDENTIFIER);
         // Longer ones get a short name that never changes (pinned).
-        let longest = OutboxTable::new(&"s".repeat(MAX_NAME), &"t".repeat(MAX_NAME)).unwrap();
+        let longest =
+            OutboxTable::new(&"s".repeat(names::MAX_NAME), &"t".repeat(names::MAX_NAME)).unwrap();
         assert!(longest.channel().len() <= MAX_IDENTIFIER);
         assert_eq!(longest.channel(), "outbox_7cb9e4cbe507af58");
-        let other = OutboxTable::new(&"s".repeat(MAX_NAME), &"u".repeat(MAX_NAME)).unwrap();
+        let other =
+            OutboxTable::new(&"s".repeat(names::MAX_NAME), &"u".repeat(names::MAX_NAME)).unwrap();
         assert_ne!(longest.channel(), other.channel());
         let over = OutboxTable::new(&"s".repeat(32), &t31).unwrap();
         assert!(over.channel().starts_with("outbox_") && over.channel().len() == 23);

@@ -7,18 +7,12 @@ use outbox_core::{Error, Result};
 use sqlx::{Connection, Executor, Row, SqliteConnection};
 use uuid::Uuid;
 
+use outbox_sql::inbox::{self, COLUMNS};
+use outbox_sql::migrate;
+
 use crate::OutboxTable;
 use crate::error::{Cause, cause, db_error};
-use crate::table::NOW_MS;
-
-/// Longest consumer name accepted, in bytes.
-const MAX_CONSUMER: usize = 255;
-
-/// Ages past this delete nothing: no record is that old.
-const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
-
-/// The columns an inbox table must have; a table without them is not an inbox.
-const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
+use crate::table::{NOW_MS, Versions};
 
 /// A consumer's inbox: the message ids it has processed, per consumer name, in the table
 /// `table` (and its versions in `<table>_migrations`). Inside the transaction that makes a
@@ -95,29 +89,9 @@ impl Inbox {
     pub async fn migrate(&self, conn: &mut SqliteConnection) -> Result<()> {
         let mut tx = conn.begin_with("BEGIN IMMEDIATE").await.map_err(fail)?;
         self.refuse_other_table(&mut tx).await?;
-        let versions = self.quoted("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)"
-        );
-        tx.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i64 = tx
-            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        let record = format!("INSERT INTO {versions} (version, applied_at) VALUES (?, {NOW_MS})");
-        for (version, template) in (1i64..).zip(MIGRATIONS) {
-            if version <= applied {
-                continue;
-            }
-            tracing::info!(table = %self.table, version, "applying inbox migration");
-            tx.execute(self.render(template).as_str())
-                .await
-                .map_err(fail)?;
-            tx.execute(sqlx::query(&record).bind(version))
-                .await
-                .map_err(fail)?;
-        }
+        let render = |step: &str| self.render(step);
+        let mut versions = Versions::new(&mut tx, "inbox", &self.table, &render);
+        migrate::run(&mut versions, MIGRATIONS, MIGRATIONS.len()).await?;
         tx.commit().await.map_err(fail)
     }
 
@@ -137,18 +111,7 @@ impl Inbox {
             .await
             .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
             .map_err(fail)?;
-        if exists > 0 && found < COLUMNS.len() as i64 {
-            return Err(Error::setting(
-                "table",
-                format!(
-                    "`{}` names an existing table that is not an inbox (it lacks the columns \
-                     consumer, message_id and processed_at); give the inbox a table of its \
-                     own, not the outbox's or an application's",
-                    self.table
-                ),
-            ));
-        }
-        Ok(())
+        inbox::check_table(&self.table, None, exists > 0, found)
     }
 
     /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
@@ -173,9 +136,9 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        check_consumer(consumer)?;
+        inbox::check_consumer(consumer)?;
         if !conn.is_in_transaction() {
-            return Err(outside_transaction());
+            return Err(inbox::outside_transaction());
         }
         let id = message_id.hyphenated().to_string();
         let done = conn
@@ -195,10 +158,10 @@ impl Inbox {
         older_than: Duration,
         limit: u32,
     ) -> Result<u64> {
-        if limit == 0 || older_than > MAX_AGE {
+        let Some(age) = inbox::purge_age(older_than, limit) else {
             return Ok(0);
-        }
-        let millis = i64::try_from(older_than.as_millis()).unwrap_or(i64::MAX);
+        };
+        let millis = outbox_sql::saturating_millis(age);
         let done = conn
             .execute(sqlx::query(&self.purge).bind(millis).bind(i64::from(limit)))
             .await
@@ -210,12 +173,7 @@ impl Inbox {
     /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
     fn error(&self, context: &str, error: sqlx::Error) -> Error {
         if cause(&error) == Cause::Schema {
-            return Error::schema(format!(
-                "sqlite: {context}: the inbox table {} is missing or older than this release; \
-                 run Inbox::migrate",
-                self.quoted("")
-            ))
-            .with_source(error);
+            return inbox::missing_table("sqlite", context, &self.quoted("")).with_source(error);
         }
         db_error(None, context, error)
     }
@@ -227,27 +185,6 @@ impl Inbox {
             .replace("{table}", &self.table)
             .replace("{now_ms}", NOW_MS)
     }
-}
-
-/// A `Config` error unless `consumer` is 1 to 255 bytes.
-fn check_consumer(consumer: &str) -> Result<()> {
-    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
-        return Err(Error::config(format!(
-            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
-             (one name per consumer, the same on every delivery)"
-        )));
-    }
-    Ok(())
-}
-
-/// The error of [`Inbox::process`] outside a transaction.
-fn outside_transaction() -> Error {
-    Error::config(
-        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
-         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
-         change; outside one it would commit at once, and a failing handler would lose the \
-         message",
-    )
 }
 
 /// Classifies an error of a migration statement.
@@ -281,17 +218,6 @@ mod tests {
         assert!(err.to_string().contains("table `bad name`"), "{err}");
         let err = Inbox::new("sqlite_x").unwrap_err();
         assert!(err.to_string().contains("is not allowed"), "{err}");
-    }
-
-    #[test]
-    fn consumer_names_are_checked() {
-        assert!(check_consumer("billing").is_ok());
-        assert!(check_consumer(&"c".repeat(255)).is_ok());
-        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
-            let err = check_consumer(&bad).unwrap_err();
-            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
-            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
-        }
     }
 
     #[test]

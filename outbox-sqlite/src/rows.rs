@@ -1,9 +1,8 @@
 //! Decoding rows into the engine's types. The statements that select them are in `sql.rs`.
 
-use std::collections::BTreeMap;
-
 use chrono::{DateTime, Utc};
 use outbox_core::{DeadLetterRow, Error, Message, QueueStats, Result, TopicStats, TraceContext};
+use outbox_sql::rows::headers_from_json;
 use sqlx::Row;
 use sqlx::sqlite::SqliteRow;
 use uuid::Uuid;
@@ -183,43 +182,9 @@ pub(crate) fn dead_letter(row: &SqliteRow) -> Result<DeadLetterRow> {
     })
 }
 
-/// Headers are a JSON object of strings. Rows written by hand in SQL may hold other JSON
-/// values, or text that is not JSON: those are passed on as they are, in a header named
-/// `headers`, rather than dropped.
-fn headers_from_json(id: Uuid, text: &str) -> BTreeMap<String, String> {
-    match serde_json::from_str::<serde_json::Value>(text) {
-        Ok(serde_json::Value::Object(map)) => map
-            .into_iter()
-            .map(|(k, v)| match v {
-                serde_json::Value::String(s) => (k, s),
-                other => (k, other.to_string()),
-            })
-            .collect(),
-        Ok(serde_json::Value::Null) => BTreeMap::new(),
-        _ => {
-            tracing::warn!(%id, "headers column is not a JSON object; passing it on as `headers`");
-            BTreeMap::from([("headers".to_string(), text.to_string())])
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn headers_survive_odd_json() {
-        let id = Uuid::now_v7();
-        assert_eq!(
-            headers_from_json(id, r#"{"a": "b", "n": 1}"#),
-            BTreeMap::from([("a".into(), "b".into()), ("n".into(), "1".into())])
-        );
-        assert!(headers_from_json(id, "null").is_empty());
-        assert_eq!(
-            headers_from_json(id, "not json"),
-            BTreeMap::from([("headers".into(), "not json".into())])
-        );
-    }
 
     #[test]
     fn times_round_trip_and_clamp() {

@@ -2,7 +2,7 @@
 //! the [`Storage`] implementation: claims under fenced leases, settlements, queue figures
 //! and housekeeping. The operator's repairs are in `admin.rs`.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -12,6 +12,8 @@ use outbox_core::{
 use sqlx::sqlite::{SqlitePool, SqliteRow};
 use sqlx::{Row, Sqlite, Transaction};
 use uuid::Uuid;
+
+use outbox_sql::first_of_each;
 
 use crate::error::db_error;
 use crate::sql::{self, Statements};
@@ -63,9 +65,9 @@ pub(crate) struct Write<'a> {
     pub(crate) now: i64,
 }
 
-/// A duration as the milliseconds the statements take, saturating.
+/// A duration as the milliseconds the statements take, saturating at [`MAX_MILLIS`].
 fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).map_or(MAX_MILLIS, |ms| ms.min(MAX_MILLIS))
+    outbox_sql::saturating_millis(d).min(MAX_MILLIS)
 }
 
 /// How many message seqs [`SqliteStorage`] remembers before it starts over: the seqs of
@@ -98,12 +100,6 @@ fn listed<'q>(
         .bind(list.to_string())
         .bind(token.to_string())
         .bind(now)
-}
-
-/// Keeps the first entry of each id: a list that names a message twice changes it once.
-fn first_of_each<T>(items: &[T], id: impl Fn(&T) -> Uuid) -> Vec<&T> {
-    let mut seen = HashSet::new();
-    items.iter().filter(|item| seen.insert(id(item))).collect()
 }
 
 impl SqliteStorage {
@@ -587,11 +583,8 @@ mod tests {
     }
 
     #[test]
-    fn lists_name_each_message_once() {
+    fn ids_are_a_json_list() {
         let a = Uuid::now_v7();
-        let b = Uuid::now_v7();
-        let ids = [a, b, a];
-        assert_eq!(first_of_each(&ids, |id| *id), vec![&a, &b]);
         assert_eq!(json_ids(&[a]), format!("[\"{a}\"]"));
     }
 }

@@ -4,12 +4,11 @@
 use std::time::{Duration, Instant};
 
 use outbox_core::{Error, NewMessage, Result};
+use outbox_sql::columns::{Columns, Inserts};
+use outbox_sql::{migrate, names};
 use sqlx::{Connection, Executor, Row, SqliteConnection};
 
 use crate::error::{Cause, cause, db_error};
-
-/// Longest table name accepted (SQLite has no limit of its own; this keeps names readable).
-const MAX_NAME: usize = 40;
 
 /// Messages per INSERT of [`OutboxTable::enqueue_many`]: 8 values each stays below the 999
 /// variables older SQLite builds allow per statement.
@@ -18,10 +17,6 @@ const _: () = assert!(8 * ROWS_PER_INSERT < 999);
 
 /// How long a migrator waits for another one (holding the write lock) before giving up.
 const MIGRATION_WAIT: Duration = Duration::from_secs(60);
-
-/// The columns an application writes, in the order of the INSERTs.
-pub(crate) const INSERT_COLUMNS: &str =
-    "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
 /// The current time in milliseconds since the Unix epoch, on the clock of whoever runs the
 /// statement. `julianday('now')` rather than `unixepoch('subsec')`, so the column defaults
@@ -45,53 +40,18 @@ const NEW_UUID: &str = "lower(hex(randomblob(4)) || '-' || hex(randomblob(2)) ||
 #[derive(Debug, Clone)]
 pub struct OutboxTable {
     table: String,
-    insert_one: String,
-    insert_chunk: String,
-}
-
-/// Checks that `name` is a plain lower-case identifier.
-fn validate_name(name: &str) -> Result<()> {
-    let mut chars = name.chars();
-    let first_ok = chars
-        .next()
-        .is_some_and(|c| c.is_ascii_lowercase() || c == '_');
-    let rest_ok = chars.all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
-    if !first_ok || !rest_ok || name.len() > MAX_NAME || name.starts_with("sqlite_") {
-        return Err(Error::setting(
-            "table",
-            format!(
-                "`{name}` is not allowed: use 1 to {MAX_NAME} lower-case letters, digits and \
-                 underscores, starting with a letter or underscore and not with `sqlite_`"
-            ),
-        ));
-    }
-    Ok(())
+    inserts: Inserts,
 }
 
 impl OutboxTable {
     /// The outbox table `table`. Fails if the name is not a plain identifier.
     pub fn new(table: &str) -> Result<Self> {
-        validate_name(table)?;
-        let mut outbox = OutboxTable {
+        // SQLite has no limit of its own; the shared one keeps names readable.
+        names::validate("table", table, Some("sqlite_"))?;
+        Ok(OutboxTable {
             table: table.to_string(),
-            insert_one: String::new(),
-            insert_chunk: String::new(),
-        };
-        outbox.insert_one = outbox.insert(1);
-        outbox.insert_chunk = outbox.insert(ROWS_PER_INSERT);
-        Ok(outbox)
-    }
-
-    /// An INSERT of `rows` messages.
-    fn insert(&self, rows: usize) -> String {
-        let values = (0..rows)
-            .map(|_| "(?, ?, ?, ?, ?, ?, ?, ?)")
-            .collect::<Vec<_>>()
-            .join(", ");
-        format!(
-            "INSERT INTO {} ({INSERT_COLUMNS}) VALUES {values}",
-            self.quoted("")
-        )
+            inserts: Inserts::new(format!(r#""{table}""#), ROWS_PER_INSERT),
+        })
     }
 
     /// The outbox table name.
@@ -120,19 +80,8 @@ impl OutboxTable {
         conn: &mut SqliteConnection,
         messages: &[NewMessage],
     ) -> Result<()> {
-        for message in messages {
-            check_topic(message)?;
-        }
-        let mut rows = Vec::with_capacity(messages.len());
-        for message in messages {
-            rows.push(Columns::of(message)?);
-        }
-        for chunk in rows.chunks(ROWS_PER_INSERT) {
-            let sql = match chunk.len() {
-                1 => self.insert_one.clone(),
-                ROWS_PER_INSERT => self.insert_chunk.clone(),
-                n => self.insert(n),
-            };
+        let rows = Columns::all(messages)?;
+        for (sql, chunk) in self.inserts.chunks(&rows) {
             let mut query = sqlx::query(&sql);
             for row in chunk {
                 query = query
@@ -143,7 +92,7 @@ impl OutboxTable {
                     .bind(row.headers.as_str())
                     .bind(row.traceparent)
                     .bind(row.tracestate)
-                    .bind(row.created_at);
+                    .bind(row.created_at.timestamp_micros());
             }
             conn.execute(query)
                 .await
@@ -178,27 +127,9 @@ impl OutboxTable {
                 Err(e) => return Err(fail(e)),
             }
         };
-        let versions = self.quoted("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)"
-        );
-        tx.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i64 = tx
-            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        let record = format!("INSERT INTO {versions} (version, applied_at) VALUES (?, {NOW_MS})");
-        for (version, step) in (1i64..).zip(MIGRATIONS).take(target.min(MIGRATIONS.len())) {
-            if version <= applied {
-                continue;
-            }
-            tracing::info!(table = %self.table, version, "applying outbox migration");
-            tx.execute(self.render(step).as_str()).await.map_err(fail)?;
-            tx.execute(sqlx::query(&record).bind(version))
-                .await
-                .map_err(fail)?;
-        }
+        let render = |step: &str| self.render(step);
+        let mut versions = Versions::new(&mut tx, "outbox", &self.table, &render);
+        migrate::run(&mut versions, MIGRATIONS, target).await?;
         tx.commit().await.map_err(fail)
     }
 
@@ -223,9 +154,7 @@ impl OutboxTable {
                 .and_then(|row| row.try_get(0))
                 .map_err(fail)?
         };
-        let pending: Vec<String> = (1i64..)
-            .zip(MIGRATIONS)
-            .filter(|(version, _)| *version > applied)
+        let pending: Vec<String> = migrate::pending(applied, MIGRATIONS, MIGRATIONS.len())
             .map(|(version, step)| {
                 format!(
                     "-- outbox migration {version} of table {table}\n{}\n\
@@ -264,6 +193,83 @@ fn fail(error: sqlx::Error) -> Error {
     db_error(None, "migration failed", error)
 }
 
+/// The versions of an outbox's or an inbox's migrations (`<table>_migrations`), on the
+/// connection of a `BEGIN IMMEDIATE` transaction: the transaction is the migration lock
+/// (one writer at a time), and its commit, by the caller, makes the steps visible at once.
+pub(crate) struct Versions<'a> {
+    conn: &'a mut SqliteConnection,
+    /// `outbox` or `inbox`, for the log.
+    what: &'static str,
+    table: &'a str,
+    versions: String,
+    render: &'a (dyn Fn(&str) -> String + Sync),
+}
+
+impl<'a> Versions<'a> {
+    /// The versions of `table`, whose steps `render` fills in.
+    pub(crate) fn new(
+        conn: &'a mut SqliteConnection,
+        what: &'static str,
+        table: &'a str,
+        render: &'a (dyn Fn(&str) -> String + Sync),
+    ) -> Self {
+        Versions {
+            conn,
+            what,
+            table,
+            versions: format!(r#""{table}_migrations""#),
+            render,
+        }
+    }
+
+    /// Classifies an error of a migration statement.
+    fn fail(&self) -> impl Fn(sqlx::Error) -> Error + use<> {
+        let context = if self.what == "outbox" {
+            "migration failed"
+        } else {
+            "inbox migration failed"
+        };
+        move |error| db_error(None, context, error)
+    }
+}
+
+impl migrate::Dialect for Versions<'_> {
+    type Step = &'static str;
+
+    async fn applied(&mut self) -> Result<i64> {
+        let versions = &self.versions;
+        let create = format!(
+            "CREATE TABLE IF NOT EXISTS {versions} (version INTEGER PRIMARY KEY, applied_at INTEGER NOT NULL)"
+        );
+        self.conn
+            .execute(create.as_str())
+            .await
+            .map_err(self.fail())?;
+        self.conn
+            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            .await
+            .and_then(|row| row.try_get(0))
+            .map_err(self.fail())
+    }
+
+    async fn apply(&mut self, version: i64, step: &&'static str) -> Result<()> {
+        tracing::info!(table = %self.table, version, "applying {} migration", self.what);
+        let record = format!(
+            "INSERT INTO {} (version, applied_at) VALUES (?, {NOW_MS})",
+            self.versions
+        );
+        self.conn
+            .execute((self.render)(step).as_str())
+            .await
+            .map_err(self.fail())?;
+        self.conn
+            .execute(sqlx::query(&record).bind(version))
+            .await
+            .map_err(self.fail())?;
+        Ok(())
+    }
+}
+
 /// A GLOB pattern that matches a lower-case hyphenated UUID and nothing else.
 fn uuid_glob() -> String {
     [8, 4, 4, 4, 12]
@@ -271,49 +277,6 @@ fn uuid_glob() -> String {
         .map(|n| "[0-9a-f]".repeat(*n))
         .collect::<Vec<_>>()
         .join("-")
-}
-
-fn check_topic(message: &NewMessage) -> Result<()> {
-    if message.topic.is_empty() {
-        return Err(Error::permanent(format!(
-            "message {} has an empty topic; every message needs a topic",
-            message.id
-        )));
-    }
-    Ok(())
-}
-
-/// One message as the columns of the outbox table hold it.
-struct Columns<'a> {
-    id: String,
-    topic: &'a str,
-    key: Option<&'a str>,
-    payload: &'a [u8],
-    headers: String,
-    traceparent: Option<&'a str>,
-    tracestate: Option<&'a str>,
-    created_at: i64,
-}
-
-impl<'a> Columns<'a> {
-    fn of(m: &'a NewMessage) -> Result<Self> {
-        let headers = serde_json::to_string(&m.headers)
-            .map_err(|e| Error::permanent(format!("message {}: headers: {e}", m.id)))?;
-        let (traceparent, tracestate) = match &m.trace_context {
-            Some(t) => (Some(t.traceparent.as_str()), t.tracestate.as_deref()),
-            None => (None, None),
-        };
-        Ok(Columns {
-            id: m.id.hyphenated().to_string(),
-            topic: &m.topic,
-            key: m.key.as_deref(),
-            payload: &m.payload,
-            headers,
-            traceparent,
-            tracestate,
-            created_at: m.created_at.timestamp_micros(),
-        })
-    }
 }
 
 /// Schema migrations, applied in order (version = position + 1); never change the effect of
@@ -433,8 +396,11 @@ mod tests {
     #[test]
     fn inserts_have_eight_values_a_row() {
         let table = OutboxTable::new("outbox").unwrap();
-        assert_eq!(table.insert_one.matches('?').count(), 8);
-        assert_eq!(table.insert_chunk.matches('?').count(), 8 * ROWS_PER_INSERT);
+        assert_eq!(table.inserts.sql(1).matches('?').count(), 8);
+        assert_eq!(
+            table.inserts.sql(ROWS_PER_INSERT).matches('?').count(),
+            8 * ROWS_PER_INSERT
+        );
     }
 
     /// Compiles only if an enqueue and a migration can run in a spawned task.

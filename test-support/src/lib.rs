@@ -23,6 +23,7 @@ mod proxy;
 pub mod redis;
 #[cfg(feature = "servers")]
 pub mod servers;
+mod service;
 #[cfg(feature = "tls")]
 pub mod tls;
 
@@ -30,69 +31,9 @@ use std::fmt::Display;
 use std::time::Duration;
 
 pub use proxy::{Proxy, Traffic};
-
-/// A server the suites run against, on this machine unless its environment variable says
-/// otherwise. `cargo xtask services` starts them all.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Service {
-    Postgres,
-    Redis,
-    Amqp,
-    Nats,
-    /// A Kafka-protocol broker (tansu); its "URL" is a `host:port` bootstrap list.
-    Kafka,
-}
+pub use service::{Package, Service};
 
 impl Service {
-    /// The environment variable that points the suites at another server.
-    pub const fn env(self) -> &'static str {
-        match self {
-            Service::Postgres => "OUTBOX_TEST_POSTGRES_URL",
-            Service::Redis => "OUTBOX_TEST_REDIS_URL",
-            Service::Amqp => "OUTBOX_TEST_AMQP_URL",
-            Service::Nats => "OUTBOX_TEST_NATS_URL",
-            Service::Kafka => "OUTBOX_TEST_KAFKA_BROKERS",
-        }
-    }
-
-    /// The local server `cargo xtask services` starts.
-    pub const fn default_url(self) -> &'static str {
-        match self {
-            Service::Postgres => "postgres://postgres@127.0.0.1:5432/test",
-            Service::Redis => "redis://127.0.0.1:6379",
-            Service::Amqp => "amqp://guest:guest@127.0.0.1:5672/%2f",
-            Service::Nats => "nats://127.0.0.1:4222",
-            Service::Kafka => "127.0.0.1:9092",
-        }
-    }
-
-    /// A short name, for names of relays and reports: `redis`.
-    pub const fn id(self) -> &'static str {
-        match self {
-            Service::Postgres => "postgres",
-            Service::Redis => "redis",
-            Service::Amqp => "amqp",
-            Service::Nats => "nats",
-            Service::Kafka => "kafka",
-        }
-    }
-
-    /// What to call the server in a message.
-    pub const fn name(self) -> &'static str {
-        match self {
-            Service::Postgres => "PostgreSQL",
-            Service::Redis => "Redis",
-            Service::Amqp => "RabbitMQ",
-            Service::Nats => "NATS with JetStream",
-            Service::Kafka => "Kafka (tansu)",
-        }
-    }
-
-    /// `$`[`Service::env`], or [`Service::default_url`].
-    pub fn url(self) -> String {
-        std::env::var(self.env()).unwrap_or_else(|_| self.default_url().to_string())
-    }
-
     /// The `host:port` of the server (the first broker of a Kafka list).
     pub fn addr(self) -> String {
         let url = self.url();
@@ -134,6 +75,12 @@ pub fn postgres_url() -> String {
     Service::Postgres.url()
 }
 
+/// MySQL or MariaDB for tests: `$OUTBOX_TEST_MYSQL_URL`, or the local server's `test`
+/// database.
+pub fn mysql_url() -> String {
+    Service::MySql.url()
+}
+
 /// A name no other test uses: `prefix`, an underscore and 16 random hex digits.
 pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{:016x}", fastrand::u64(..))
@@ -170,6 +117,7 @@ pub fn host_port(url: &str) -> String {
         "amqp" => Some(5672),
         "amqps" => Some(5671),
         "nats" | "tls" => Some(4222),
+        "mysql" | "mariadb" => Some(3306),
         _ => None,
     };
     match default {
@@ -213,16 +161,16 @@ mod tests {
 
     #[test]
     fn every_service_has_a_local_default() {
-        for service in [
-            Service::Postgres,
-            Service::Redis,
-            Service::Amqp,
-            Service::Nats,
-            Service::Kafka,
-        ] {
+        for &service in Service::ALL {
             let addr = host_port(service.default_url());
-            assert!(addr.starts_with("127.0.0.1:"), "{service:?}: {addr}");
+            assert_eq!(
+                addr,
+                format!("127.0.0.1:{}", service.local_port()),
+                "{service:?}"
+            );
+            assert!(service.env().starts_with("OUTBOX_TEST_"), "{service:?}");
         }
+        assert_eq!(Service::MySql.local_port(), 3306);
     }
 
     #[test]

@@ -77,7 +77,8 @@ fn work_dir() -> PathBuf {
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples");
     for entry in std::fs::read_dir(source).expect("examples/") {
         let path = entry.expect("entry").path();
-        if let Some(name) = path.file_name() {
+        // The example configurations; not the example crates in folders of their own.
+        if let Some(name) = path.file_name().filter(|_| path.is_file()) {
             std::fs::copy(&path, examples.join(name)).expect("copy example");
         }
     }

@@ -2,7 +2,7 @@
 //! two) publishing them through the broker's sink, and the broker's own consumer reading
 //! them back. Each script is a public async function over a [`Fixture`], the small piece a
 //! broker's test file writes, as the conformance suite runs over a
-//! [`SinkHarness`](crate::conformance::SinkHarness).
+//! [`SinkHarness`](outbox_testkit::SinkHarness).
 //!
 //! Each script panics with a message saying what broke, and returns what the broker
 //! received so that the caller can check what only its broker has (properties, partitions,

@@ -1,12 +1,12 @@
 //! Shared support for the integration suites: a fresh, migrated outbox schema per test,
-//! relays running in the background, the conformance suite and the end-to-end scripts every
-//! broker runs. What does not need the outbox (service URLs, names, the proxy, broker
-//! helpers) is in `outbox-test-support`, re-exported here where the suites used it from.
+//! relays running in the background and the end-to-end scripts every broker runs (the
+//! conformance suites are in `outbox-testkit`). What does not need the outbox (service URLs,
+//! names, the proxy, broker helpers) is in `outbox-test-support`, re-exported here where the
+//! suites used it from. tests/README.md says where a new test goes.
 //!
 //! Every test talks to the real services. A server that is not there makes the test fail
 //! with a message naming it; nothing is skipped.
 
-pub mod conformance;
 pub mod end_to_end;
 
 use std::collections::HashMap;
@@ -17,7 +17,9 @@ use outbox_core::{
     Backoff, CancellationToken, NewMessage, QueueStats, Sink, StorageAdmin, Worker, WorkerConfig,
 };
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
-pub use outbox_test_support::{Proxy, Service, host_port, kafka, postgres_url, unique_name};
+pub use outbox_test_support::{
+    Proxy, Service, host_port, kafka, mysql_url, postgres_url, unique_name,
+};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -234,12 +236,6 @@ pub fn drop_schemas(schemas: &[String]) {
         })
     });
     let _ = cleanup.join();
-}
-
-/// MariaDB/MySQL for tests: `$OUTBOX_TEST_MYSQL_URL`, or the local server's `test` database.
-pub fn mysql_url() -> String {
-    std::env::var("OUTBOX_TEST_MYSQL_URL")
-        .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
 }
 
 /// Drops a MySQL outbox's tables (every one its migrations make:

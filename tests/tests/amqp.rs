@@ -19,7 +19,7 @@ use outbox_core::{Message, NewMessage, Sink, Template, WorkerConfig};
 use outbox_test_support::amqp::{Broker, headers, text, url};
 use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::{Proxy, Service, host_port, through, unique_name};
-use outbox_tests::conformance::{Destination, Received, SinkHarness};
+use outbox_testkit::{Destination, Received, SinkHarness};
 use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_tests::{TestOutbox, test_worker_config};
 use uuid::Uuid;
@@ -445,9 +445,11 @@ impl SinkHarness for Harness {
             .collect()
     }
 
-    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
+    async fn sink_at(&self, addr: &str) -> Option<Arc<dyn Sink>> {
         let config = Self::config(through(&url(), addr), "amq.topic");
-        Arc::new(AmqpSink::lazy(config).expect("valid configuration"))
+        Some(Arc::new(
+            AmqpSink::lazy(config).expect("valid configuration"),
+        ))
     }
 
     /// A message no queue is bound for: returned by the broker (`mandatory`).
@@ -460,5 +462,5 @@ impl SinkHarness for Harness {
 }
 
 mod conformance {
-    outbox_tests::sink_conformance_tests!(super::Harness::new().await);
+    outbox_testkit::sink_conformance_tests!(super::Harness::new().await);
 }

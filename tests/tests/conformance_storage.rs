@@ -8,9 +8,8 @@ use async_trait::async_trait;
 use outbox_core::memory::{MemoryStorage, MemoryTransaction};
 use outbox_core::{NewMessage, Storage, StorageAdmin};
 use outbox_postgres::{OutboxTable, PgStorage};
+use outbox_testkit::{PendingWrite, StorageFixture, StorageHarness};
 use outbox_tests::TestOutbox;
-use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
-use uuid::Uuid;
 
 /// PostgreSQL: each fixture is a fresh migrated schema, dropped with it.
 struct Postgres;
@@ -36,15 +35,15 @@ impl StorageFixture for PgFixture {
         self.1.lock().expect("the relay's storage").clone()
     }
 
+    fn admin(&self) -> Arc<dyn StorageAdmin> {
+        self.0.storage.clone()
+    }
+
     fn replica(&self) -> Option<Arc<dyn Storage>> {
         let config = self.0.storage.config().clone();
         Some(Arc::new(
             PgStorage::new(config).expect("valid configuration"),
         ))
-    }
-
-    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.0.storage.purge_dead_letters(ids).await.expect("purge")
     }
 
     async fn restart(&self, stop: bool) -> bool {
@@ -65,22 +64,6 @@ impl StorageFixture for PgFixture {
             .await
             .expect("enqueue");
         Box::new(PgWrite(tx))
-    }
-
-    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.0
-            .storage
-            .replay_dead_letters(ids)
-            .await
-            .expect("replay")
-    }
-
-    async fn release_parked_key(&self, key: &str) -> bool {
-        self.0
-            .storage
-            .release_parked_key(key)
-            .await
-            .expect("release parked key")
     }
 
     async fn advance(&self, by: Duration) {
@@ -139,23 +122,15 @@ impl StorageFixture for MemoryFixture {
         self.0.clone()
     }
 
+    fn admin(&self) -> Arc<dyn StorageAdmin> {
+        self.0.clone()
+    }
+
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
         Box::new(MemoryWrite {
             storage: self.0.clone(),
             tx: self.0.begin(messages.to_vec()),
         })
-    }
-
-    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.0.replay_dead_letters(ids)
-    }
-
-    async fn release_parked_key(&self, key: &str) -> bool {
-        self.0.release_parked_key(key)
-    }
-
-    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.0.purge_dead_letters(ids)
     }
 
     async fn advance(&self, by: Duration) {
@@ -171,15 +146,15 @@ impl StorageHarness for Memory {
 }
 
 mod postgres {
-    outbox_tests::storage_conformance_tests!(super::Postgres);
+    outbox_testkit::storage_conformance_tests!(super::Postgres);
 }
 
 mod memory {
-    outbox_tests::storage_conformance_tests!(super::Memory);
+    outbox_testkit::storage_conformance_tests!(super::Memory);
 }
 
 /// The whole suite in one call, as an out-of-tree crate might run it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_suite_runs_in_one_call() {
-    outbox_tests::conformance::run_storage_suite(&Postgres).await;
+    outbox_testkit::run_storage_suite(&Postgres).await;
 }

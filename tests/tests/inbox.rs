@@ -990,10 +990,7 @@ mod mysql {
 
     use super::*;
 
-    fn mysql_url() -> String {
-        std::env::var("OUTBOX_TEST_MYSQL_URL")
-            .unwrap_or_else(|_| "mysql://root@127.0.0.1:3306/test".to_string())
-    }
+    use outbox_tests::mysql_url;
 
     fn missing(error: impl std::fmt::Display) -> ! {
         panic!(

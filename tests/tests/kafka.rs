@@ -397,16 +397,16 @@ impl Harness {
 }
 
 #[async_trait::async_trait]
-impl outbox_tests::conformance::SinkHarness for Harness {
+impl outbox_testkit::SinkHarness for Harness {
     fn timeout(&self) -> Duration {
         // A publish waits up to the delivery time-out plus the sink's 5 s grace.
         Self::DELIVERY * 2
     }
 
-    async fn destination(&self) -> outbox_tests::conformance::Destination {
+    async fn destination(&self) -> outbox_testkit::Destination {
         let topic = unique_name("conformance");
         create_topic(&self.brokers, &topic, 3).await;
-        outbox_tests::conformance::Destination {
+        outbox_testkit::Destination {
             sink: sink(Self::config(&self.brokers)),
             topic,
         }
@@ -414,9 +414,9 @@ impl outbox_tests::conformance::SinkHarness for Harness {
 
     async fn read(
         &self,
-        destination: &outbox_tests::conformance::Destination,
+        destination: &outbox_testkit::Destination,
         at_least: usize,
-    ) -> Vec<outbox_tests::conformance::Received> {
+    ) -> Vec<outbox_testkit::Received> {
         let mut records = consume_until(
             &self.brokers,
             &[&destination.topic],
@@ -428,7 +428,7 @@ impl outbox_tests::conformance::SinkHarness for Harness {
         records.sort_by_key(|r| (r.partition, r.offset));
         records
             .into_iter()
-            .map(|r| outbox_tests::conformance::Received {
+            .map(|r| outbox_testkit::Received {
                 payload: r.payload,
                 headers: r.headers,
                 key: r.key,
@@ -436,14 +436,14 @@ impl outbox_tests::conformance::SinkHarness for Harness {
             .collect()
     }
 
-    async fn sink_at(&self, addr: &str) -> Arc<dyn outbox_core::Sink> {
-        sink(Self::config(addr))
+    async fn sink_at(&self, addr: &str) -> Option<Arc<dyn outbox_core::Sink>> {
+        Some(sink(Self::config(addr)))
     }
 
     /// A message for a topic that does not exist (tansu does not create topics).
     async fn refused(
         &self,
-        _destination: &outbox_tests::conformance::Destination,
+        _destination: &outbox_testkit::Destination,
     ) -> Option<outbox_core::Message> {
         Some(outbox_core::Message::from(NewMessage::new(
             unique_name("missing"),
@@ -453,5 +453,5 @@ impl outbox_tests::conformance::SinkHarness for Harness {
 }
 
 mod conformance {
-    outbox_tests::sink_conformance_tests!(super::Harness::new());
+    outbox_testkit::sink_conformance_tests!(super::Harness::new());
 }

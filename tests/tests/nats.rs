@@ -12,7 +12,7 @@ use outbox_nats::{NatsConfig, NatsSink, wire};
 use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::nats::{connect, create_stream, headers, read, url};
 use outbox_test_support::{Service, through, unique_name};
-use outbox_tests::conformance::{Destination, Received, SinkHarness};
+use outbox_testkit::{Destination, Received, SinkHarness};
 use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_tests::{TestOutbox, test_worker_config};
 
@@ -84,9 +84,11 @@ impl SinkHarness for Nats {
         self.messages(&destination.topic, at_least).await
     }
 
-    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
+    async fn sink_at(&self, addr: &str) -> Option<Arc<dyn Sink>> {
         let config = config(&format!("nats://{addr}"), PREFIX);
-        Arc::new(NatsSink::new(config).expect("valid configuration"))
+        Some(Arc::new(
+            NatsSink::new(config).expect("valid configuration"),
+        ))
     }
 
     /// A topic no stream captures: JetStream has no responder for its subject.
@@ -98,12 +100,12 @@ impl SinkHarness for Nats {
     }
 }
 
-outbox_tests::sink_conformance_tests!(Nats::new().await);
+outbox_testkit::sink_conformance_tests!(Nats::new().await);
 
 /// The suite in one call, as the lead wires it into the other sinks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_whole_sink_suite_runs_in_one_call() {
-    outbox_tests::conformance::run_sink_suite(&Nats::new().await).await;
+    outbox_testkit::run_sink_suite(&Nats::new().await).await;
 }
 
 /// Under the end-to-end scripts, each destination is a stream of its own capturing every

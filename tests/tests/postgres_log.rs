@@ -388,22 +388,18 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
     );
     // The delay is visible: five committed rows wait for the open transaction, named by its
     // backend and age.
-    let lag = outbox
-        .storage
-        .horizon_lag()
-        .await
-        .unwrap()
-        .expect("log mode");
-    assert_eq!(lag.waiting_rows, 5, "{lag:?}");
+    let lag = outbox.storage.horizon().await.unwrap().expect("log mode");
+    assert_eq!(lag.waiting, 5, "{lag:?}");
     let blocker: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
         .fetch_one(&mut *open)
         .await
         .unwrap();
-    assert_eq!(lag.blocker_pid, Some(blocker), "{lag:?}");
-    assert!(
-        lag.blocker_age.is_some_and(|age| age >= hold / 2),
+    assert_eq!(
+        lag.held_by,
+        Some(format!("backend pid {blocker}")),
         "{lag:?}"
     );
+    assert!(lag.held_for.is_some_and(|age| age >= hold / 2), "{lag:?}");
     // The held row is not committed, so not counted; the five behind it wait, pending.
     assert_eq!(
         outbox.stats().await.pending,
@@ -412,15 +408,14 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
     );
     open.commit().await.unwrap();
     outbox.wait_until_delivered(Duration::from_secs(20)).await;
-    let lag = outbox
-        .storage
-        .horizon_lag()
-        .await
-        .unwrap()
-        .expect("log mode");
+    let lag = outbox.storage.horizon().await.unwrap().expect("log mode");
     // Other tests' transactions may be running in the same database: only ours must be gone.
-    assert_eq!(lag.waiting_rows, 0, "{lag:?}");
-    assert_ne!(lag.blocker_pid, Some(blocker), "{lag:?}");
+    assert_eq!(lag.waiting, 0, "{lag:?}");
+    assert_ne!(
+        lag.held_by,
+        Some(format!("backend pid {blocker}")),
+        "{lag:?}"
+    );
     relay.stop().await;
     assert!(started.elapsed() >= hold);
     assert_eq!(
@@ -1289,8 +1284,7 @@ mod conformance {
     use async_trait::async_trait;
     use outbox_core::{NewMessage, Storage, StorageAdmin};
     use outbox_postgres::PgStorage;
-    use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
-    use uuid::Uuid;
+    use outbox_testkit::{PendingWrite, StorageFixture, StorageHarness};
 
     use super::LogOutbox;
 
@@ -1335,12 +1329,12 @@ mod conformance {
             self.relay()
         }
 
-        fn replica(&self) -> Option<Arc<dyn Storage>> {
-            Some(self.new_relay())
+        fn admin(&self) -> Arc<dyn StorageAdmin> {
+            self.0.storage.clone()
         }
 
-        async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
-            self.0.storage.purge_dead_letters(ids).await.expect("purge")
+        fn replica(&self) -> Option<Arc<dyn Storage>> {
+            Some(self.new_relay())
         }
 
         async fn restart(&self, stop: bool) -> bool {
@@ -1359,22 +1353,6 @@ mod conformance {
                 .await
                 .expect("enqueue");
             Box::new(LogWrite(tx))
-        }
-
-        async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
-            self.0
-                .storage
-                .replay_dead_letters(ids)
-                .await
-                .expect("replay")
-        }
-
-        async fn release_parked_key(&self, key: &str) -> bool {
-            self.0
-                .storage
-                .release_parked_key(key)
-                .await
-                .expect("release parked key")
         }
 
         async fn advance(&self, by: Duration) {
@@ -1412,13 +1390,13 @@ mod conformance {
         }
     }
 
-    outbox_tests::storage_conformance_tests!(LogHarness { buffer_min: None });
+    outbox_testkit::storage_conformance_tests!(LogHarness { buffer_min: None });
 
     /// The randomised model with read buffers of 8 rows per shard (and 4 claims' limits):
     /// its few rows fill them, so keys stopped behind a retry have their later rows let go
     /// and read again.
     mod small_buffers {
-        outbox_tests::storage_conformance_tests!(super::LogHarness { buffer_min: Some(8) };
+        outbox_testkit::storage_conformance_tests!(super::LogHarness { buffer_min: Some(8) };
             storage_random_operations_keep_key_order,
         );
     }

@@ -14,8 +14,8 @@ use outbox_redis::{RedisConfig, RedisSink, wire};
 use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::redis::{Entry, client, delete_prefixed, text, xlen, xrange};
 use outbox_test_support::{Service, through, unique_name};
+use outbox_testkit::{Destination, Received, SinkHarness};
 use outbox_tests::TestOutbox;
-use outbox_tests::conformance::{Destination, Received, SinkHarness};
 use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use uuid::Uuid;
 
@@ -276,8 +276,8 @@ impl SinkHarness for Harness {
             .collect()
     }
 
-    async fn sink_at(&self, addr: &str) -> Arc<dyn Sink> {
-        sink(self.config(format!("redis://{addr}")))
+    async fn sink_at(&self, addr: &str) -> Option<Arc<dyn Sink>> {
+        Some(sink(self.config(format!("redis://{addr}"))))
     }
 
     /// A message for a stream key that holds a string: WRONGTYPE.
@@ -294,11 +294,11 @@ impl SinkHarness for Harness {
 }
 
 mod conformance {
-    outbox_tests::sink_conformance_tests!(super::Harness::new(false).await);
+    outbox_testkit::sink_conformance_tests!(super::Harness::new(false).await);
 }
 
 mod conformance_with_dedup {
-    outbox_tests::sink_conformance_tests!(super::Harness::new(true).await);
+    outbox_testkit::sink_conformance_tests!(super::Harness::new(true).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

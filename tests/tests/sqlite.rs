@@ -32,7 +32,7 @@ use outbox_core::{NewMessage, Storage, StorageAdmin};
 use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use outbox_sqlite::sqlx::{self, Sqlite as Db, Transaction};
 use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
-use outbox_tests::conformance::{PendingWrite, StorageFixture, StorageHarness};
+use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
 use outbox_tests::unique_name;
 use uuid::Uuid;
 
@@ -141,8 +141,8 @@ impl StorageFixture for SqliteFixture {
         self.relay()
     }
 
-    async fn purge_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.relay().purge_dead_letters(ids).await.expect("purge")
+    fn admin(&self) -> Arc<dyn StorageAdmin> {
+        self.relay()
     }
 
     async fn restart(&self, stop: bool) -> bool {
@@ -180,17 +180,6 @@ impl StorageFixture for SqliteFixture {
         })
     }
 
-    async fn replay_dead_letters(&self, ids: &[Uuid]) -> u64 {
-        self.relay().replay_dead_letters(ids).await.expect("replay")
-    }
-
-    async fn release_parked_key(&self, key: &str) -> bool {
-        self.relay()
-            .release_parked_key(key)
-            .await
-            .expect("release parked key")
-    }
-
     async fn advance(&self, by: Duration) {
         // The database's clock cannot move: move every stored time back instead.
         let sql = format!(
@@ -207,6 +196,13 @@ impl StorageFixture for SqliteFixture {
 
 #[async_trait]
 impl StorageHarness for Sqlite {
+    fn traits(&self) -> HarnessTraits {
+        match self.positions_at_write {
+            true => HarnessTraits::default(),
+            false => HarnessTraits::default().positions_at_commit(),
+        }
+    }
+
     async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
         let dir = TempDir::new();
         let path = dir.0.join("app.db");
@@ -247,40 +243,17 @@ impl StorageHarness for Sqlite {
 
 /// Every check, with positions taken when a message is written (PostgreSQL's order).
 mod positions_at_write {
-    outbox_tests::storage_conformance_tests!(super::Sqlite {
+    outbox_testkit::storage_conformance_tests!(super::Sqlite {
         positions_at_write: true
     });
 }
 
-/// Through the application's API, positions taken at commit (SQLite's order): every check
-/// but the two that number messages when they are written (see the top of this file).
+/// Through the application's API, positions taken at commit (SQLite's order): the two checks
+/// that number messages when they are written skip (see the top of this file).
 mod commit_order {
-    outbox_tests::storage_conformance_tests!(super::Sqlite { positions_at_write: false };
-        storage_declares_what_was_asked,
-        storage_commit_delivers_rollback_does_not,
-        storage_fields_survive_exactly,
-        storage_claims_in_enqueue_order_up_to_the_limit,
-        storage_ack_removes_messages,
-        storage_retry_charges_an_attempt_and_waits,
-        storage_release_charges_nothing,
-        storage_dead_letter_parks_the_key_with_key_order,
-        storage_dead_letter_without_key_order_parks_nothing,
-        storage_fences_stale_claims,
-        storage_leases_expire,
-        storage_holds_a_key_back_while_its_head_is_out,
-        storage_without_key_order_keys_do_not_block,
-        storage_out_of_order_commits_lose_nothing,
-        storage_stats_count_the_queue,
-        storage_shared_stats_count_once_per_interval,
-        storage_messages_behind_a_retry_wait_after_the_lease_runs_out,
-        storage_a_replayed_head_does_not_let_later_messages_pass_a_retry,
-        storage_a_dead_letter_replayed_after_its_key_drained_goes_first,
-        storage_a_released_or_purged_dead_letter_stays_out_across_restarts,
-        storage_a_replay_after_a_restart_delivers_the_key_once_in_order,
-        storage_a_replayed_dead_letter_of_a_released_key_is_delivered,
-        storage_settle_writes_the_whole_outcome,
-        storage_extend_lease_holds_the_claim,
-    );
+    outbox_testkit::storage_conformance_tests!(super::Sqlite {
+        positions_at_write: false
+    });
 }
 
 /// The security review's SQLite finding (issue 30, item 3): a row whose key is TEXT that is

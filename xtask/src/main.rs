@@ -1,8 +1,8 @@
 //! `cargo xtask <task>`: the project's chores in one place.
 //!
 //! - `services`: make sure every server the tests need is up, starting (and, when missing,
-//!   installing) each one: PostgreSQL, MariaDB, Redis, RabbitMQ, NATS, and tansu as the Kafka
-//!   broker.
+//!   installing) each one of test-support's list (test-support/src/service.rs): PostgreSQL,
+//!   MariaDB, Redis, RabbitMQ, NATS, and tansu as the Kafka broker.
 //! - `test`: `services`, then the whole test suite against them.
 //! - `bench [args]`: the benchmark (release build), see BENCHMARKS.md.
 //! - `container-build`: the Dockerfile's `cargo build` line, run here (docs/deployment.md).
@@ -14,6 +14,11 @@
 
 mod browser;
 mod replica;
+// test-support's list of services, read here without depending on the crate; xtask uses
+// only part of it.
+#[allow(dead_code)]
+#[path = "../../test-support/src/service.rs"]
+mod service;
 #[cfg(test)]
 mod tidy;
 
@@ -21,6 +26,8 @@ use std::net::{SocketAddr, TcpStream};
 use std::path::PathBuf;
 use std::process::{Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
+
+use service::Service;
 
 type Result<T = ()> = std::result::Result<T, String>;
 
@@ -49,97 +56,46 @@ fn main() -> ExitCode {
     }
 }
 
-/// A server the tests need: where it listens, how to start it, how to install it.
-struct Service {
-    name: &'static str,
-    port: u16,
-    start: fn() -> Result,
-    /// Debian package that provides it, when it is missing.
-    package: Option<&'static str>,
-    /// Program whose absence means the service must be installed first.
-    program: &'static str,
-    startup: Duration,
+/// How `services` starts each server of test-support's list (its name, URL, port, Debian
+/// package and start-up time are there).
+fn start(service: Service) -> Result {
+    match service {
+        Service::Postgres => start_postgres(),
+        Service::MySql => start_mariadb(),
+        Service::Redis => start_redis(),
+        Service::Amqp => start_rabbitmq(),
+        Service::Nats => start_nats(),
+        Service::Kafka => start_tansu(),
+    }
 }
 
-const SERVICES: &[Service] = &[
-    Service {
-        name: "PostgreSQL",
-        port: 5432,
-        start: start_postgres,
-        package: Some("postgresql"),
-        program: "pg_ctlcluster",
-        startup: Duration::from_secs(30),
-    },
-    Service {
-        name: "MariaDB",
-        port: 3306,
-        start: start_mariadb,
-        package: Some("mariadb-server"),
-        program: "mariadbd",
-        startup: Duration::from_secs(30),
-    },
-    Service {
-        name: "Redis",
-        port: 6379,
-        start: start_redis,
-        package: Some("redis-server"),
-        program: "redis-server",
-        startup: Duration::from_secs(15),
-    },
-    Service {
-        name: "RabbitMQ",
-        port: 5672,
-        start: start_rabbitmq,
-        package: Some("rabbitmq-server"),
-        program: "rabbitmq-server",
-        startup: Duration::from_secs(90),
-    },
-    Service {
-        name: "NATS",
-        port: 4222,
-        start: start_nats,
-        package: Some("nats-server"),
-        program: "nats-server",
-        startup: Duration::from_secs(15),
-    },
-    Service {
-        name: "Kafka (tansu)",
-        port: 9092,
-        start: start_tansu,
-        package: None,
-        program: "",
-        startup: Duration::from_secs(30),
-    },
-];
-
 fn services() -> Result {
-    for service in SERVICES {
-        if is_listening(service.port) {
-            println!(
-                "xtask: {} is up on 127.0.0.1:{}",
-                service.name, service.port
-            );
+    for &service in Service::ALL {
+        let port = service.local_port();
+        if is_listening(port) {
+            println!("xtask: {} is up on 127.0.0.1:{port}", service.name());
             continue;
         }
         println!(
-            "xtask: {} is down on 127.0.0.1:{}; starting it",
-            service.name, service.port
+            "xtask: {} is down on 127.0.0.1:{port}; starting it",
+            service.name()
         );
-        if let Some(package) = service.package
-            && !has_program(service.program)
+        if let Some(package) = service.package()
+            && !has_program(package.program)
         {
             println!(
-                "xtask: {} is not installed; installing Debian package {package}",
-                service.name
+                "xtask: {} is not installed; installing Debian package {}",
+                service.name(),
+                package.name
             );
             run(Command::new("apt-get").args([
                 "install",
                 "-y",
                 "--no-install-recommends",
-                package,
+                package.name,
             ]))?;
         }
-        (service.start)()?;
+        start(service)?;
         wait_for(service)?;
     }
     prepare_postgres()?;
@@ -164,7 +120,7 @@ fn ensure_faketime() -> Result {
 /// cluster (the setting takes a restart), then make the replica again (a hot standby needs
 /// it at least as high as its primary).
 fn allow_prepared_transactions() -> Result {
-    if std::env::var_os("OUTBOX_TEST_POSTGRES_URL").is_some() {
+    if std::env::var_os(Service::Postgres.env()).is_some() {
         return Ok(());
     }
     if replica::psql(5432, "SHOW max_prepared_transactions")? != "0" {
@@ -175,9 +131,7 @@ fn allow_prepared_transactions() -> Result {
     );
     replica::psql(5432, "ALTER SYSTEM SET max_prepared_transactions = 16")?;
     pg_ctlcluster("restart")?;
-    if let Some(postgres) = SERVICES.iter().find(|s| s.port == 5432) {
-        wait_for(postgres)?;
-    }
+    wait_for(Service::Postgres)?;
     replica::discard()
 }
 
@@ -186,7 +140,7 @@ fn allow_prepared_transactions() -> Result {
 /// has neither: as the system's root (MariaDB lets it in through the socket) this creates
 /// the database and `root@127.0.0.1` with no password, which suits a test machine only.
 fn prepare_mariadb() -> Result {
-    if std::env::var_os("OUTBOX_TEST_MYSQL_URL").is_some() {
+    if std::env::var_os(Service::MySql.env()).is_some() {
         return Ok(());
     }
     let probe = || {
@@ -234,7 +188,7 @@ fn prepare_mariadb() -> Result {
 /// 127.0.0.1 without a password (a `trust` line for this one role and address, put first in
 /// pg_hba.conf), which suits a test machine only.
 fn prepare_postgres() -> Result {
-    if std::env::var_os("OUTBOX_TEST_POSTGRES_URL").is_some() {
+    if std::env::var_os(Service::Postgres.env()).is_some() {
         return Ok(());
     }
     let probe = |database: &str| {
@@ -331,18 +285,20 @@ fn is_listening(port: u16) -> bool {
     TcpStream::connect_timeout(&addr, Duration::from_secs(1)).is_ok()
 }
 
-fn wait_for(service: &Service) -> Result {
-    let deadline = Instant::now() + service.startup;
+fn wait_for(service: Service) -> Result {
+    let deadline = Instant::now() + service.startup();
     while Instant::now() < deadline {
-        if is_listening(service.port) {
-            println!("xtask: {} is up", service.name);
+        if is_listening(service.local_port()) {
+            println!("xtask: {} is up", service.name());
             return Ok(());
         }
         std::thread::sleep(Duration::from_millis(250));
     }
     Err(format!(
         "{} did not come up on 127.0.0.1:{} within {:?}",
-        service.name, service.port, service.startup
+        service.name(),
+        service.local_port(),
+        service.startup()
     ))
 }
 
@@ -500,11 +456,33 @@ fn cargo() -> Command {
     Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
 }
 
+/// The whole suite: the workspace's tests, then the backend crate outside the workspace
+/// (`examples/out-of-tree-sink`, its own lock file), which proves that `outbox-testkit`
+/// works for a crate depending on `outbox-core` and the kit only. Both run even when the
+/// first fails.
 fn test(extra: &[String]) -> Result {
     browser::ensure()?;
-    run(cargo()
+    let workspace = run(cargo()
         .args(["test", "--workspace", "--all-features", "--no-fail-fast"])
-        .args(extra))
+        .args(extra));
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .map(PathBuf::from)
+        .ok_or("xtask has no parent directory")?;
+    // The workspace's target directory, so the shared dependencies are built once.
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root.join("target"));
+    let out_of_tree = run(cargo()
+        .current_dir(&root)
+        .args([
+            "test",
+            "--manifest-path",
+            "examples/out-of-tree-sink/Cargo.toml",
+        ])
+        .arg("--target-dir")
+        .arg(&target));
+    workspace.and(out_of_tree)
 }
 
 /// Runs the Dockerfile's `cargo build` line as it is, here: no container engine runs on

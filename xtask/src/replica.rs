@@ -30,7 +30,7 @@ const COPIED: [&str; 5] = [
 
 /// Makes sure the replica is up: on 127.0.0.1:5433, hot standby, streaming from 5432.
 pub fn ensure() -> Result {
-    if std::env::var_os("OUTBOX_TEST_POSTGRES_URL").is_some() {
+    if std::env::var_os(crate::Service::Postgres.env()).is_some() {
         return Ok(());
     }
     if is_listening(PORT) {

@@ -1,0 +1,152 @@
+//! The inbox's rules, the same in every SQL storage: which consumer names are allowed, that
+//! a record is made inside the consumer's transaction, what a purge deletes, and the errors
+//! that send the user to `Inbox::migrate`. Each storage keeps its statements.
+
+use std::time::Duration;
+
+use outbox_core::{Error, Result};
+
+/// Longest consumer name accepted, in bytes.
+pub const MAX_CONSUMER: usize = 255;
+
+/// Ages past this delete nothing: no record is that old, and the cut-off would fall outside
+/// the range of a timestamp or a `DATETIME`.
+pub const MAX_AGE: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// The columns an inbox table must have; a table without them is not an inbox.
+pub const COLUMNS: [&str; 3] = ["consumer", "message_id", "processed_at"];
+
+/// A `Config` error unless `consumer` is 1 to [`MAX_CONSUMER`] bytes.
+pub fn check_consumer(consumer: &str) -> Result<()> {
+    if consumer.is_empty() || consumer.len() > MAX_CONSUMER {
+        return Err(Error::config(format!(
+            "inbox consumer name `{consumer}` is not allowed: use 1 to {MAX_CONSUMER} bytes \
+             (one name per consumer, the same on every delivery)"
+        )));
+    }
+    Ok(())
+}
+
+/// The `Config` error of `Inbox::process` outside a transaction, where the record would
+/// commit at once, before the handler.
+pub fn outside_transaction() -> Error {
+    Error::config(
+        "inbox: process() must run inside the consumer's transaction (pass `&mut *tx` of a \
+         `sqlx::Transaction`), so that the record commits or rolls back with the handler's \
+         change; outside one it would commit at once, and a failing handler would lose the \
+         message",
+    )
+}
+
+/// A `Config` error (keyed `table`) when a table named `table` exists (`exists`) but has
+/// fewer than all of [`COLUMNS`] (`found` of them): it is not an inbox (the outbox table,
+/// say), and migrating it would adopt it. `within` names where the table is, such as
+/// `Some(("schema", "app"))`; `None` where a database has one namespace (SQLite).
+pub fn check_table(
+    table: &str,
+    within: Option<(&str, &str)>,
+    exists: bool,
+    found: i64,
+) -> Result<()> {
+    if !exists || found >= COLUMNS.len() as i64 {
+        return Ok(());
+    }
+    let within = within
+        .map(|(kind, name)| format!(" in {kind} `{name}`"))
+        .unwrap_or_default();
+    Err(Error::setting(
+        "table",
+        format!(
+            "`{table}` names an existing table{within} that is not an inbox (it lacks the \
+             columns consumer, message_id and processed_at); give the inbox a table of its \
+             own, not the outbox's or an application's"
+        ),
+    ))
+}
+
+/// The `Schema` error of a statement on an inbox table that is missing or lacks a column:
+/// it calls for `Inbox::migrate` (not `outbox migrate`, which knows nothing of inboxes).
+/// `storage` is the storage's name (`postgres`, `mysql`, `sqlite`), `context` what failed,
+/// `quoted` the table's quoted name. The caller adds the database error as the source.
+pub fn missing_table(storage: &str, context: &str, quoted: &str) -> Error {
+    Error::schema(format!(
+        "{storage}: {context}: the inbox table {quoted} is missing or older than this release; \
+         run Inbox::migrate"
+    ))
+}
+
+/// The age cut-off of `Inbox::purge(older_than, limit)`, or `None` when the purge deletes
+/// nothing without asking the database: `limit` is 0, or `older_than` is past
+/// [`MAX_AGE`].
+pub fn purge_age(older_than: Duration, limit: u32) -> Option<Duration> {
+    (limit > 0 && older_than <= MAX_AGE).then_some(older_than)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::ErrorKind;
+
+    #[test]
+    fn consumer_names_are_checked() {
+        assert!(check_consumer("billing").is_ok());
+        assert!(check_consumer(&"c".repeat(255)).is_ok());
+        assert!(check_consumer(&"é".repeat(127)).is_ok());
+        for bad in [String::new(), "c".repeat(256), "é".repeat(128)] {
+            let err = check_consumer(&bad).unwrap_err();
+            assert_eq!(err.kind(), ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
+        }
+    }
+
+    #[test]
+    fn outside_a_transaction_is_a_config_error() {
+        let err = outside_transaction();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(
+            err.message()
+                .starts_with("inbox: process() must run inside")
+        );
+    }
+
+    #[test]
+    fn only_tables_with_the_inbox_columns_are_adopted() {
+        assert!(check_table("inbox", None, false, 0).is_ok());
+        assert!(check_table("inbox", None, true, 3).is_ok());
+        let err = check_table("outbox", None, true, 0).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Config);
+        assert!(
+            err.message()
+                .starts_with("table `outbox` names an existing table that is not an inbox"),
+            "{err}"
+        );
+        let err = check_table("outbox", Some(("schema", "app")), true, 2).unwrap_err();
+        assert!(
+            err.message().starts_with(
+                "table `outbox` names an existing table in schema `app` that is not an inbox"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_missing_table_calls_for_inbox_migrate() {
+        let err = missing_table("sqlite", "purging the inbox failed", r#""inbox""#);
+        assert_eq!(err.kind(), ErrorKind::Schema);
+        assert_eq!(
+            err.message(),
+            r#"sqlite: purging the inbox failed: the inbox table "inbox" is missing or older than this release; run Inbox::migrate"#
+        );
+    }
+
+    #[test]
+    fn purges_past_any_record_or_of_nothing_ask_nothing() {
+        let day = Duration::from_secs(86_400);
+        assert_eq!(purge_age(day, 10), Some(day));
+        assert_eq!(purge_age(Duration::ZERO, 1), Some(Duration::ZERO));
+        assert_eq!(purge_age(MAX_AGE, 1), Some(MAX_AGE));
+        assert_eq!(purge_age(day, 0), None);
+        assert_eq!(purge_age(MAX_AGE + Duration::from_secs(1), 10), None);
+        assert_eq!(purge_age(Duration::MAX, 10), None);
+    }
+}

@@ -1,0 +1,194 @@
+//! The versioned-migration runner every SQL storage's outbox and inbox use: under a lock
+//! that makes migrators take turns, read the highest version recorded in the
+//! `<table>_migrations` table, then apply and record each later step, in order. What
+//! differs per database (the lock, the statements, whether DDL is transactional) is a
+//! [`Dialect`]; the loop is [`run`].
+//!
+//! Migrations are a list of steps: version = position + 1. A step that has shipped never
+//! changes its effect; a change is a new step.
+
+use std::future::Future;
+
+use outbox_core::Result;
+
+/// What a database does for [`run`]. Each method runs statements on the connection (or
+/// transaction) the dialect holds. The futures are `Send`, so a migration can run in a
+/// spawned task.
+pub trait Dialect: Send {
+    /// One migration (a SQL template, a list of statements, ...).
+    type Step: Sync;
+
+    /// Takes the lock that makes migrators of this table take turns, waiting for it.
+    /// Default: none, where the transaction the dialect holds is the lock (SQLite's
+    /// `BEGIN IMMEDIATE`, a PostgreSQL transaction-level advisory lock taken before).
+    fn lock(&mut self) -> impl Future<Output = Result<()>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Checks, holding the lock, that the table may be migrated (an inbox refuses a table
+    /// that is not one). Default: nothing to check.
+    fn check(&mut self) -> impl Future<Output = Result<()>> + Send {
+        async { Ok(()) }
+    }
+
+    /// Creates the versions table if it is missing, and returns the highest version it
+    /// records (0 for none).
+    fn applied(&mut self) -> impl Future<Output = Result<i64>> + Send;
+
+    /// Applies `step`, the migration to `version`, and records the version.
+    fn apply(&mut self, version: i64, step: &Self::Step)
+    -> impl Future<Output = Result<()>> + Send;
+
+    /// Releases the lock of [`lock`](Dialect::lock). Called after [`check`](Dialect::check),
+    /// [`applied`](Dialect::applied) and [`apply`](Dialect::apply), whether they succeeded
+    /// or not (a session-level lock outlives the call, and the connection usually goes back
+    /// to a pool); their error wins over this one's. Default: nothing to release.
+    fn unlock(&mut self) -> impl Future<Output = Result<()>> + Send {
+        async { Ok(()) }
+    }
+}
+
+/// The steps after version `applied`, up to version `target` (at most all of them), each
+/// with its version, in order.
+pub fn pending<S>(applied: i64, steps: &[S], target: usize) -> impl Iterator<Item = (i64, &S)> {
+    (1i64..)
+        .zip(steps)
+        .take(target.min(steps.len()))
+        .filter(move |(version, _)| *version > applied)
+}
+
+/// Migrates up to version `target` (`steps.len()` for all): [`lock`](Dialect::lock),
+/// [`check`](Dialect::check), read the [`applied`](Dialect::applied) version,
+/// [`apply`](Dialect::apply) each [`pending`] step in order, and
+/// [`unlock`](Dialect::unlock) whatever happened. Returns the first error. Safe to run
+/// repeatedly: a recorded version is never applied again.
+pub async fn run<D: Dialect>(dialect: &mut D, steps: &[D::Step], target: usize) -> Result<()> {
+    dialect.lock().await?;
+    let result = apply_pending(dialect, steps, target).await;
+    let unlocked = dialect.unlock().await;
+    result?;
+    unlocked
+}
+
+async fn apply_pending<D: Dialect>(
+    dialect: &mut D,
+    steps: &[D::Step],
+    target: usize,
+) -> Result<()> {
+    dialect.check().await?;
+    let applied = dialect.applied().await?;
+    for (version, step) in pending(applied, steps, target) {
+        dialect.apply(version, step).await?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use outbox_core::Error;
+
+    /// A database in memory: the versions recorded and what happened, in order.
+    #[derive(Default)]
+    struct Fake {
+        recorded: Vec<i64>,
+        log: Vec<String>,
+        refuse: bool,
+        fail_at: Option<i64>,
+    }
+
+    impl Dialect for Fake {
+        type Step = &'static str;
+
+        async fn lock(&mut self) -> Result<()> {
+            self.log.push("lock".into());
+            Ok(())
+        }
+
+        async fn check(&mut self) -> Result<()> {
+            if self.refuse {
+                return Err(Error::config("not an inbox"));
+            }
+            Ok(())
+        }
+
+        async fn applied(&mut self) -> Result<i64> {
+            Ok(self.recorded.iter().copied().max().unwrap_or(0))
+        }
+
+        async fn apply(&mut self, version: i64, step: &&'static str) -> Result<()> {
+            if self.fail_at == Some(version) {
+                return Err(Error::unavailable("gone"));
+            }
+            self.log.push(format!("{version}: {step}"));
+            self.recorded.push(version);
+            Ok(())
+        }
+
+        async fn unlock(&mut self) -> Result<()> {
+            self.log.push("unlock".into());
+            Ok(())
+        }
+    }
+
+    const STEPS: [&str; 3] = ["create", "index", "alter"];
+
+    fn block_on<F: Future>(future: F) -> F::Output {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .expect("a runtime")
+            .block_on(future)
+    }
+
+    #[test]
+    fn pending_steps_follow_the_recorded_version_up_to_the_target() {
+        let versions = |applied, target| -> Vec<i64> {
+            pending(applied, &STEPS, target).map(|(v, _)| v).collect()
+        };
+        assert_eq!(versions(0, 3), [1, 2, 3]);
+        assert_eq!(versions(1, 3), [2, 3]);
+        assert_eq!(versions(3, 3), [] as [i64; 0]);
+        assert_eq!(versions(0, 2), [1, 2]);
+        assert_eq!(versions(0, 99), [1, 2, 3]);
+        assert_eq!(versions(5, 3), [] as [i64; 0]);
+        assert_eq!(pending(1, &STEPS, 3).next(), Some((2, &"index")));
+    }
+
+    #[test]
+    fn runs_each_step_once_under_the_lock() {
+        let mut db = Fake::default();
+        block_on(run(&mut db, &STEPS, 2)).unwrap();
+        assert_eq!(db.log, ["lock", "1: create", "2: index", "unlock"]);
+        db.log.clear();
+        block_on(run(&mut db, &STEPS, STEPS.len())).unwrap();
+        assert_eq!(db.log, ["lock", "3: alter", "unlock"]);
+        db.log.clear();
+        block_on(run(&mut db, &STEPS, STEPS.len())).unwrap();
+        assert_eq!(db.log, ["lock", "unlock"]);
+        assert_eq!(db.recorded, [1, 2, 3]);
+    }
+
+    #[test]
+    fn unlocks_after_a_failure_and_returns_it() {
+        let mut db = Fake {
+            fail_at: Some(2),
+            ..Fake::default()
+        };
+        let err = block_on(run(&mut db, &STEPS, 3)).unwrap_err();
+        assert_eq!(err.message(), "gone");
+        assert_eq!(db.log, ["lock", "1: create", "unlock"]);
+        let mut db = Fake {
+            refuse: true,
+            ..Fake::default()
+        };
+        let err = block_on(run(&mut db, &STEPS, 3)).unwrap_err();
+        assert_eq!(err.message(), "not an inbox");
+        assert_eq!(db.log, ["lock", "unlock"]);
+    }
+
+    /// Compiles only if a migration can run in a spawned task.
+    #[allow(dead_code)]
+    fn run_is_spawnable(mut db: Fake) {
+        drop(tokio::spawn(async move { run(&mut db, &STEPS, 3).await }));
+    }
+}
