@@ -624,10 +624,45 @@ enum Step {
     },
 }
 
+/// The wake-up of both modes (migration 1 and log migration 1001): writers notify only
+/// while a relay has said it is idle. One text, so the two migrations cannot drift.
+macro_rules! wakeup_ddl {
+    () => {
+        concat!(
+            r#"CREATE TABLE {wakeup} (
+    singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
+    relay_idle boolean NOT NULL DEFAULT false
+);
+INSERT INTO {wakeup} DEFAULT VALUES;
+CREATE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
+"#,
+            notify_body!(),
+            r#"CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
+    FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
+"#
+        )
+    };
+}
+
+/// The body of the wake-up's trigger function (created by the wake-up, rendered again by
+/// migration 4 for the shortened channel names).
+macro_rules! notify_body {
+    () => {
+        r#"BEGIN
+    IF (SELECT relay_idle FROM {wakeup}) THEN
+        PERFORM pg_notify('{channel}', '');
+    END IF;
+    RETURN NULL;
+END
+$fn$;
+"#
+    };
+}
+
 /// Schema migrations, applied in order (version = position + 1); never change the effect of
 /// one that has shipped, add another.
 const MIGRATIONS: &[Step] = &[
-    Step::Sql(
+    Step::Sql(concat!(
         r#"
 CREATE TABLE {outbox} (
     seq           bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
@@ -703,23 +738,9 @@ CREATE INDEX {table}_delivered_at ON {delivered} (delivered_at);
 
 -- The wake-up: writers notify only while a relay has said it is idle, so a busy relay
 -- costs writers nothing (notifying commits are serialised cluster-wide).
-CREATE TABLE {wakeup} (
-    singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    relay_idle boolean NOT NULL DEFAULT false
-);
-INSERT INTO {wakeup} DEFAULT VALUES;
-CREATE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    IF (SELECT relay_idle FROM {wakeup}) THEN
-        PERFORM pg_notify('{channel}', '');
-    END IF;
-    RETURN NULL;
-END
-$fn$;
-CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
-    FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
 "#,
-    ),
+        wakeup_ddl!()
+    )),
     // Claims with per-key order sweep the keys through {table}_key_seq and find the rows
     // without a key here, instead of stepping over every keyed row in `seq` order. Shipped as
     // a plain `CREATE INDEX {table}_unkeyed_seq ON {outbox} (seq) WHERE partition_key IS NULL`
@@ -732,18 +753,12 @@ CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
     // Names over 63 bytes in all made a channel that pg_notify refuses, failing every insert
     // while a relay was idle; channel() now shortens it. Render the function of version 1
     // again (same body) so tables migrated before notify on the new channel.
-    Step::Sql(
+    Step::Sql(concat!(
         r#"
 CREATE OR REPLACE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    IF (SELECT relay_idle FROM {wakeup}) THEN
-        PERFORM pg_notify('{channel}', '');
-    END IF;
-    RETURN NULL;
-END
-$fn$;
 "#,
-    ),
+        notify_body!()
+    )),
     Step::Sql(SHARED_STATS),
     Step::Sql(STATS_RETRYING),
 ];
@@ -791,7 +806,8 @@ const LOG_FIRST_VERSION: i32 = 1001;
 /// Log-mode migrations (version = [`LOG_FIRST_VERSION`] + position); never change one that
 /// has shipped, add another. `{shard_count}` is the configured number of shards.
 const LOG_MIGRATIONS: &[&str] = &[
-    r#"
+    concat!(
+        r#"
 -- Append-only: writers INSERT exactly as in lease mode; the defaults add what the relays
 -- need. `xid` is the writing transaction's id: relays read only below the oldest running
 -- transaction, in (xid, seq) order. The shard is fixed by the partition key (keyless rows
@@ -890,22 +906,9 @@ CREATE TABLE {parked_keys} (
     parked_at      timestamptz NOT NULL DEFAULT now()
 );
 
-CREATE TABLE {wakeup} (
-    singleton  boolean PRIMARY KEY DEFAULT true CHECK (singleton),
-    relay_idle boolean NOT NULL DEFAULT false
-);
-INSERT INTO {wakeup} DEFAULT VALUES;
-CREATE FUNCTION {notify_fn}() RETURNS trigger LANGUAGE plpgsql AS $fn$
-BEGIN
-    IF (SELECT relay_idle FROM {wakeup}) THEN
-        PERFORM pg_notify('{channel}', '');
-    END IF;
-    RETURN NULL;
-END
-$fn$;
-CREATE TRIGGER {table}_wakeup AFTER INSERT ON {outbox}
-    FOR EACH STATEMENT EXECUTE FUNCTION {notify_fn}();
 "#,
+        wakeup_ddl!()
+    ),
     SHARED_STATS,
     STATS_RETRYING,
     LOG_XID_ENFORCED,
