@@ -19,6 +19,7 @@ use outbox_file::{FileConfig, FileSink};
 use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePoolOptions, SqliteSynchronous};
 use outbox_sqlite::sqlx::{self, Row};
 use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
+use outbox_test_support::TempDir;
 use uuid::Uuid;
 
 use crate::baselines;
@@ -36,28 +37,8 @@ const TABLE: &str = "outbox";
 const WRITERS: usize = 4;
 
 /// A directory of its own under the system's temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Result<Self, String> {
-        let path = std::env::temp_dir().join(format!(
-            "outbox-bench-{}-{:08x}",
-            std::process::id(),
-            fastrand::u32(..)
-        ));
-        std::fs::create_dir_all(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        Ok(TempDir(path))
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
+fn temp_dir() -> Result<TempDir, String> {
+    TempDir::try_new("outbox-bench").map_err(|e| e.to_string())
 }
 
 /// A fresh outbox file in a directory of its own, migrated by the storage.
@@ -71,7 +52,7 @@ struct SqliteFile {
 
 impl SqliteFile {
     async fn new() -> Result<Self, String> {
-        let dir = TempDir::new()?;
+        let dir = temp_dir()?;
         let path = dir.path().join("outbox.db");
         let storage = SqliteStorage::open(SqliteConfig::new(&path).table(TABLE))
             .await
@@ -331,7 +312,7 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
 /// The file sink's ceiling: the drain's messages written straight to it in batches of
 /// [`BATCH`], each synced, no database.
 async fn file_ceiling(scale: Scale) -> Result<f64, String> {
-    let dir = TempDir::new()?;
+    let dir = temp_dir()?;
     let sink = SinkKind::File.build(dir.path())?;
     baselines::publish_all(scale, sink.as_ref()).await
 }

@@ -20,7 +20,7 @@ async fn built(config: serde_json::Value) -> outbox_core::Error {
 
 #[tokio::test]
 async fn a_path_in_a_missing_directory_is_refused_naming_path() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("missing/sub/app.db");
     let error = SqliteStorage::new(SqliteConfig::new(&path)).unwrap_err();
     assert_eq!(error.kind(), ErrorKind::Config);
@@ -45,7 +45,7 @@ async fn a_path_in_a_missing_directory_is_refused_naming_path() {
 
 #[tokio::test]
 async fn a_file_that_is_not_a_database_is_refused_naming_path() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("notes.txt");
     std::fs::write(&path, "these are my notes, not a database\n".repeat(200)).unwrap();
     let error = SqliteStorage::open(SqliteConfig::new(&path))
@@ -85,8 +85,8 @@ async fn a_file_that_is_not_a_database_is_refused_naming_path() {
 
 #[tokio::test]
 async fn a_directory_as_path_is_refused_naming_path() {
-    let dir = TempDir::new();
-    let error = built(serde_json::json!({ "path": dir.0 })).await;
+    let dir = TempDir::new("outbox-sqlite");
+    let error = built(serde_json::json!({ "path": dir.path() })).await;
     assert!(
         error.message().starts_with("storage.path `") && error.message().contains("is a directory"),
         "{error}"
@@ -95,7 +95,7 @@ async fn a_directory_as_path_is_refused_naming_path() {
 
 #[tokio::test]
 async fn settings_are_checked_before_the_file() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     for (config, expected) in [
         (serde_json::json!({}), "storage.path is missing"),
@@ -125,7 +125,7 @@ async fn settings_are_checked_before_the_file() {
 
 #[tokio::test]
 async fn a_database_without_the_tables_says_to_migrate() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let storage = SqliteStorage::open(SqliteConfig::new(dir.file("app.db")))
         .await
         .expect("a new, empty database");

@@ -100,7 +100,7 @@ async fn wait_for(sink: &MemorySink, storage: &dyn Storage, total: usize, within
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_drains_10000_messages_over_100_keys_written_meanwhile() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = Arc::new(storage(&path, |_| {}).await);
     let sink = Arc::new(MemorySink::new());
@@ -130,7 +130,7 @@ async fn a_relay_drains_10000_messages_over_100_keys_written_meanwhile() {
 /// deliver everything once, in key order at the (shared) sink.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relays_on_one_file_deliver_everything_once_in_key_order() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let first = Arc::new(storage(&path, |_| {}).await);
     let second = Arc::new(storage(&path, |_| {}).await);

@@ -39,7 +39,7 @@ fn deliveries(claim: &Claim) -> Vec<Delivery> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wait_for_it() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = Arc::new(storage(&path, |_| {}).await);
     let app = app_pool(&path).await;
@@ -114,7 +114,7 @@ async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wai
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_write_lock() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = Arc::new(storage(&path, |_| {}).await);
     storage.enqueue(&[NewMessage::new("t", "m")]).await.unwrap();
@@ -142,7 +142,7 @@ async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_write_lock() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_lock_held_past_busy_timeout_is_unavailable_not_a_crash() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |c| c.busy_timeout = Duration::from_millis(200)).await;
     storage.enqueue(&[NewMessage::new("t", "m")]).await.unwrap();
@@ -163,7 +163,7 @@ async fn a_write_lock_held_past_busy_timeout_is_unavailable_not_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_from_two_processes_at_once_run_once() {
     for _ in 0..5 {
-        let dir = TempDir::new();
+        let dir = TempDir::new("outbox-sqlite");
         let path = dir.file("app.db");
         // Two storages with their own connections, as two relay processes have.
         let a = SqliteStorage::new(SqliteConfig::new(&path)).unwrap();
@@ -188,7 +188,7 @@ async fn migrations_from_two_processes_at_once_run_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_language_enqueues_with_a_plain_insert() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |_| {}).await;
     let app = app_pool(&path).await;
@@ -248,7 +248,7 @@ async fn any_language_enqueues_with_a_plain_insert() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_keeps_delivered_rows_with_their_receipt_until_housekeeping() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |c| c.retention = Some(Duration::from_secs(3600))).await;
     storage
@@ -294,7 +294,7 @@ async fn retention_keeps_delivered_rows_with_their_receipt_until_housekeeping() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_operators_repairs() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |_| {}).await;
     assert!(storage.describe().contains("app.db") && storage.describe().ends_with("table outbox"));
@@ -429,7 +429,7 @@ async fn the_operators_repairs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn keys_take_turns_and_a_claim_takes_at_most_max_per_key_of_one() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let storage = storage(&dir.file("app.db"), |c| c.max_per_key = 2).await;
     let messages: Vec<NewMessage> = (0..5)
         .flat_map(|k| {
@@ -461,7 +461,7 @@ async fn keys_take_turns_and_a_claim_takes_at_most_max_per_key_of_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_id_is_a_permanent_error_of_the_enqueue() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |_| {}).await;
     let message = NewMessage::new("t", "once");
@@ -481,7 +481,7 @@ async fn a_duplicate_id_is_a_permanent_error_of_the_enqueue() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_builds_a_working_storage() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let mut registry = StorageRegistry::new();
     outbox_sqlite::register(&mut registry);
     let storage = registry
@@ -519,7 +519,7 @@ async fn the_registry_builds_a_working_storage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_is_written_whole_or_not_at_all() {
-    let dir = TempDir::new();
+    let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
     let storage = storage(&path, |c| c.retention = Some(Duration::from_secs(3600))).await;
     storage

@@ -674,6 +674,52 @@ pub async fn storage_without_key_order_keys_do_not_block(h: &dyn StorageHarness)
     );
 }
 
+/// With per-key order, one claim takes at most the storage's declared `max_per_key`
+/// messages of a key, however high its limit (the worker's start-up check sizes the lease on
+/// it: rounds × publish time-out, so a claim that took more would let a batch outlive its
+/// lease); the next claims go on with the key, in order.
+pub async fn storage_a_claim_takes_at_most_max_per_key_of_a_key(h: &dyn StorageHarness) {
+    let check = "max_per_key";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    let Some(cap) = storage.capabilities().max_per_key else {
+        super::note(
+            check,
+            "skipped: the storage declares no max_per_key (a claim may take a key's messages \
+             up to its limit)",
+        );
+        return;
+    };
+    let total = cap * 2 + 3;
+    let many: Vec<NewMessage> = (0..total)
+        .map(|i| keyed("a", &format!("a{i:03}")))
+        .chain((0..2).map(|i| keyed("b", &format!("b{i:03}"))))
+        .collect();
+    f.enqueue(&many).await;
+    // A limit that holds everything: only max_per_key may keep key a's messages out.
+    let limit = many.len();
+    let mut seen: Vec<String> = Vec::new();
+    for round in 0..total.div_ceil(cap) + 1 {
+        let c = claim(&*storage, "w1", limit, LEASE).await;
+        let a: Vec<String> = payloads(&c)
+            .into_iter()
+            .filter(|p| p.starts_with('a'))
+            .collect();
+        assert!(
+            a.len() <= cap,
+            "{check}: claim {round} took {} messages of key a, over max_per_key = {cap}",
+            a.len()
+        );
+        seen.extend(a);
+        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    }
+    let expected: Vec<String> = (0..total).map(|i| format!("a{i:03}")).collect();
+    assert_eq!(
+        seen, expected,
+        "{check}: key a over successive claims, in order"
+    );
+}
+
 /// Transactions that commit in another order than they began lose nothing: a message
 /// committed after later ones were claimed and acknowledged is still claimed.
 pub async fn storage_out_of_order_commits_lose_nothing(h: &dyn StorageHarness) {
@@ -947,6 +993,64 @@ pub async fn storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h: &d
     );
 }
 
+/// A late settlement (its lease ran out) whose rows nobody claimed since is still accepted,
+/// else a stalled relay's deliveries would be sent again; one whose rows another claim took
+/// since changes nothing, also where that claim gave them back.
+pub async fn storage_a_late_settlement_counts_unless_the_rows_were_claimed_since(
+    h: &dyn StorageHarness,
+) {
+    let check = "late settlement";
+    let f = h.fresh(true).await;
+    let storage = f.storage();
+    f.enqueue(&[keyed("a", "a1"), keyed("b", "b1")]).await;
+    let c = claim(&*storage, "w1", 10, SHORT).await;
+    assert_eq!(c.messages.len(), 2, "{check}: the first claim");
+    tokio::time::sleep(WAIT_OUT).await;
+    // b1's lease ran out and another relay took it; a1's ran out and nobody came.
+    let other = claim(&*storage, "w2", 10, LEASE).await;
+    let mut taken = payloads(&other);
+    taken.sort();
+    assert_eq!(
+        taken,
+        ["a1", "b1"],
+        "{check}: claimed again after the lease"
+    );
+    let a1 = other
+        .messages
+        .iter()
+        .find(|m| m.payload == b"a1")
+        .expect("a1 was claimed")
+        .id;
+    storage.release(&other.token, &[a1]).await.expect("release");
+    assert_eq!(
+        storage
+            .ack(&c.token, &deliveries(&c))
+            .await
+            .expect("late ack"),
+        0,
+        "{check}: every row was claimed since (a1 then released): the late ack changes nothing"
+    );
+    // Now a claim that nobody follows up: its late ack is accepted.
+    let c = claim(&*storage, "w1", 10, SHORT).await;
+    assert_eq!(payloads(&c), ["a1"], "{check}: the released a1");
+    tokio::time::sleep(WAIT_OUT).await;
+    assert_eq!(
+        storage
+            .ack(&c.token, &deliveries(&c))
+            .await
+            .expect("late ack"),
+        1,
+        "{check}: a late ack whose rows nobody claimed since is accepted"
+    );
+    // The relay's own figures: what it holds in flight (log mode keeps that in its memory).
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.in_flight),
+        (0, 1),
+        "{check}: only b1 left, held: {stats:?}"
+    );
+}
+
 /// An operator replays a dead letter after releasing its key: it goes first in its key, and
 /// the messages behind a later retry stay behind it.
 pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
@@ -1081,6 +1185,89 @@ pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &d
         drain(&*storage, "k", check).await,
         ["k3"],
         "{check}: and the key flows on"
+    );
+}
+
+/// A key with two dead letters (the second written after a release): replaying the first
+/// keeps the key parked, new messages of it included, while the second remains; replaying
+/// the second unparks it, and the whole key flows in its original order.
+pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
+    h: &dyn StorageHarness,
+) {
+    let check = "replaying one of two dead letters";
+    let f = fixture_or_skip!(h, true, check);
+    let storage = f.storage();
+    let dead = |id| DeadLetter {
+        id,
+        error: "poison".into(),
+    };
+    f.enqueue(&[keyed("k", "k1"), keyed("k", "k2"), keyed("k", "k3")])
+        .await;
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), ["k1"], "{check}: the head");
+    let first = c.messages[0].id;
+    assert_eq!(
+        storage
+            .dead_letter(&c.token, &[dead(first)])
+            .await
+            .expect("dead_letter"),
+        1,
+        "{check}: k1 dead-lettered"
+    );
+    f.enqueue(&[keyed("k", "k4"), msg("free")]).await;
+    assert_eq!(
+        payloads(&claim(&*storage, "w1", 10, LEASE).await),
+        ["free"],
+        "{check}: a parked key gives nothing, a message enqueued after parking included"
+    );
+    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), ["k2"], "{check}: after the release");
+    let second = c.messages[0].id;
+    assert_eq!(
+        storage
+            .dead_letter(&c.token, &[dead(second)])
+            .await
+            .expect("dead_letter"),
+        1,
+        "{check}: k2 dead-lettered"
+    );
+    let admin = f.admin();
+    assert_eq!(
+        f.replay_dead_letters(&[first]).await,
+        1,
+        "{check}: k1 replayed"
+    );
+    assert_eq!(
+        payloads(&claim(&*storage, "w1", 10, LEASE).await),
+        Vec::<String>::new(),
+        "{check}: k2 is still a dead letter of k, so k stays parked after k1's replay"
+    );
+    let stats = admin.stats().await.expect("stats");
+    assert_eq!(stats.parked_keys, 1, "{check}: k still parked: {stats:?}");
+    assert_eq!(
+        f.replay_dead_letters(&[second]).await,
+        1,
+        "{check}: k2 replayed"
+    );
+    let c = claim(&*storage, "w1", 10, LEASE).await;
+    assert_eq!(
+        payloads(&c),
+        ["k1", "k2", "k3", "k4"],
+        "{check}: once no dead letter of k remains, k flows in its original order"
+    );
+    // Log mode counts a replayed key parked (draining) until its held rows are settled and
+    // a claim has seen that: the figure is read once the key has drained.
+    storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    assert_eq!(
+        drain(&*storage, "k", check).await,
+        Vec::<String>::new(),
+        "{check}: k's messages were handed out once"
+    );
+    let stats = admin.stats().await.expect("stats");
+    assert_eq!(
+        stats.parked_keys, 0,
+        "{check}: k is unparked once drained: {stats:?}"
     );
 }
 

@@ -1,7 +1,8 @@
 //! What the outbox test suites share, without depending on any backend: where the services
 //! are ([`Service`]), names no other test uses ([`unique_name`]), URL surgery for putting a
-//! proxy in front of a server ([`host_port`], [`through`]), and a TCP [`Proxy`] that cuts,
-//! stalls, holds and counts.
+//! proxy in front of a server ([`host_port`], [`through`]), a TCP [`Proxy`] that cuts,
+//! stalls, holds and counts, and the fixtures' plumbing: [`clean_up`] (async clean-up from a
+//! `Drop`), [`TempDir`], [`free_port`] and [`free_addr`].
 //!
 //! Helpers for one broker are behind a feature of its name, each bringing that broker's
 //! client crate only: `redis`, `amqp`, `kafka`, `nats`. [`postgres_server`] (no crate, only
@@ -24,14 +25,17 @@ pub mod redis;
 #[cfg(feature = "servers")]
 pub mod servers;
 mod service;
+mod temp_dir;
 #[cfg(feature = "tls")]
 pub mod tls;
 
 use std::fmt::Display;
+use std::future::Future;
 use std::time::Duration;
 
 pub use proxy::{Proxy, Traffic};
 pub use service::{Package, Service};
+pub use temp_dir::TempDir;
 
 impl Service {
     /// The `host:port` of the server (the first broker of a Kafka list).
@@ -86,10 +90,41 @@ pub fn unique_name(prefix: &str) -> String {
     format!("{prefix}_{:016x}", fastrand::u64(..))
 }
 
-/// `127.0.0.1:port` with a port that was free a moment ago, for a server of the test's own.
-pub fn free_addr() -> String {
+/// A port on 127.0.0.1 that was free a moment ago, for a server of the test's own.
+pub fn free_port() -> u16 {
     let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
-    listener.local_addr().expect("its address").to_string()
+    listener.local_addr().expect("its address").port()
+}
+
+/// `127.0.0.1:port` with a port that was free a moment ago ([`free_port`]).
+pub fn free_addr() -> String {
+    format!("127.0.0.1:{}", free_port())
+}
+
+/// Runs a fixture's async clean-up to its end from any context, a `Drop` inside a test's
+/// runtime included: a runtime cannot block inside another, so `work` runs on a thread of its
+/// own with a current-thread runtime of its own, and this waits for it. What `work` returns
+/// is dropped and its errors are ignored, as in any clean-up (write it with `.ok()?` in an
+/// `async { …; Some(()) }`); a clean-up that panics is ignored too.
+///
+/// A clean-up after a failed test may find that test's transaction still open (its rollback
+/// waits for the runtime this blocks): give its statements a lock timeout (PostgreSQL
+/// `SET lock_timeout = '5s'`, MySQL `SET SESSION lock_wait_timeout = 5`) so that it gives up
+/// rather than waits forever; what it made then stays behind, under its unique name.
+pub fn clean_up<F>(work: F)
+where
+    F: Future + Send + 'static,
+{
+    let cleanup = std::thread::spawn(move || {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        drop(runtime.block_on(work));
+    });
+    let _ = cleanup.join();
 }
 
 /// A URL's parts: scheme with its `://` (or empty), user info with its `@` (or empty),
@@ -178,5 +213,37 @@ mod tests {
         let (a, b) = (unique_name("t"), unique_name("t"));
         assert_ne!(a, b);
         assert!(a.starts_with("t_") && a.len() == 18, "{a}");
+    }
+
+    /// From inside a runtime (where a `Drop` runs), the clean-up has run to its end when
+    /// `clean_up` returns, and one that fails or panics is ignored.
+    #[tokio::test]
+    async fn a_clean_up_runs_to_its_end_inside_a_runtime() {
+        use std::sync::Arc;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let done = Arc::new(AtomicBool::new(false));
+        clean_up({
+            let done = done.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                done.store(true, Ordering::SeqCst);
+            }
+        });
+        assert!(done.load(Ordering::SeqCst));
+        clean_up(async {
+            None::<()>?;
+            Some(())
+        });
+        clean_up(async { panic!("a clean-up that panics") });
+    }
+
+    #[test]
+    fn a_temporary_directory_goes_with_its_files() {
+        let dir = TempDir::new("outbox-test-support");
+        std::fs::write(dir.file("a.db"), b"x").expect("a file in it");
+        let path = dir.path().to_path_buf();
+        assert!(path.is_dir());
+        drop(dir);
+        assert!(!path.exists());
     }
 }

@@ -5,7 +5,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_tests::{postgres_url, unique_name};
+// `free_port` serves the listener and console modules too, through `super`.
+use outbox_tests::{free_addr, free_port, postgres_url, unique_name};
 use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
@@ -707,14 +708,6 @@ async fn checked_readiness(addr: &str) -> (u16, String) {
     }
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
 async fn wait_for_http(addr: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -729,7 +722,7 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     let pool = pool().await;
     let schema = unique_name("cli_obs");
     let name = unique_name("obs");
-    let addr = format!("127.0.0.1:{}", free_port());
+    let addr = free_addr();
     let observability = format!("[observability]\nlisten = \"{addr}\"\nlog_format = \"json\"\n");
     let config = ConfigFile::new(&format!(
         "{}{FAST_RELAY}{observability}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
@@ -800,7 +793,7 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     assert_eq!(relay.terminate().0, Some(0));
 
     // A sink that cannot be reached: live, but not ready.
-    let addr = format!("127.0.0.1:{}", free_port());
+    let addr = free_addr();
     let down = ConfigFile::new(&format!(
         "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\npublish_timeout = \"300ms\"\n",
         storage_section(&schema)
@@ -825,7 +818,7 @@ async fn readiness_fails_while_every_claim_fails_and_comes_back_with_the_claims(
     let pool = pool().await;
     let schema = unique_name("cli_runs");
     let name = unique_name("runs");
-    let addr = format!("127.0.0.1:{}", free_port());
+    let addr = free_addr();
     let config = ConfigFile::new(&format!(
         "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
         storage_section(&schema)
@@ -1160,7 +1153,7 @@ async fn two_relay_processes_export_the_same_label_sets() {
             .status
             .success()
     );
-    let addrs = [free_port(), free_port()].map(|port| format!("127.0.0.1:{port}"));
+    let addrs = [free_addr(), free_addr()];
     let relays: Vec<RelayProcess> = addrs
         .iter()
         .map(|addr| {
@@ -1217,7 +1210,7 @@ async fn two_relay_processes_export_the_same_label_sets() {
 async fn status_and_metrics_show_what_holds_the_log_horizon() {
     let pool = pool().await;
     let schema = unique_name("cli_horizon");
-    let addr = format!("127.0.0.1:{}", free_port());
+    let addr = free_addr();
     let dir = std::env::temp_dir().join(unique_name("horizon_out"));
     std::fs::create_dir_all(&dir).expect("output dir");
     let out = dir.join("out.jsonl");

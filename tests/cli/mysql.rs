@@ -27,20 +27,13 @@ impl Drop for Tables {
             .collect::<Vec<_>>()
             .join(", ");
         let url = mysql_url();
-        let _ = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = sqlx::MySqlPool::connect(&url).await.ok()?;
-                sqlx::query(&format!("DROP TABLE IF EXISTS {list}"))
-                    .execute(&pool)
-                    .await
-                    .ok()
-            })
-        })
-        .join();
+        outbox_tests::clean_up(async move {
+            let pool = sqlx::MySqlPool::connect(&url).await.ok()?;
+            sqlx::query(&format!("DROP TABLE IF EXISTS {list}"))
+                .execute(&pool)
+                .await
+                .ok()
+        });
     }
 }
 

@@ -1,5 +1,6 @@
-//! Shared support for the integration suites: a fresh, migrated outbox schema per test,
-//! relays running in the background and the end-to-end scripts every broker runs (the
+//! Shared support for the integration suites: a fresh, migrated outbox schema per test
+//! ([`TestOutbox`]), a log-mode outbox in a database of its own ([`LogOutbox`]), relays
+//! running in the background and the end-to-end scripts every broker runs (the
 //! conformance suites are in `outbox-testkit`). What does not need the outbox (service URLs,
 //! names, the proxy, broker helpers) is in `outbox-test-support`, re-exported here where the
 //! suites used it from. tests/README.md says where a new test goes.
@@ -8,17 +9,21 @@
 //! with a message naming it; nothing is skipped.
 
 pub mod end_to_end;
+mod log_outbox;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+pub use log_outbox::{LogOutbox, with_database};
 use outbox_core::{
-    Backoff, CancellationToken, NewMessage, QueueStats, Sink, StorageAdmin, Worker, WorkerConfig,
+    Backoff, CancellationToken, NewMessage, QueueStats, Sink, Storage, StorageAdmin, Worker,
+    WorkerConfig,
 };
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
 pub use outbox_test_support::{
-    Proxy, Service, host_port, kafka, mysql_url, postgres_url, unique_name,
+    Proxy, Service, TempDir, clean_up, free_addr, free_port, host_port, kafka, mysql_url,
+    postgres_url, unique_name,
 };
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
@@ -92,14 +97,7 @@ impl TestOutbox {
 
     /// Starts a relay with the given settings.
     pub fn relay_with(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
-        let worker =
-            Worker::new(config, self.storage.clone(), sink).expect("valid worker configuration");
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { worker.run(shutdown).await }
-        });
-        Relay { shutdown, handle }
+        Relay::start(config, self.storage.clone(), sink)
     }
 
     /// Queue figures.
@@ -187,14 +185,19 @@ impl TestOutbox {
 
     /// Dead letters as (id, last error), oldest first.
     pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
-        self.storage
-            .dead_letters(&Default::default(), 100_000)
-            .await
-            .expect("dead letters")
-            .into_iter()
-            .map(|d| (d.message.id, d.last_error))
-            .collect()
+        crate::dead_letters_of(&*self.storage).await
     }
+}
+
+/// A storage's dead letters as (id, last error), oldest first.
+pub async fn dead_letters_of(storage: &dyn StorageAdmin) -> Vec<(uuid::Uuid, String)> {
+    storage
+        .dead_letters(&Default::default(), 100_000)
+        .await
+        .expect("dead letters")
+        .into_iter()
+        .map(|d| (d.message.id, d.last_error))
+        .collect()
 }
 
 impl Drop for TestOutbox {
@@ -204,58 +207,42 @@ impl Drop for TestOutbox {
 }
 
 /// Drops these schemas and everything in them, from any context (a `Drop` inside a test's
-/// runtime included); errors are ignored, as in a clean-up.
+/// runtime included, through [`clean_up`]); errors are ignored, as in a clean-up.
 pub fn drop_schemas(schemas: &[String]) {
     let sql: Vec<String> = schemas
         .iter()
         .map(|s| format!(r#"DROP SCHEMA IF EXISTS "{s}" CASCADE"#))
         .collect();
     let url = postgres_url();
-    // A runtime cannot block inside another: clean up from a thread with its own.
-    let cleanup = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
+    clean_up(async move {
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&url)
+            .await
             .ok()?;
-        runtime.block_on(async {
-            let pool = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&url)
-                .await
-                .ok()?;
-            // A test that failed may still hold a transaction on these tables: give up on the
-            // schema (it keeps its unique name) rather than wait for it forever.
-            sqlx::query("SET lock_timeout = '5s'")
-                .execute(&pool)
-                .await
-                .ok()?;
-            for statement in sql {
-                sqlx::query(&statement).execute(&pool).await.ok()?;
-            }
-            Some(())
-        })
+        // A test that failed may still hold a transaction on these tables: give up on the
+        // schema (it keeps its unique name) rather than wait for it forever.
+        sqlx::query("SET lock_timeout = '5s'")
+            .execute(&pool)
+            .await
+            .ok()?;
+        for statement in sql {
+            sqlx::query(&statement).execute(&pool).await.ok()?;
+        }
+        Some(())
     });
-    let _ = cleanup.join();
 }
 
 /// Drops a MySQL outbox's tables (every one its migrations make:
 /// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime
-/// included; errors are ignored, as in a clean-up.
+/// included (through [`clean_up`]); errors are ignored, as in a clean-up.
 pub fn drop_mysql_tables(table: &outbox_mysql::OutboxTable) {
     let sql = table.drop_sql();
     let url = mysql_url();
-    // A runtime cannot block inside another: clean up from a thread with its own.
-    let cleanup = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .ok()?;
-        runtime.block_on(async {
-            let pool = outbox_mysql::sqlx::MySqlPool::connect(&url).await.ok()?;
-            outbox_mysql::sqlx::query(&sql).execute(&pool).await.ok()
-        })
+    clean_up(async move {
+        let pool = outbox_mysql::sqlx::MySqlPool::connect(&url).await.ok()?;
+        outbox_mysql::sqlx::query(&sql).execute(&pool).await.ok()
     });
-    let _ = cleanup.join();
 }
 
 /// A relay running in the background.
@@ -265,9 +252,31 @@ pub struct Relay {
 }
 
 impl Relay {
-    /// Shuts the relay down gracefully and waits for it.
+    /// Starts a worker over `storage` with `config`, in the background.
+    pub fn start(config: WorkerConfig, storage: Arc<dyn Storage>, sink: Arc<dyn Sink>) -> Relay {
+        let worker = Worker::new(config, storage, sink).expect("valid worker configuration");
+        let shutdown = CancellationToken::new();
+        let handle = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { worker.run(shutdown).await }
+        });
+        Relay { shutdown, handle }
+    }
+
+    /// Shuts the relay down gracefully (in log mode it gives its shards up) and waits for it.
     pub async fn stop(self) {
         self.shutdown.cancel();
         self.handle.await.expect("relay task panicked");
+    }
+
+    /// Whether the relay's task has ended (a worker only ends when told to, or on a panic).
+    pub fn is_finished(&self) -> bool {
+        self.handle.is_finished()
+    }
+
+    /// Stops the relay as a crash would: no shutdown, its claims (and in log mode its
+    /// shards) wait out their lease.
+    pub fn kill(self) {
+        self.handle.abort();
     }
 }

@@ -79,15 +79,14 @@ macro_rules! on_every_sql_storage {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn sqlite() {
             use outbox_sqlite::{SqliteConfig, SqliteStorage};
-            let dir = std::env::temp_dir().join(unique_name("outbox-claims"));
-            std::fs::create_dir_all(&dir).expect("making a temporary directory");
-            let storage = SqliteStorage::open(SqliteConfig::new(dir.join("app.db")))
+            let dir = outbox_tests::TempDir::new("outbox-claims");
+            let storage = SqliteStorage::open(SqliteConfig::new(dir.file("app.db")))
                 .await
                 .expect("opening the file");
             storage.migrate().await.expect("migrating");
             $check(&storage).await;
+            // The storage closes its file before the directory goes.
             drop(storage);
-            let _ = std::fs::remove_dir_all(&dir);
         }
     };
 }
@@ -653,79 +652,9 @@ mod log_mode_horizon {
     use super::*;
     use outbox_core::memory::MemorySink;
     use outbox_core::{CancellationToken, Worker};
-    use outbox_postgres::{PgStorage, PostgresConfig, StorageMode};
-    use outbox_tests::{postgres_url, test_worker_config};
-    use sqlx::postgres::{PgPool, PgPoolOptions};
+    use outbox_tests::{LogOutbox, test_worker_config};
 
     const POLL: Duration = Duration::from_secs(1);
-
-    /// A log-mode outbox in a database of its own (the horizon is per database), dropped
-    /// with the value.
-    struct LogDb {
-        storage: Arc<PgStorage>,
-        pool: PgPool,
-        database: String,
-    }
-
-    impl LogDb {
-        async fn new() -> LogDb {
-            let server = postgres_url();
-            let database = unique_name("outbox_claims2");
-            let admin = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&server)
-                .await
-                .unwrap_or_else(|e| panic!("PostgreSQL must be running at {server}: {e}"));
-            sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
-                .execute(&admin)
-                .await
-                .expect("create the test's database");
-            admin.close().await;
-            let (base, _) = server.rsplit_once('/').expect("a URL with a database");
-            let url = format!("{base}/{database}");
-            let mut config = PostgresConfig::new(&url);
-            config.mode = StorageMode::Log;
-            config.shards = 4;
-            let storage = PgStorage::new(config).expect("valid test configuration");
-            storage.migrate().await.expect("migrate for log mode");
-            let pool = PgPoolOptions::new()
-                .max_connections(4)
-                .connect(&url)
-                .await
-                .expect("connect to the test's database");
-            LogDb {
-                storage: Arc::new(storage),
-                pool,
-                database,
-            }
-        }
-    }
-
-    impl Drop for LogDb {
-        fn drop(&mut self) {
-            let sql = format!(
-                r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
-                self.database
-            );
-            let url = postgres_url();
-            // A runtime cannot block inside another: clean up from a thread with its own.
-            let _ = std::thread::spawn(move || {
-                let runtime = tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .ok()?;
-                runtime.block_on(async {
-                    let pool = PgPoolOptions::new()
-                        .max_connections(1)
-                        .connect(&url)
-                        .await
-                        .ok()?;
-                    sqlx::query(&sql).execute(&pool).await.ok()
-                })
-            })
-            .join();
-        }
-    }
 
     fn published(sink: &MemorySink) -> Vec<String> {
         sink.published().iter().map(|m| text(&m.payload)).collect()
@@ -733,7 +662,8 @@ mod log_mode_horizon {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn rows_held_by_a_transaction_that_never_writes_the_outbox_go_out_at_the_next_poll() {
-        let db = LogDb::new().await;
+        // A database of its own: the horizon is per database.
+        let db = LogOutbox::new(4, |_| {}).await;
         sqlx::query("CREATE TABLE other (x int)")
             .execute(&db.pool)
             .await

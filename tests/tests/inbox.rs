@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use outbox_core::{ErrorKind, Result};
-use outbox_tests::{postgres_url, unique_name};
+use outbox_tests::{clean_up, postgres_url, unique_name};
 use uuid::Uuid;
 
 /// How long a racing transaction is watched to be sure it waits for the first one.
@@ -55,22 +55,6 @@ trait Store: Sized {
     fn business_table(&self) -> String;
     /// The inbox's constructor's error for the table name `table`, if any.
     fn new_inbox(&self, table: &str) -> Result<()>;
-}
-
-/// Runs a fixture's clean-up to its end from a thread of its own (a `Drop` runs inside the
-/// test's runtime, which cannot block on another). Errors are ignored, as in any clean-up.
-/// Its statements give up on locks after 5 s: a test that failed mid-transaction leaves
-/// that transaction open (its rollback waits for the runtime this blocks), and the
-/// clean-up must not wait for it forever; the tables then stay behind, under unique names.
-fn clean_up<T>(work: impl Future<Output = Option<T>> + Send + 'static) {
-    let _ = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .ok()?;
-        runtime.block_on(work).map(drop)
-    })
-    .join();
 }
 
 /// The checks every storage runs.
@@ -394,6 +378,7 @@ mod postgres {
             let drop = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.schema);
             clean_up(async move {
                 let mut conn = PgConnection::connect(&postgres_url()).await.ok()?;
+                // A failed test may hold its transaction open: give up rather than wait.
                 sqlx::query("SET lock_timeout = '5s'")
                     .execute(&mut conn)
                     .await
@@ -776,13 +761,12 @@ mod postgres {
 }
 
 mod sqlite {
-    use std::path::PathBuf;
-
     use outbox_sqlite::Inbox;
     use outbox_sqlite::sqlx::sqlite::{
         SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions,
     };
     use outbox_sqlite::sqlx::{self, Connection, Sqlite, SqliteConnection, Transaction};
+    use outbox_tests::TempDir;
 
     use super::*;
 
@@ -791,18 +775,13 @@ mod sqlite {
     pub struct Lite {
         inbox: Inbox,
         pool: SqlitePool,
-        dir: PathBuf,
-    }
-
-    impl Drop for Lite {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
+        /// Last, so the file goes after the pool.
+        dir: TempDir,
     }
 
     impl Lite {
         fn options(&self) -> SqliteConnectOptions {
-            options(&self.dir)
+            options(self.dir.path())
         }
     }
 
@@ -819,11 +798,10 @@ mod sqlite {
         type Tx = Transaction<'static, Sqlite>;
 
         async fn new() -> Lite {
-            let dir = std::env::temp_dir().join(unique_name("outbox-inbox"));
-            std::fs::create_dir_all(&dir).expect("a temporary directory");
+            let dir = TempDir::new("outbox-inbox");
             let pool = SqlitePoolOptions::new()
                 .max_connections(4)
-                .connect_with(options(&dir))
+                .connect_with(options(dir.path()))
                 .await
                 .expect("open the SQLite database");
             let inbox = Inbox::new("inbox").expect("valid name");
@@ -1029,6 +1007,7 @@ mod mysql {
             let drop = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
             clean_up(async move {
                 let mut conn = MySqlConnection::connect(&mysql_url()).await.ok()?;
+                // A failed test may hold its transaction open: give up rather than wait.
                 sqlx::query("SET SESSION lock_wait_timeout = 5")
                     .execute(&mut conn)
                     .await

@@ -11,14 +11,12 @@ use std::time::Duration;
 
 use outbox_core::memory::MemorySink;
 use outbox_core::{
-    CancellationToken, Claim, DeadLetter, Delivery, Error, NewMessage, QueueStats, Receipt,
-    Settlement, Sink, Storage, StorageAdmin, Worker, WorkerConfig,
+    Claim, DeadLetter, Delivery, Error, NewMessage, Receipt, Settlement, Storage, StorageAdmin,
+    WorkerConfig,
 };
-use outbox_postgres::{LogStart, OutboxTable, PgStorage, PostgresConfig, StorageMode};
+use outbox_postgres::{LogStart, PgStorage, PostgresConfig, StorageMode};
 use outbox_test_support::through;
-use outbox_tests::{Proxy, Service, host_port, postgres_url, test_worker_config, unique_name};
-use sqlx::PgPool;
-use sqlx::postgres::PgPoolOptions;
+use outbox_tests::{LogOutbox, Proxy, Relay, host_port, test_worker_config};
 
 const LEASE: Duration = Duration::from_secs(30);
 
@@ -50,212 +48,6 @@ fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
             .push(text(&m.payload));
     }
     keys
-}
-
-/// A log-mode outbox in a database of its own (the readable horizon is per database, so
-/// one test's open transactions never delay another's), dropped with it.
-pub struct LogOutbox {
-    /// The table names and enqueue statements.
-    pub table: OutboxTable,
-    /// A pool for the application side (enqueueing, inspecting).
-    pub pool: PgPool,
-    /// The relay side.
-    pub storage: Arc<PgStorage>,
-    /// The URL of the test's database.
-    pub url: String,
-    database: String,
-}
-
-impl LogOutbox {
-    /// A fresh database with a log-mode outbox of `shards` shards; `adjust` may change the
-    /// settings further.
-    pub async fn new(shards: u32, adjust: impl FnOnce(&mut PostgresConfig)) -> LogOutbox {
-        let server = postgres_url();
-        let database = unique_name("outbox_log");
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&server)
-            .await
-            .unwrap_or_else(|e| Service::Postgres.missing(e));
-        sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
-            .execute(&admin)
-            .await
-            .expect("create the test's database");
-        admin.close().await;
-        let url = match server.rsplit_once('/') {
-            Some((base, _)) => format!("{base}/{database}"),
-            None => panic!("postgres URL without a database: {server}"),
-        };
-        let mut config = PostgresConfig::new(&url);
-        config.mode = StorageMode::Log;
-        config.shards = shards;
-        adjust(&mut config);
-        let storage = PgStorage::new(config).expect("valid test configuration");
-        storage.migrate().await.expect("migrate for log mode");
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect(&url)
-            .await
-            .expect("connect to the test's database");
-        LogOutbox {
-            table: storage.table().clone(),
-            pool,
-            storage: Arc::new(storage),
-            url,
-            database,
-        }
-    }
-
-    /// Another relay's storage on the same table (its own shards and memory).
-    pub fn another_relay(&self) -> Arc<PgStorage> {
-        Arc::new(PgStorage::new(self.storage.config().clone()).expect("valid configuration"))
-    }
-
-    /// Enqueues `messages` in one committed transaction.
-    pub async fn enqueue(&self, messages: &[NewMessage]) {
-        let mut tx = self.pool.begin().await.expect("begin");
-        self.table
-            .enqueue_many(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        tx.commit().await.expect("commit");
-    }
-
-    /// Starts a worker over `storage` with `config`.
-    pub fn relay_on(
-        &self,
-        storage: Arc<PgStorage>,
-        config: WorkerConfig,
-        sink: Arc<dyn Sink>,
-    ) -> Relay {
-        let worker = Worker::new(config, storage, sink).expect("valid worker configuration");
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { worker.run(shutdown).await }
-        });
-        Relay { shutdown, handle }
-    }
-
-    /// Starts a relay on this outbox's storage with [`test_worker_config`].
-    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
-        self.relay_on(self.storage.clone(), test_worker_config(worker_id), sink)
-    }
-
-    /// Queue figures, as this outbox's storage sees them.
-    pub async fn stats(&self) -> QueueStats {
-        Storage::stats(&*self.storage).await.expect("queue figures")
-    }
-
-    /// Rows in the log not yet behind a cursor, and rows kept aside, counted in SQL: what
-    /// any process sees.
-    pub async fn undelivered(&self) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT (SELECT count(*) FROM {o} o JOIN {s} s ON s.shard = o.shard
-                     WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq))
-                  + (SELECT count(*) FROM {h})",
-            o = self.table.qualified(""),
-            s = self.table.qualified("_shards"),
-            h = self.table.qualified("_held"),
-        ))
-        .fetch_one(&self.pool)
-        .await
-        .expect("count undelivered rows")
-    }
-
-    /// Rows in the log, behind a cursor or not.
-    pub async fn log_rows(&self) -> i64 {
-        let sql = format!("SELECT count(*) FROM {}", self.table.qualified(""));
-        sqlx::query_scalar(&sql)
-            .fetch_one(&self.pool)
-            .await
-            .expect("count the log's rows")
-    }
-
-    /// Waits until every row is behind a cursor and nothing is kept aside.
-    pub async fn wait_until_delivered(&self, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let left = self.undelivered().await;
-            if left == 0 {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "{left} rows not delivered after {timeout:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    }
-
-    /// Waits until no key is parked: the owner unparks a released or replayed key on its
-    /// next claim after the key's kept rows are all delivered.
-    pub async fn wait_until_unparked(&self, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
-        while self.stats().await.parked_keys > 0 {
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "a key stayed parked"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// Dead letters as (id, last error), oldest first.
-    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
-        self.storage
-            .dead_letters(&Default::default(), 100_000)
-            .await
-            .expect("dead letters")
-            .into_iter()
-            .map(|d| (d.message.id, d.last_error))
-            .collect()
-    }
-}
-
-impl Drop for LogOutbox {
-    fn drop(&mut self) {
-        let sql = format!(
-            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
-            self.database
-        );
-        let url = postgres_url();
-        // A runtime cannot block inside another: clean up from a thread with its own.
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&url)
-                    .await
-                    .ok()?;
-                sqlx::query(&sql).execute(&pool).await.ok()
-            })
-        });
-        let _ = cleanup.join();
-    }
-}
-
-/// A relay running in the background.
-pub struct Relay {
-    shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    /// Shuts the relay down gracefully (it gives its shards up) and waits for it.
-    pub async fn stop(self) {
-        self.shutdown.cancel();
-        self.handle.await.expect("relay task panicked");
-    }
-
-    /// Stops the relay as a crash would: no shutdown, its shards wait out their lease.
-    pub fn kill(self) {
-        self.handle.abort();
-    }
 }
 
 async fn log_outbox(shards: u32) -> LogOutbox {
@@ -1479,7 +1271,7 @@ async fn a_relay_started_while_the_database_is_unreachable_waits_then_delivers()
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(sink.published().is_empty());
     assert!(
-        !relay.handle.is_finished(),
+        !relay.is_finished(),
         "the relay stopped while the database was unreachable"
     );
     proxy.restore();

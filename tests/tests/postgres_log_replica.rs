@@ -10,10 +10,9 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::NewMessage;
 use outbox_core::memory::MemorySink;
-use outbox_core::{CancellationToken, NewMessage, Sink, Worker};
-use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
-use outbox_tests::{Service, postgres_url, test_worker_config, unique_name};
+use outbox_tests::{LogOutbox, clean_up, unique_name, with_database};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
@@ -26,18 +25,6 @@ const PATIENCE: Duration = Duration::from_secs(90);
 fn replica_server() -> String {
     std::env::var("OUTBOX_TEST_POSTGRES_REPLICA_URL")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5433/postgres".into())
-}
-
-/// `url` with its database replaced by `database`.
-fn with_database(url: &str, database: &str) -> String {
-    let (base, query) = match url.split_once('?') {
-        Some((base, query)) => (base, format!("?{query}")),
-        None => (url, String::new()),
-    };
-    match base.rsplit_once('/') {
-        Some((server, _)) => format!("{server}/{database}{query}"),
-        None => panic!("postgres URL without a database: {url}"),
-    }
 }
 
 /// A connection to the replica's server, or a loud failure naming how to start it.
@@ -83,49 +70,34 @@ fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
     keys
 }
 
-/// A log-mode outbox in a database of its own whose relay reads from the replica.
-struct ReplicaOutbox {
-    table: OutboxTable,
-    /// The application's pool, on the primary.
-    pool: PgPool,
-    storage: Arc<PgStorage>,
-    database: String,
+/// A log-mode outbox ([`LogOutbox`]) in a database of its own whose relay reads from the
+/// replica, made once the replica has replayed its tables.
+struct ReplicaOutbox(LogOutbox);
+
+impl std::ops::Deref for ReplicaOutbox {
+    type Target = LogOutbox;
+
+    fn deref(&self) -> &LogOutbox {
+        &self.0
+    }
 }
 
 impl ReplicaOutbox {
     async fn new(shards: u32) -> ReplicaOutbox {
         let replica = replica_admin().await;
-        let server = postgres_url();
         let database = unique_name("outbox_replica");
-        let admin = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&server)
-            .await
-            .unwrap_or_else(|e| Service::Postgres.missing(e));
-        sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
-            .execute(&admin)
-            .await
-            .expect("create the test's database");
-        admin.close().await;
-        let url = with_database(&server, &database);
-        let mut config = PostgresConfig::new(&url);
-        config.mode = StorageMode::Log;
-        config.shards = shards;
-        config.replica_url = Some(with_database(&replica_server(), &database));
-        let storage = PgStorage::new(config).expect("valid test configuration");
-        storage.migrate().await.expect("migrate for log mode");
-        let pool = PgPoolOptions::new()
-            .max_connections(10)
-            .connect(&url)
-            .await
-            .expect("connect to the test's database");
+        let on_replica_url = with_database(&replica_server(), &database);
+        let outbox = LogOutbox::in_database(database, shards, |config| {
+            config.replica_url = Some(on_replica_url.clone());
+        })
+        .await;
         // The replica has the tables once it has replayed the migration.
-        let shards_table = storage.table().qualified("_shards");
+        let shards_table = outbox.table.qualified("_shards");
         let deadline = Instant::now() + PATIENCE;
         loop {
             let on_replica = PgPoolOptions::new()
                 .max_connections(1)
-                .connect(&with_database(&replica_server(), &database))
+                .connect(&on_replica_url)
                 .await;
             if let Ok(on_replica) = on_replica {
                 let ok = sqlx::query(&format!("SELECT 1 FROM {shards_table} LIMIT 1"))
@@ -144,55 +116,11 @@ impl ReplicaOutbox {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         replica.close().await;
-        ReplicaOutbox {
-            table: storage.table().clone(),
-            pool,
-            storage: Arc::new(storage),
-            database,
-        }
-    }
-
-    async fn enqueue(&self, messages: &[NewMessage]) {
-        let mut tx = self.pool.begin().await.expect("begin");
-        self.table
-            .enqueue_many(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        tx.commit().await.expect("commit");
-    }
-
-    fn relay(&self, sink: Arc<dyn Sink>) -> Relay {
-        let worker = Worker::new(
-            test_worker_config("replica-test"),
-            self.storage.clone(),
-            sink,
-        )
-        .expect("valid worker configuration");
-        let shutdown = CancellationToken::new();
-        let handle = tokio::spawn({
-            let shutdown = shutdown.clone();
-            async move { worker.run(shutdown).await }
-        });
-        Relay { shutdown, handle }
-    }
-
-    /// Rows not yet behind a cursor, and rows kept aside, on the primary.
-    async fn undelivered(&self) -> i64 {
-        sqlx::query_scalar(&format!(
-            "SELECT (SELECT count(*) FROM {o} o JOIN {s} s ON s.shard = o.shard
-                     WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq))
-                  + (SELECT count(*) FROM {h})",
-            o = self.table.qualified(""),
-            s = self.table.qualified("_shards"),
-            h = self.table.qualified("_held"),
-        ))
-        .fetch_one(&self.pool)
-        .await
-        .expect("count undelivered rows")
+        ReplicaOutbox(outbox)
     }
 
     /// Waits until the sink has `n` messages and every row is behind a cursor.
-    async fn wait_until_delivered(&self, sink: &MemorySink, n: usize) {
+    async fn wait_until_published(&self, sink: &MemorySink, n: usize) {
         let deadline = Instant::now() + PATIENCE;
         loop {
             let left = self.undelivered().await;
@@ -237,43 +165,6 @@ impl ReplicaOutbox {
     }
 }
 
-impl Drop for ReplicaOutbox {
-    fn drop(&mut self) {
-        let sql = format!(
-            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
-            self.database
-        );
-        let url = postgres_url();
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let pool = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&url)
-                    .await
-                    .ok()?;
-                sqlx::query(&sql).execute(&pool).await.ok()
-            })
-        });
-        let _ = cleanup.join();
-    }
-}
-
-struct Relay {
-    shutdown: CancellationToken,
-    handle: tokio::task::JoinHandle<()>,
-}
-
-impl Relay {
-    async fn stop(self) {
-        self.shutdown.cancel();
-        self.handle.await.expect("relay task panicked");
-    }
-}
-
 /// Resumes the replica's replay when dropped, so a failing test leaves it running.
 struct Paused;
 
@@ -301,24 +192,17 @@ impl Paused {
 impl Drop for Paused {
     fn drop(&mut self) {
         let url = replica_server();
-        let resume = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
+        clean_up(async move {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
                 .ok()?;
-            runtime.block_on(async {
-                let pool = PgPoolOptions::new()
-                    .max_connections(1)
-                    .connect(&url)
-                    .await
-                    .ok()?;
-                sqlx::query("SELECT pg_wal_replay_resume()")
-                    .execute(&pool)
-                    .await
-                    .ok()
-            })
+            sqlx::query("SELECT pg_wal_replay_resume()")
+                .execute(&pool)
+                .await
+                .ok()
         });
-        let _ = resume.join();
     }
 }
 
@@ -347,14 +231,14 @@ fn assert_in_order(sink: &MemorySink) {
 async fn a_relay_reading_from_the_replica_delivers_everything_in_key_order() {
     let outbox = ReplicaOutbox::new(4).await;
     let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay(sink.clone());
+    let relay = outbox.relay("replica-test", sink.clone());
     let mut expected = 0;
     for round in 0..10 {
         let messages = batch(&format!("m{round:02}"), 30, 7);
         expected += messages.len();
         outbox.enqueue(&messages).await;
     }
-    outbox.wait_until_delivered(&sink, expected).await;
+    outbox.wait_until_published(&sink, expected).await;
     assert_eq!(sink.published().len(), expected, "each message once");
     assert_in_order(&sink);
 
@@ -379,10 +263,10 @@ async fn a_relay_reading_from_the_replica_delivers_everything_in_key_order() {
 async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
     let outbox = ReplicaOutbox::new(4).await;
     let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay(sink.clone());
+    let relay = outbox.relay("replica-test", sink.clone());
     let before = batch("a", 40, 5);
     outbox.enqueue(&before).await;
-    outbox.wait_until_delivered(&sink, before.len()).await;
+    outbox.wait_until_published(&sink, before.len()).await;
 
     let replica = replica_admin().await;
     let paused = Paused::pause(&replica).await;
@@ -409,7 +293,7 @@ async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
 
     drop(paused);
     outbox
-        .wait_until_delivered(&sink, before.len() + during)
+        .wait_until_published(&sink, before.len() + during)
         .await;
     assert_eq!(sink.published().len(), before.len() + during);
     assert_in_order(&sink);
@@ -423,7 +307,7 @@ async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
 async fn a_late_committing_transaction_is_delivered_from_the_replica() {
     let outbox = ReplicaOutbox::new(2).await;
     let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay(sink.clone());
+    let relay = outbox.relay("replica-test", sink.clone());
 
     // Its id is taken before the others, with nothing written to the WAL for it yet.
     let mut late = outbox.pool.begin().await.expect("begin");
@@ -454,7 +338,7 @@ async fn a_late_committing_transaction_is_delivered_from_the_replica() {
         .await
         .expect("enqueue in the late transaction");
     late.commit().await.expect("commit the late transaction");
-    outbox.wait_until_delivered(&sink, 11).await;
+    outbox.wait_until_published(&sink, 11).await;
     let keys = by_key(&sink);
     assert_eq!(
         keys["k"],

@@ -23,7 +23,6 @@
 //! harness with `positions_at_write: false` writes through `OutboxTable::enqueue_many`, the
 //! application's API, and runs every check that does not depend on those positions.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -33,25 +32,8 @@ use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOp
 use outbox_sqlite::sqlx::{self, Sqlite as Db, Transaction};
 use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
 use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
-use outbox_tests::unique_name;
+use outbox_tests::TempDir;
 use uuid::Uuid;
-
-/// A directory of its own under the system's temporary directory, removed when dropped.
-struct TempDir(PathBuf);
-
-impl TempDir {
-    fn new() -> Self {
-        let dir = std::env::temp_dir().join(unique_name("outbox-sqlite"));
-        std::fs::create_dir_all(&dir).expect("making a temporary directory");
-        TempDir(dir)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 /// SQLite: each fixture is a fresh database file, migrated.
 struct Sqlite {
@@ -204,8 +186,8 @@ impl StorageHarness for Sqlite {
     }
 
     async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
-        let dir = TempDir::new();
-        let path = dir.0.join("app.db");
+        let dir = TempDir::new("outbox-sqlite");
+        let path = dir.file("app.db");
         let config = SqliteConfig {
             per_key_order,
             ..SqliteConfig::new(&path)
@@ -263,8 +245,8 @@ mod commit_order {
 /// listing shows it, its key read lossily.
 #[tokio::test]
 async fn a_row_that_cannot_be_read_is_dead_lettered_and_the_rest_flows() {
-    let dir = TempDir::new();
-    let path = dir.0.join("app.db");
+    let dir = TempDir::new("outbox-sqlite");
+    let path = dir.file("app.db");
     let storage = SqliteStorage::open(SqliteConfig::new(&path))
         .await
         .expect("opening the file");

@@ -33,6 +33,14 @@ fn start(
     (shutdown, handle)
 }
 
+fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+fn payloads(messages: &[Message]) -> Vec<String> {
+    messages.iter().map(|m| text(&m.payload)).collect()
+}
+
 fn times_of_attempts(
     sink: &MemorySink,
     fail: impl Fn(&Message) -> bool + Send + Sync + 'static,
@@ -137,6 +145,67 @@ async fn failed_runs_restart_after_doubling_waits() {
     shutdown.cancel();
     handle.await.unwrap();
     assert_eq!(asked.elapsed(), Duration::ZERO);
+}
+
+/// A storage that is down: claims fail at once, except the third, which hangs for
+/// 61 s before failing (a run that lasted over a minute, then lost the database).
+struct Flaky {
+    calls: Mutex<Vec<Duration>>,
+    start: Instant,
+}
+
+#[async_trait]
+impl Storage for Flaky {
+    async fn claim(&self, _: &str, _: usize, _: Duration) -> Result<Claim> {
+        let n = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push(self.start.elapsed());
+            calls.len()
+        };
+        if n == 3 {
+            sleep(Duration::from_secs(61)).await;
+        }
+        Err(Error::unavailable("database is down"))
+    }
+    async fn settle(&self, _: &ClaimToken, _: &Settlement) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
+        unreachable!("nothing was claimed")
+    }
+    async fn health(&self) -> Result<()> {
+        Err(Error::unavailable("database is down"))
+    }
+    async fn stats(&self) -> Result<QueueStats> {
+        Err(Error::unavailable("database is down"))
+    }
+    fn capabilities(&self) -> StorageCapabilities {
+        StorageCapabilities::new(true)
+    }
+}
+
+/// docs/ARCHITECTURE.md "Supervision": a failed run is restarted after 1 s, 2 s, 4 s
+/// ..., and "the wait resets after a run that lasted 60 s". The test above checks the
+/// doubling; this one the reset: runs start at 0 s, 1 s (after 1 s) and 3 s (after 2 s);
+/// the third lasts 61 s, so the fourth starts 1 s after it ends (65 s), not 4 s (68 s).
+#[tokio::test(start_paused = true)]
+async fn the_restart_wait_resets_after_a_run_that_lasted_a_minute() {
+    let storage = Arc::new(Flaky {
+        calls: Mutex::new(Vec::new()),
+        start: Instant::now(),
+    });
+    let (shutdown, handle) = start(config(), storage.clone(), Arc::new(MemorySink::new()));
+    sleep(Duration::from_millis(66_500)).await;
+    shutdown.cancel();
+    handle.await.expect("worker task");
+    let starts: Vec<u64> = storage
+        .calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(Duration::as_secs)
+        .collect();
+    assert_eq!(starts, [0, 1, 3, 65], "claims of each run, in seconds");
 }
 
 #[tokio::test(start_paused = true)]
@@ -313,6 +382,32 @@ async fn permanent_failure_dead_letters_at_once_and_parks_its_key() {
     assert_eq!(storage.stats().await.unwrap().parked_keys, 1);
 }
 
+/// docs/ARCHITECTURE.md, the table of error kinds: `Config` means bad configuration, and
+/// the worker "refuses to start"; only `Permanent` dead-letters at once. A sink whose
+/// publish reports a configuration error must not dead-letter (and park) the messages.
+#[tokio::test(start_paused = true)]
+async fn a_configuration_error_from_publish_dead_letters_nothing() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|_| Some(Error::config("sink.url: bad configuration")));
+    storage.enqueue(NewMessage::new("t", "k1").key("k"));
+    storage.enqueue(NewMessage::new("t", "k2").key("k"));
+    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    sleep(Duration::from_secs(5)).await;
+    shutdown.cancel();
+    handle.await.expect("worker task");
+    let dead: Vec<(String, String)> = storage
+        .dead_letters()
+        .iter()
+        .map(|(m, e)| (text(&m.payload), e.clone()))
+        .collect();
+    assert!(
+        dead.is_empty(),
+        "a Config error from the sink dead-lettered {dead:?} and parked key k"
+    );
+    assert_eq!(storage.pending().len(), 2, "both messages still waiting");
+}
+
 /// A sink whose publish never finishes.
 struct StuckSink;
 
@@ -353,6 +448,89 @@ async fn shutdown_releases_a_batch_that_outlives_the_timeout() {
     assert!(storage.pending().iter().all(|m| m.attempts == 0));
 }
 
+/// A sink that hangs forever on the message whose payload is `hang_on`, fails the one
+/// whose payload is `fail` as `Temporary`, and delivers the rest.
+struct HangingSink {
+    hang_on: &'static str,
+    fail: &'static str,
+    calls: Mutex<Vec<Vec<String>>>,
+}
+
+#[async_trait]
+impl Sink for HangingSink {
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+        self.calls.lock().unwrap().push(payloads(batch));
+        if batch.iter().any(|m| m.payload == self.hang_on.as_bytes()) {
+            std::future::pending::<()>().await;
+        }
+        Ok(batch
+            .iter()
+            .map(|m| {
+                if m.payload == self.fail.as_bytes() {
+                    Outcome::Failed(Error::temporary("nack"))
+                } else {
+                    Outcome::Delivered(crate::Receipt::new("hanging-sink"))
+                }
+            })
+            .collect())
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// docs/ARCHITECTURE.md "Shutdown": on cancellation the worker "lets the batch in flight
+/// finish and records its outcomes"; docs/guarantees.md: "exactly once when nothing
+/// crashes"; the `Temporary` row: "charges an attempt". A graceful shutdown whose last
+/// round outlives `shutdown_timeout` must still record what the earlier rounds already
+/// did: a1 is at the broker (recording it released would publish it twice), b1 was
+/// refused (releasing it uncharged loses the attempt).
+#[tokio::test(start_paused = true)]
+async fn a_shutdown_time_out_keeps_the_outcomes_of_rounds_already_published() {
+    let storage = Arc::new(MemoryStorage::new(true));
+    storage.enqueue(NewMessage::new("t", "a1").key("a"));
+    storage.enqueue(NewMessage::new("t", "b1").key("b"));
+    storage.enqueue(NewMessage::new("t", "a2").key("a"));
+    let sink = Arc::new(HangingSink {
+        hang_on: "a2",
+        fail: "b1",
+        calls: Mutex::new(Vec::new()),
+    });
+    let cfg = WorkerConfig {
+        shutdown_timeout: Duration::from_secs(2),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        *sink.calls.lock().unwrap(),
+        [vec!["a1", "b1"], vec!["a2"]],
+        "round 1 published, round 2 hanging"
+    );
+    shutdown.cancel();
+    handle.await.expect("worker task");
+
+    let delivered: Vec<String> = storage
+        .delivered()
+        .iter()
+        .map(|(m, _)| text(&m.payload))
+        .collect();
+    let pending: Vec<(String, u32)> = storage
+        .pending()
+        .iter()
+        .map(|m| (text(&m.payload), m.attempts))
+        .collect();
+    assert_eq!(
+        (delivered, pending),
+        (
+            vec!["a1".to_string()],
+            vec![("b1".to_string(), 1), ("a2".to_string(), 0)]
+        ),
+        "after the shutdown time-out: a1 (published in round 1) must be recorded delivered, \
+         b1 (refused in round 1) charged one attempt, only a2 (the hung round) released"
+    );
+}
+
 #[test]
 fn rounds_hold_one_message_per_key_in_order() {
     let msgs: Vec<Message> = ["a", "b", "a", "a", "c", "b"]
@@ -374,6 +552,100 @@ fn rounds_hold_one_message_per_key_in_order() {
         payloads,
         [vec!["0", "1", "4", "free"], vec!["2", "5"], vec!["3"]]
     );
+}
+
+/// Records the keys of every publish call, then hands the call to a [`MemorySink`].
+struct KeysPerCall {
+    inner: MemorySink,
+    calls: Mutex<Vec<Vec<Option<String>>>>,
+}
+
+#[async_trait]
+impl Sink for KeysPerCall {
+    async fn publish(&self, batch: &[Message]) -> Result<Vec<Outcome>> {
+        self.calls
+            .lock()
+            .unwrap()
+            .push(batch.iter().map(|m| m.key.clone()).collect());
+        self.inner.publish(batch).await
+    }
+    async fn health(&self) -> Result<()> {
+        self.inner.health().await
+    }
+    fn capabilities(&self) -> SinkCapabilities {
+        self.inner.capabilities()
+    }
+}
+
+/// docs/ARCHITECTURE.md "The traits": "with per-key order a batch holds at most one
+/// message per key" (the sink's contract), and "Rounds": "keyless messages all go in
+/// the first". Over a backlog of 7 keys with failures and retries, no call holds two
+/// messages of a key, every message is delivered once, each key in enqueue order.
+#[tokio::test(start_paused = true)]
+async fn no_publish_call_holds_two_messages_of_one_key() {
+    use std::collections::BTreeMap;
+
+    let storage = Arc::new(MemoryStorage::new(true));
+    let sink = Arc::new(KeysPerCall {
+        inner: MemorySink::new(),
+        calls: Mutex::new(Vec::new()),
+    });
+    // Every fifth message fails its first try.
+    sink.inner.fail_when(|m| {
+        let n: usize = text(&m.payload)
+            .rsplit('-')
+            .next()
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        (n.is_multiple_of(5) && m.attempts == 0).then(|| Error::temporary("first try fails"))
+    });
+    let mut sent: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for i in 0..300 {
+        let payload = format!("m-{i}");
+        if i % 8 == 7 {
+            storage.enqueue(NewMessage::new("t", payload.clone()));
+            sent.entry(String::new()).or_default().push(payload);
+        } else {
+            let key = format!("k{}", i % 8);
+            storage.enqueue(NewMessage::new("t", payload.clone()).key(key.clone()));
+            sent.entry(key).or_default().push(payload);
+        }
+    }
+    let cfg = WorkerConfig {
+        batch_size: 50,
+        lease: Duration::from_secs(60),
+        max_attempts: 100,
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    sleep(Duration::from_secs(300)).await;
+    shutdown.cancel();
+    handle.await.expect("worker task");
+
+    for (n, call) in sink.calls.lock().unwrap().iter().enumerate() {
+        let keys: Vec<&String> = call.iter().flatten().collect();
+        let unique: HashSet<&String> = keys.iter().copied().collect();
+        assert_eq!(
+            unique.len(),
+            keys.len(),
+            "publish call {n} holds two messages of one key: {call:?}"
+        );
+    }
+    let mut got: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in sink.inner.published() {
+        got.entry(m.key.clone().unwrap_or_default())
+            .or_default()
+            .push(text(&m.payload));
+    }
+    // Keyless messages need no order: compare them as sets.
+    let keyless = |map: &mut BTreeMap<String, Vec<String>>| {
+        let mut v = map.remove("").unwrap_or_default();
+        v.sort();
+        v
+    };
+    assert_eq!(keyless(&mut got), keyless(&mut sent), "keyless messages");
+    assert_eq!(got, sent, "every keyed message once, in its key's order");
+    assert!(storage.pending().is_empty() && storage.dead_letters().is_empty());
 }
 
 #[test]
@@ -513,6 +785,66 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
     );
     shutdown.cancel();
     handle.await.unwrap();
+    assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
+}
+
+/// A storage whose lease renewals find the claim taken over (another relay claimed the
+/// rows after the lease ran out on the database's clock).
+struct TakenOver(MemoryStorage);
+
+#[async_trait]
+impl Storage for TakenOver {
+    async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Result<Claim> {
+        self.0.claim(worker, limit, lease).await
+    }
+    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
+        self.0.settle(token, settlement).await
+    }
+    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
+        Ok(0)
+    }
+    async fn health(&self) -> Result<()> {
+        Ok(())
+    }
+    async fn stats(&self) -> Result<QueueStats> {
+        self.0.stats().await
+    }
+    fn capabilities(&self) -> StorageCapabilities {
+        self.0.capabilities()
+    }
+}
+
+/// docs/ARCHITECTURE.md "Leases": "When renewal fails (taken over, or the storage
+/// cannot be reached ...) it stops the batch: the round in flight is abandoned and
+/// nothing more is published". The test above covers the unreachable storage; this one
+/// the takeover, seen as a renewal that changes fewer rows than claimed.
+#[tokio::test(start_paused = true)]
+async fn a_renewal_that_finds_the_claim_taken_over_stops_the_batch_at_once() {
+    let storage = Arc::new(TakenOver(MemoryStorage::new(true)));
+    storage.0.enqueue(NewMessage::new("t", "k1").key("k"));
+    storage.0.enqueue(NewMessage::new("t", "k2").key("k"));
+    let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
+    let cfg = WorkerConfig {
+        lease: Duration::from_secs(6),
+        ..config()
+    };
+    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    // The renewal is due with a third of the 6 s lease left (at 4 s) and is refused.
+    sleep(Duration::from_millis(4500)).await;
+    assert_eq!(
+        sink.calls(),
+        [vec!["k1"]],
+        "k2 went out after the claim was taken over"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.in_flight, stats.pending),
+        (0, 2),
+        "the batch stopped when the renewal was refused, before its lease ran out"
+    );
+    shutdown.cancel();
+    handle.await.expect("worker task");
+    assert!(storage.0.delivered().is_empty());
     assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
 }
 

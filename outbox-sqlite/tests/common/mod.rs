@@ -2,50 +2,13 @@
 
 #![allow(dead_code)]
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
-
-/// A directory of its own under the system's temporary directory, removed when dropped.
-pub struct TempDir(pub PathBuf);
-
-impl TempDir {
-    pub fn new() -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "outbox-sqlite-{}-{:016x}",
-            std::process::id(),
-            fastrand_u64()
-        ));
-        std::fs::create_dir_all(&dir).expect("making a temporary directory");
-        TempDir(dir)
-    }
-
-    /// A path in it.
-    pub fn file(&self, name: &str) -> PathBuf {
-        self.0.join(name)
-    }
-}
-
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// A random number without another dependency: the std hasher is seeded at random.
-fn fastrand_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
-    hasher.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos(),
-    );
-    hasher.finish()
-}
+// A directory of a test's own under the system's temporary directory, removed when dropped.
+pub use outbox_test_support::TempDir;
 
 /// A relay's storage on `path` with `adjust`ed settings, opened and migrated.
 pub async fn storage(path: &Path, adjust: impl FnOnce(&mut SqliteConfig)) -> SqliteStorage {

@@ -1,0 +1,200 @@
+//! A log-mode outbox in a database of its own, for the log-mode suites
+//! (`tests/tests/postgres_log.rs`, `postgres_log_replica.rs`, the horizon claims).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{NewMessage, QueueStats, Sink, Storage, WorkerConfig};
+use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
+use sqlx::PgPool;
+use sqlx::postgres::PgPoolOptions;
+
+use crate::{Relay, Service, clean_up, postgres_url, test_worker_config, unique_name};
+
+/// A log-mode outbox in a database of its own (the readable horizon is per database, so
+/// one test's open transactions never delay another's), dropped with it.
+pub struct LogOutbox {
+    /// The table names and enqueue statements.
+    pub table: OutboxTable,
+    /// A pool for the application side (enqueueing, inspecting), on the primary.
+    pub pool: PgPool,
+    /// The relay side.
+    pub storage: Arc<PgStorage>,
+    /// The URL of the test's database.
+    pub url: String,
+    /// The test's database, on the server of [`postgres_url`].
+    pub database: String,
+}
+
+impl LogOutbox {
+    /// A fresh database with a log-mode outbox of `shards` shards; `adjust` may change the
+    /// settings further.
+    pub async fn new(shards: u32, adjust: impl FnOnce(&mut PostgresConfig)) -> LogOutbox {
+        Self::in_database(unique_name("outbox_log"), shards, adjust).await
+    }
+
+    /// [`LogOutbox::new`] in a database named `database` (made here, so a name of
+    /// [`unique_name`]'s), for settings that name it, such as a replica's URL. A PostgreSQL
+    /// that is not running fails the test with its address ([`Service::missing`]).
+    pub async fn in_database(
+        database: String,
+        shards: u32,
+        adjust: impl FnOnce(&mut PostgresConfig),
+    ) -> LogOutbox {
+        let server = postgres_url();
+        let admin = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&server)
+            .await
+            .unwrap_or_else(|e| Service::Postgres.missing(e));
+        sqlx::query(&format!(r#"CREATE DATABASE "{database}""#))
+            .execute(&admin)
+            .await
+            .expect("create the test's database");
+        admin.close().await;
+        let url = with_database(&server, &database);
+        let mut config = PostgresConfig::new(&url);
+        config.mode = StorageMode::Log;
+        config.shards = shards;
+        adjust(&mut config);
+        let storage = PgStorage::new(config).expect("valid test configuration");
+        storage.migrate().await.expect("migrate for log mode");
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect(&url)
+            .await
+            .expect("connect to the test's database");
+        LogOutbox {
+            table: storage.table().clone(),
+            pool,
+            storage: Arc::new(storage),
+            url,
+            database,
+        }
+    }
+
+    /// Another relay's storage on the same table (its own shards and memory).
+    pub fn another_relay(&self) -> Arc<PgStorage> {
+        Arc::new(PgStorage::new(self.storage.config().clone()).expect("valid configuration"))
+    }
+
+    /// Enqueues `messages` in one committed transaction.
+    pub async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.pool.begin().await.expect("begin");
+        self.table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+
+    /// Starts a worker over `storage` (this outbox's or [`LogOutbox::another_relay`]'s) with
+    /// `config`.
+    pub fn relay_on(
+        &self,
+        storage: Arc<PgStorage>,
+        config: WorkerConfig,
+        sink: Arc<dyn Sink>,
+    ) -> Relay {
+        Relay::start(config, storage, sink)
+    }
+
+    /// Starts a relay on this outbox's storage with [`test_worker_config`].
+    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
+        self.relay_on(self.storage.clone(), test_worker_config(worker_id), sink)
+    }
+
+    /// Queue figures, as this outbox's storage sees them.
+    pub async fn stats(&self) -> QueueStats {
+        Storage::stats(&*self.storage).await.expect("queue figures")
+    }
+
+    /// Rows in the log not yet behind a cursor, and rows kept aside, counted in SQL on the
+    /// primary: what any process sees.
+    pub async fn undelivered(&self) -> i64 {
+        sqlx::query_scalar(&format!(
+            "SELECT (SELECT count(*) FROM {o} o JOIN {s} s ON s.shard = o.shard
+                     WHERE (o.xid, o.seq) > (s.cursor_xid, s.cursor_seq))
+                  + (SELECT count(*) FROM {h})",
+            o = self.table.qualified(""),
+            s = self.table.qualified("_shards"),
+            h = self.table.qualified("_held"),
+        ))
+        .fetch_one(&self.pool)
+        .await
+        .expect("count undelivered rows")
+    }
+
+    /// Rows in the log, behind a cursor or not.
+    pub async fn log_rows(&self) -> i64 {
+        let sql = format!("SELECT count(*) FROM {}", self.table.qualified(""));
+        sqlx::query_scalar(&sql)
+            .fetch_one(&self.pool)
+            .await
+            .expect("count the log's rows")
+    }
+
+    /// Waits until every row is behind a cursor and nothing is kept aside.
+    pub async fn wait_until_delivered(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let left = self.undelivered().await;
+            if left == 0 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{left} rows not delivered after {timeout:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Waits until no key is parked: the owner unparks a released or replayed key on its
+    /// next claim after the key's kept rows are all delivered.
+    pub async fn wait_until_unparked(&self, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.stats().await.parked_keys > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "a key stayed parked"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Dead letters as (id, last error), oldest first.
+    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
+        crate::dead_letters_of(&*self.storage).await
+    }
+}
+
+impl Drop for LogOutbox {
+    fn drop(&mut self) {
+        let sql = format!(
+            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
+            self.database
+        );
+        let url = postgres_url();
+        clean_up(async move {
+            let pool = PgPoolOptions::new()
+                .max_connections(1)
+                .connect(&url)
+                .await
+                .ok()?;
+            sqlx::query(&sql).execute(&pool).await.ok()
+        });
+    }
+}
+
+/// `url` with its database replaced by `database` (a query string is kept).
+pub fn with_database(url: &str, database: &str) -> String {
+    let (base, query) = match url.split_once('?') {
+        Some((base, query)) => (base, format!("?{query}")),
+        None => (url, String::new()),
+    };
+    match base.rsplit_once('/') {
+        Some((server, _)) => format!("{server}/{database}{query}"),
+        None => panic!("postgres URL without a database: {url}"),
+    }
+}
