@@ -1,12 +1,14 @@
-//! What the outbox test suites share, without depending on any backend: where the services
+//! What the outbox test suites share, without depending on a sink crate: where the services
 //! are ([`Service`]), names no other test uses ([`unique_name`]), URL surgery for putting a
 //! proxy in front of a server ([`host_port`], [`through`]), a TCP [`Proxy`] that cuts,
 //! stalls, holds and counts, and the fixtures' plumbing: [`clean_up`] (async clean-up from a
 //! `Drop`), [`TempDir`], [`free_port`] and [`free_addr`].
 //!
 //! Helpers for one broker are behind a feature of its name, each bringing that broker's
-//! client crate only: `redis`, `amqp`, `kafka`, `nats`. [`postgres_server`] (no crate, only
-//! the server's binaries) starts a PostgreSQL server of the test's own.
+//! client crate only: `redis`, `amqp`, `kafka`, `nats`. `relay` (feature `relay`, bringing
+//! `outbox-postgres`) is a relay over PostgreSQL with the end-to-end scripts every sink runs
+//! from its own crate's tests. [`postgres_server`] (no crate, only the server's binaries)
+//! starts a PostgreSQL server of the test's own.
 //!
 //! Every helper talks to the real services. A server that is not there makes it panic with
 //! a message naming the server, its address and how to start it; nothing is skipped.
@@ -22,6 +24,8 @@ pub mod postgres_server;
 mod proxy;
 #[cfg(feature = "redis")]
 pub mod redis;
+#[cfg(feature = "relay")]
+pub mod relay;
 #[cfg(feature = "servers")]
 pub mod servers;
 mod service;
@@ -34,7 +38,7 @@ use std::future::Future;
 use std::time::Duration;
 
 pub use proxy::{Proxy, Traffic};
-pub use service::{Package, Service};
+pub use service::{Package, Service, Start};
 pub use temp_dir::TempDir;
 
 impl Service {

@@ -15,6 +15,17 @@ pub struct Package {
     pub program: &'static str,
 }
 
+/// How `cargo xtask services` starts a server that is down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Start {
+    /// This command line, which returns once the server runs in the background (a shell
+    /// line, run with `sh -c`).
+    Command(&'static str),
+    /// A function of xtask's own, for servers that take more than one command (a database
+    /// made first, a program built first).
+    Xtask,
+}
+
 /// One row of the table.
 struct Spec {
     id: &'static str,
@@ -22,6 +33,7 @@ struct Spec {
     env: &'static str,
     default_url: &'static str,
     package: Option<Package>,
+    start: Start,
     startup: Duration,
 }
 
@@ -57,6 +69,7 @@ services! {
         env: "OUTBOX_TEST_POSTGRES_URL",
         default_url: "postgres://postgres@127.0.0.1:5432/test",
         package: Some(Package { name: "postgresql", program: "pg_ctlcluster" }),
+        start: Start::Xtask,
         startup: Duration::from_secs(30),
     }
     /// MySQL or MariaDB (`cargo xtask services` starts MariaDB).
@@ -66,6 +79,7 @@ services! {
         env: "OUTBOX_TEST_MYSQL_URL",
         default_url: "mysql://root@127.0.0.1:3306/test",
         package: Some(Package { name: "mariadb-server", program: "mariadbd" }),
+        start: Start::Xtask,
         startup: Duration::from_secs(30),
     }
     /// Redis.
@@ -75,6 +89,11 @@ services! {
         env: "OUTBOX_TEST_REDIS_URL",
         default_url: "redis://127.0.0.1:6379",
         package: Some(Package { name: "redis-server", program: "redis-server" }),
+        start: Start::Command(
+            "mkdir -p /var/lib/redis /var/log/redis && redis-server --daemonize yes \
+             --bind 127.0.0.1 -::1 --port 6379 --save '' --appendonly no \
+             --dir /var/lib/redis --logfile /var/log/redis/ci.log",
+        ),
         startup: Duration::from_secs(15),
     }
     /// RabbitMQ.
@@ -84,6 +103,7 @@ services! {
         env: "OUTBOX_TEST_AMQP_URL",
         default_url: "amqp://guest:guest@127.0.0.1:5672/%2f",
         package: Some(Package { name: "rabbitmq-server", program: "rabbitmq-server" }),
+        start: Start::Command("rabbitmq-server -detached"),
         startup: Duration::from_secs(90),
     }
     /// NATS with JetStream.
@@ -93,6 +113,11 @@ services! {
         env: "OUTBOX_TEST_NATS_URL",
         default_url: "nats://127.0.0.1:4222",
         package: Some(Package { name: "nats-server", program: "nats-server" }),
+        start: Start::Command(
+            "mkdir -p /var/lib/nats-server && start-stop-daemon --start --oknodo --background \
+             --exec /usr/sbin/nats-server -- -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server \
+             -l /var/log/nats-server.log",
+        ),
         startup: Duration::from_secs(15),
     }
     /// A Kafka-protocol broker (tansu); its "URL" is a `host:port` bootstrap list. xtask
@@ -103,6 +128,7 @@ services! {
         env: "OUTBOX_TEST_KAFKA_BROKERS",
         default_url: "127.0.0.1:9092",
         package: None,
+        start: Start::Xtask,
         startup: Duration::from_secs(30),
     }
 }
@@ -132,6 +158,11 @@ impl Service {
     /// (`None`: it installs it another way).
     pub const fn package(self) -> Option<Package> {
         self.spec().package
+    }
+
+    /// How `cargo xtask services` starts the local server when it is down.
+    pub const fn start(self) -> Start {
+        self.spec().start
     }
 
     /// How long a start of the local server may take before it accepts connections.

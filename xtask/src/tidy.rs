@@ -1,10 +1,10 @@
 //! The tidy check (run by `cargo test -p xtask`, so by `cargo xtask test` and CI): the
 //! workspace keeps one shape, and the lists that name its backends and metrics stay true.
 //!
-//! - the binary's table of backends (the `backends!` invocation in
-//!   src/bin/outbox/backends.rs, which `--help`, the configuration errors and the registries
+//! - the facade's table of backends (the `backends!` invocation in
+//!   src/backends.rs, which `--help`, the configuration errors and the registries
 //!   read) is the list of backends: each row's cargo feature is a feature of the facade, each
-//!   row's `outbox::<crate>::register` is of a crate `outbox-<crate>` of the row's kind, and
+//!   row's crate `outbox_<crate>` is a crate `outbox-<crate>` of the row's kind, and
 //!   every crate with a sink or a storage is registered by a row;
 //! - every backend crate has the standard files: `src/lib.rs`, `README.md`, and the modules
 //!   (each `src/<module>.rs` or `src/<module>/mod.rs`) `config`, `error` and either `sink`
@@ -12,8 +12,9 @@
 //!   `connection` (a storage, as docs/CONTRIBUTING-BACKENDS.md lays it out);
 //! - each has its docs page (`docs/sinks/<crate>.md` or `docs/storage/<crate>.md`), and a
 //!   sink's page has the standard sections;
-//! - each is named in README.md and in docs/ARCHITECTURE.md, and every facade feature is
-//!   named in docs/ARCHITECTURE.md;
+//! - each is named in README.md, and so is every facade feature (README.md is where a user
+//!   looks for what can be compiled in; docs/ARCHITECTURE.md describes the kinds of crate and
+//!   points there);
 //! - every metric name of `outbox_core::metrics` is documented in docs/configuration.md, and
 //!   no code records a metric under a string literal instead of those constants.
 
@@ -77,19 +78,19 @@ struct Backend {
 }
 
 /// A row of the binary's table of backends (the `backends!` invocation in
-/// src/bin/outbox/backends.rs).
+/// src/backends.rs).
 #[derive(Debug)]
 struct Row {
     kind: Kind,
     /// Its type name in configuration.
     name: String,
     feature: String,
-    /// `file` for a row registered by `outbox::file::register`; `None` for a row that
+    /// `file` for a row registered by `outbox_file`; `None` for a row that
     /// another row's function registers.
     module: Option<String>,
 }
 
-const TABLE: &str = "src/bin/outbox/backends.rs";
+const TABLE: &str = "src/backends.rs";
 
 fn read(path: &Path) -> String {
     fs::read_to_string(path).unwrap_or_default()
@@ -136,20 +137,18 @@ fn quoted(line: &str) -> Option<(&str, &str)> {
     Some((&rest[..end], &rest[end + 1..]))
 }
 
-/// One row: `"type", feature "feature", "what it is", outbox::<module>::register;` (the
-/// register function left out when another row's registers it).
+/// One row: `"type", feature "feature", "what it is", outbox_<module> as <module>;` (the
+/// crate left out when another row's registers the type).
 fn row(kind: Kind, line: &str) -> Option<Row> {
     let (name, rest) = quoted(line)?;
     let (feature, rest) = quoted(rest.strip_prefix(", feature ")?)?;
     let (_what, rest) = quoted(rest.strip_prefix(", ")?)?;
     let module = match rest.strip_suffix(';')? {
         "" => None,
-        register => Some(
-            register
-                .strip_prefix(", outbox::")?
-                .strip_suffix("::register")?
-                .to_string(),
-        ),
+        krate => {
+            let (krate, module) = krate.strip_prefix(", ")?.split_once(" as ")?;
+            (krate.strip_prefix("outbox_")? == module).then(|| module.to_string())
+        }
     };
     Some(Row {
         kind,
@@ -159,7 +158,7 @@ fn row(kind: Kind, line: &str) -> Option<Row> {
     })
 }
 
-/// The rows of the `backends!` table in `text` (src/bin/outbox/backends.rs), and the lines
+/// The rows of the `backends!` table in `text` (src/backends.rs), and the lines
 /// of it that are not rows in the table's form.
 fn table(text: &str) -> (Vec<Row>, Vec<String>) {
     let (mut rows, mut unread) = (Vec::new(), Vec::new());
@@ -231,7 +230,7 @@ fn table_problems<'a>(
     for line in unread {
         problems.push(format!(
             "{TABLE}: `{line}` is not a row of the form `\"type\", feature \"feature\", \"what \
-             it is\", outbox::<crate>::register;`"
+             it is\", outbox_<name> as <name>;`"
         ));
     }
     for row in &rows {
@@ -252,8 +251,8 @@ fn table_problems<'a>(
             .any(|c| &c.name == module && c.kind == Some(row.kind))
         {
             problems.push(format!(
-                "{TABLE} registers {} `{}` with outbox::{module}::register, but there is no {} \
-                 crate outbox-{module}",
+                "{TABLE} registers {} `{}` with outbox_{module}, but there is no {} crate \
+                 outbox-{module}",
                 row.kind.noun(),
                 row.name,
                 row.kind.noun()
@@ -303,7 +302,6 @@ fn problems(root: &Path) -> Vec<String> {
     let backends = table_problems(root, &crates, &mut problems);
     let features = features(root);
     let readme = read(&root.join("README.md"));
-    let architecture = read(&root.join("docs/ARCHITECTURE.md"));
     for (backend, kind) in backends {
         let crate_name = format!("outbox-{}", backend.name);
         let noun = kind.noun();
@@ -353,17 +351,11 @@ fn problems(root: &Path) -> Vec<String> {
         if !readme.contains(&ticked) && !readme.contains(&crate_name) {
             problems.push(format!("README.md does not name {crate_name}"));
         }
-        if !architecture.contains(&crate_name) {
-            problems.push(format!("docs/ARCHITECTURE.md does not name {crate_name}"));
-        }
     }
     for feature in features.iter().filter(|f| *f != "default") {
-        if !architecture.contains(&format!("`{feature}`"))
-            && !architecture.contains(&format!(" {feature},"))
-            && !architecture.contains(&format!(" {feature})"))
-        {
+        if !readme.contains(&format!("`{feature}`")) {
             problems.push(format!(
-                "docs/ARCHITECTURE.md does not name the facade feature `{feature}`"
+                "README.md does not name the facade feature `{feature}`"
             ));
         }
     }
@@ -566,12 +558,11 @@ mod tests {
             "docs/sinks/mqtt.md",
             "# MQTT\n\n## Configuration\n\n## Guarantees\n",
         );
-        scratch.write("docs/ARCHITECTURE.md", "features `cli`");
         scratch.write(
             "docs/configuration.md",
             "| `outbox_sent_total` | relay, topic | sent |\n| `outbox_late_total` | relay | late |\n",
         );
-        scratch.write("README.md", "");
+        scratch.write("README.md", "features `cli`");
         scratch.write(TABLE, "");
         scratch.write(
             "outbox-core/src/metrics.rs",
@@ -591,11 +582,10 @@ mod tests {
                 "outbox-mqtt lacks README.md",
                 "docs/sinks/mqtt.md lacks the section `## Layout on the wire`",
                 "docs/sinks/mqtt.md lacks the section `## Error mapping`",
-                "src/bin/outbox/backends.rs has no `backends!` table",
-                "src/bin/outbox/backends.rs has no row registering outbox-mqtt (a sink)",
+                "src/backends.rs has no `backends!` table",
+                "src/backends.rs has no row registering outbox-mqtt (a sink)",
                 "README.md does not name outbox-mqtt",
-                "docs/ARCHITECTURE.md does not name outbox-mqtt",
-                "docs/ARCHITECTURE.md does not name the facade feature `mqtt`",
+                "README.md does not name the facade feature `mqtt`",
                 "metric `outbox_lost_total` is not documented",
                 "metric `outbox_late_total` has labels [\"relay\", \"topic\"] in outbox-core/src/metrics.rs but [\"relay\"] in docs/configuration.md",
                 "outbox-core/src/worker.rs records a metric under a string literal",
@@ -616,12 +606,12 @@ mod tests {
         );
         scratch.write(
             TABLE,
-            "use outbox::{SinkRegistry, StorageRegistry};\n\n\
+            "use crate::{SinkRegistry, StorageRegistry};\n\n\
              backends! {\n    \
                  /// Storages.\n    \
                  STORAGES, StorageRegistry, register_storages {\n        \
-                     \"duck\", feature \"duck\", \"DuckDB, files\", outbox::duck::register;\n        \
-                     \"ghost\", feature \"ghost\", \"Nothing\", outbox::ghost::register;\n    \
+                     \"duck\", feature \"duck\", \"DuckDB, files\", outbox_duck as duck;\n        \
+                     \"ghost\", feature \"ghost\", \"Nothing\", outbox_ghost as ghost;\n    \
                  }\n    \
                  SINKS, SinkRegistry, register_sinks {\n        \
                      \"mqtt-v3\", feature \"mqtt\", \"MQTT 3.1\";\n        \
@@ -645,8 +635,7 @@ mod tests {
         scratch.write("outbox-shared/Cargo.toml", "");
         scratch.write("outbox-shared/src/lib.rs", "");
         scratch.write("docs/storage/duck.md", "# DuckDB\n");
-        scratch.write("docs/ARCHITECTURE.md", "`cli`, `duck`, `mqtt`: outbox-duck");
-        scratch.write("README.md", "outbox-duck");
+        scratch.write("README.md", "`cli`, `duck`, `mqtt`: outbox-duck");
         let found = problems(&scratch.0);
         let (rows, _) = table(&read(&scratch.0.join(TABLE)));
         let read_rows: Vec<_> = rows
@@ -677,10 +666,10 @@ mod tests {
                 "outbox-duck lacks src/sql.rs",
                 "outbox-duck lacks src/table.rs",
                 "the facade (root Cargo.toml) has no cargo feature `ghost`, which \
-                 src/bin/outbox/backends.rs names for storage `ghost`",
-                "src/bin/outbox/backends.rs registers storage `ghost` with \
-                 outbox::ghost::register, but there is no storage crate outbox-ghost",
-                "src/bin/outbox/backends.rs: `\"bad\" feature \"x\";` is not a row",
+                 src/backends.rs names for storage `ghost`",
+                "src/backends.rs registers storage `ghost` with outbox_ghost, but there is no \
+                 storage crate outbox-ghost",
+                "src/backends.rs: `\"bad\" feature \"x\";` is not a row",
             ],
             &[
                 "outbox-duck lacks src/storage.rs",
@@ -691,7 +680,6 @@ mod tests {
                 "outbox-shared",
                 "mqtt-v3",
                 "no `backends!` table",
-                "docs/ARCHITECTURE.md does not name",
                 "README.md does not name",
             ],
         );

@@ -12,8 +12,8 @@ pub fn load(path: &std::path::Path) -> Result<Config, ConfigError> {
 /// This build's backends, as the configuration refers to them.
 fn backends() -> Backends {
     Backends {
-        default_storage: crate::backends::DEFAULT_STORAGE.to_string(),
-        sink_types: (crate::backends::sinks().names().into_iter())
+        default_storage: outbox::backends::DEFAULT_STORAGE.to_string(),
+        sink_types: (outbox::backends::sinks().names().into_iter())
             .map(str::to_string)
             .collect(),
     }
@@ -35,12 +35,12 @@ mod tests {
         let config = parse_str(MINIMAL).unwrap();
         assert_eq!(
             config.relays[0].storage_type,
-            crate::backends::DEFAULT_STORAGE
+            outbox::backends::DEFAULT_STORAGE
         );
         let error = parse_str("[storage]\nurl = \"postgres://h/db\"\n")
             .unwrap_err()
             .0;
-        for name in crate::backends::sinks().names() {
+        for name in outbox::backends::sinks().names() {
             assert!(error.contains(&format!("\"{name}\"")), "{name}: {error}");
         }
     }

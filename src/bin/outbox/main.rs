@@ -1,7 +1,6 @@
 //! `outbox`: the outbox relay as a program. Brokers are swapped by configuration; see
 //! docs/configuration.md for every key and `outbox --help` for the commands.
 
-mod backends;
 mod commands;
 mod config;
 mod console;
@@ -144,7 +143,9 @@ impl From<outbox::Error> for Failure {
 }
 
 fn main() -> ExitCode {
-    let matches = Cli::command().after_help(backends::help()).get_matches();
+    let matches = Cli::command()
+        .after_help(outbox::backends::help())
+        .get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,
         Err(error) => error.exit(),

@@ -28,7 +28,7 @@ pub struct Relay {
 /// Builds the storage of `def` from the registry; a bad setting is a configuration error
 /// that names its key where the file has it. Storages connect lazily: nothing is reached yet.
 pub async fn open_storage(def: &RelayDef) -> Result<Arc<dyn StorageAdmin>, Failure> {
-    crate::backends::storages()
+    outbox::backends::storages()
         .build(&def.storage_type, def.storage.clone())
         .await
         .map_err(|error| match error.kind() {
@@ -51,7 +51,7 @@ pub async fn build(
     config: &Config,
     wait_for_broker: Option<&CancellationToken>,
 ) -> Result<Vec<Relay>, Failure> {
-    let registry = crate::backends::sinks();
+    let registry = outbox::backends::sinks();
     let mut relays = Vec::new();
     for def in &config.relays {
         let storage = open_storage(def).await?;

@@ -18,9 +18,9 @@ use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::kafka::{
     Record, Tansu, consume, consume_until, create_topic, require_broker,
 };
+use outbox_test_support::relay::TestOutbox;
+use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_test_support::{Proxy, Service, free_addr, unique_name};
-use outbox_tests::TestOutbox;
-use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use uuid::Uuid;
 
 fn sink(config: KafkaConfig) -> Arc<KafkaSink> {
@@ -335,7 +335,7 @@ async fn injected_broker_errors_retryable_retried_fatal_dead_lettered() {
     for (id, reason) in &doomed {
         assert!(dead[id].contains(reason), "{reason}: {}", dead[id]);
     }
-    let attempts: HashMap<Uuid, i32> = sqlx::query_as::<_, (Uuid, i32)>(&format!(
+    let attempts: HashMap<Uuid, i32> = outbox_postgres::sqlx::query_as::<_, (Uuid, i32)>(&format!(
         "SELECT id, attempts FROM {}",
         outbox.table.qualified("_delivered")
     ))

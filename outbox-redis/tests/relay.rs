@@ -13,10 +13,10 @@ use outbox_redis::redis::{self, AsyncCommands};
 use outbox_redis::{RedisConfig, RedisSink, wire};
 use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::redis::{Entry, client, delete_prefixed, text, xlen, xrange};
+use outbox_test_support::relay::TestOutbox;
+use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_test_support::{Service, through, unique_name};
 use outbox_testkit::{Destination, Received, SinkHarness};
-use outbox_tests::TestOutbox;
-use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
 use uuid::Uuid;
 
 fn sink(config: RedisConfig) -> Arc<RedisSink> {

@@ -1,10 +1,12 @@
-//! The backends this program knows of, in one table (the `backends!` invocation below), and
-//! the storages and sinks compiled into this build, in registries that configuration picks
-//! from. `--help`, the configuration errors and the registries all read the table; the tidy
-//! test (xtask/src/tidy.rs) reads it too, and checks that it names every backend crate of the
-//! workspace with a cargo feature of the facade. A new backend is one row here.
+//! The backends this crate knows of, in one table (the `backends!` invocation below): the
+//! re-exported backend crates (`outbox::nats`, …), and the storages and sinks compiled into
+//! this build, in registries that configuration picks from. The binary's `--help`, its
+//! configuration errors and the registries all read the table; the tidy test
+//! (xtask/src/tidy.rs) reads it too, and checks that it names every backend crate of the
+//! workspace with a cargo feature of the facade. A new backend is one row here (and its
+//! dependency and feature in the root Cargo.toml).
 
-use outbox::{SinkRegistry, StorageRegistry};
+use crate::{SinkRegistry, StorageRegistry};
 
 /// The storage type when `[storage]` names none (configurations written before there was a
 /// choice).
@@ -21,51 +23,66 @@ pub struct Backend {
     pub what: &'static str,
 }
 
-/// Expands the table: for each kind, the list of its rows (`STORAGES`, `SINKS`) and a
-/// function that registers every row compiled in (`#[cfg(feature = …)]` on each call). A row
-/// is `"type", feature "feature", "what it is", register_fn;`; a row without `register_fn`
-/// is registered by the function of another row of the same feature.
+/// Expands the table: for each kind, the list of its rows (`STORAGES`, `SINKS`), a function
+/// that registers every row compiled in (`#[cfg(feature = …)]` on each call), and the
+/// re-export of each row's crate (in [`crates`], which the crate root re-exports). A row is
+/// `"type", feature "feature", "what it is", outbox_<name> as <name>;`: the crate's
+/// `register` function registers the type. A row without a crate is registered by the crate
+/// of another row of the same feature.
 macro_rules! backends {
     ($(
         $(#[$doc:meta])*
         $list:ident, $registry:ty, $register_all:ident {
-            $( $name:literal, feature $feature:literal, $what:literal $(, $register:path)?; )*
+            $( $name:literal, feature $feature:literal, $what:literal
+                $(, $krate:ident as $module:ident)?; )*
         }
-    )*) => {$(
-        $(#[$doc])*
-        pub const $list: &[Backend] = &[
-            $( Backend { name: $name, feature: $feature, what: $what }, )*
-        ];
+    )*) => {
+        $(
+            $(#[$doc])*
+            pub const $list: &[Backend] = &[
+                $( Backend { name: $name, feature: $feature, what: $what }, )*
+            ];
 
-        /// Registers every row of the list above that this build has.
-        // A build with none of them leaves `registry` unused.
-        #[allow(unused_variables)]
-        fn $register_all(registry: &mut $registry) {
-            $($(
+            /// Registers every row of the list above that this build has.
+            // A build with none of them leaves `registry` unused.
+            #[allow(unused_variables)]
+            fn $register_all(registry: &mut $registry) {
+                $($(
+                    #[cfg(feature = $feature)]
+                    crates::$module::register(registry);
+                )?)*
+            }
+        )*
+
+        /// The backend crates of the table that this build has, each under its short name
+        /// (`outbox::nats` is `outbox_nats`).
+        pub mod crates {
+            $($($(
+                #[doc = concat!($what, " (cargo feature `", $feature, "`).")]
                 #[cfg(feature = $feature)]
-                $register(registry);
-            )?)*
+                pub use ::$krate as $module;
+            )?)*)*
         }
-    )*};
+    };
 }
 
 backends! {
     /// Every storage type: its `[storage] type` name, the cargo feature that adds it and
     /// what it stores in.
     STORAGES, StorageRegistry, register_storages {
-        "postgres", feature "postgres", "PostgreSQL", outbox::postgres::register;
-        "sqlite", feature "sqlite", "SQLite", outbox::sqlite::register;
-        "mysql", feature "mysql", "MySQL, MariaDB", outbox::mysql::register;
+        "postgres", feature "postgres", "PostgreSQL", outbox_postgres as postgres;
+        "sqlite", feature "sqlite", "SQLite", outbox_sqlite as sqlite;
+        "mysql", feature "mysql", "MySQL, MariaDB", outbox_mysql as mysql;
     }
     /// Every sink type: its `[sink] type` name, the cargo feature that adds it and what it
     /// delivers to.
     SINKS, SinkRegistry, register_sinks {
-        "redis", feature "redis", "Redis Streams", outbox::redis::register;
-        "amqp", feature "amqp", "AMQP 0-9-1, RabbitMQ", outbox::amqp::register;
-        "kafka", feature "kafka", "Kafka", outbox::kafka::register;
-        "nats", feature "nats", "NATS JetStream", outbox::nats::register;
-        "file", feature "file", "JSON lines appended to a file", outbox::file::register;
-        // outbox::file::register registers it, beside `file`.
+        "redis", feature "redis", "Redis Streams", outbox_redis as redis;
+        "amqp", feature "amqp", "AMQP 0-9-1, RabbitMQ", outbox_amqp as amqp;
+        "kafka", feature "kafka", "Kafka", outbox_kafka as kafka;
+        "nats", feature "nats", "NATS JetStream", outbox_nats as nats;
+        "file", feature "file", "JSON lines appended to a file", outbox_file as file;
+        // outbox_file::register registers it, beside `file`.
         "stdout", feature "file", "JSON lines on standard output";
     }
 }

@@ -20,10 +20,10 @@ use outbox_file::base64::Engine;
 use outbox_file::base64::engine::general_purpose::STANDARD;
 use outbox_file::{FileConfig, FileSink, StdoutConfig, StdoutSink, wire};
 use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::relay::TestOutbox;
+use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture};
 use outbox_test_support::{Service, unique_name};
 use outbox_testkit::{Destination, Received, SinkHarness};
-use outbox_tests::TestOutbox;
-use outbox_tests::end_to_end::{self, Arrived, Fixture};
 
 /// The sinks' time-out in these tests.
 const TIMEOUT: Duration = Duration::from_secs(2);

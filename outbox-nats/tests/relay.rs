@@ -11,10 +11,10 @@ use outbox_nats::async_nats::jetstream::{self, stream};
 use outbox_nats::{NatsConfig, NatsSink, wire};
 use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::nats::{connect, create_stream, headers, read, url};
+use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
+use outbox_test_support::relay::{TestOutbox, test_worker_config};
 use outbox_test_support::{Service, through, unique_name};
 use outbox_testkit::{Destination, Received, SinkHarness};
-use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
-use outbox_tests::{TestOutbox, test_worker_config};
 
 /// Every conformance subject starts with this; each destination's stream captures one
 /// subject.

@@ -18,10 +18,10 @@ use outbox_amqp::{AmqpConfig, AmqpSink, Unroutable, wire};
 use outbox_core::{Message, NewMessage, Sink, Template, WorkerConfig};
 use outbox_test_support::amqp::{Broker, headers, text, url};
 use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
+use outbox_test_support::relay::{TestOutbox, test_worker_config};
 use outbox_test_support::{Proxy, Service, host_port, through, unique_name};
 use outbox_testkit::{Destination, Received, SinkHarness};
-use outbox_tests::end_to_end::{self, Arrived, Fixture, trace_context};
-use outbox_tests::{TestOutbox, test_worker_config};
 use uuid::Uuid;
 
 fn template(text: &str) -> Template {

@@ -2,7 +2,7 @@
 //! two) publishing them through the broker's sink, and the broker's own consumer reading
 //! them back. Each script is a public async function over a [`Fixture`], the small piece a
 //! broker's test file writes, as the conformance suite runs over a
-//! [`SinkHarness`](outbox_testkit::SinkHarness).
+//! `outbox_testkit::SinkHarness`.
 //!
 //! Each script panics with a message saying what broke, and returns what the broker
 //! received so that the caller can check what only its broker has (properties, partitions,
@@ -14,12 +14,12 @@ use std::fmt::Debug;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::{Proxy, Service};
 use async_trait::async_trait;
 use outbox_core::{ErrorKind, NewMessage, Outcome, Sink, Storage, TraceContext};
-use outbox_test_support::{Proxy, Service};
 use uuid::Uuid;
 
-use crate::TestOutbox;
+use super::TestOutbox;
 
 /// One message as the broker's consumer read it: what every broker carries, and the
 /// broker's own form for checks of its own.
