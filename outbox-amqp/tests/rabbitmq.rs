@@ -610,3 +610,49 @@ async fn a_returned_message_does_not_stop_the_next_one_so_key_runs_stay_off() {
     let got = broker.take(&queue, 2).await;
     assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
 }
+
+/// docs/sinks/amqp.md, `exchange_setup`: "`amq.*` exchanges are only ever checked". The broker
+/// refuses to declare a name starting `amq.` (ACCESS_REFUSED), and `amq.direct` is not of the
+/// kind `topic` configured: a sink that declared it, fixed or named after a topic, would not
+/// start or would fail the message.
+mod amqp_reserved_exchanges {
+    use super::*;
+    use outbox_amqp::lapin::ExchangeKind;
+    use outbox_core::{Outcome, Sink, Template};
+    use outbox_test_support::amqp::{Broker, url};
+
+    fn template(text: &str) -> Template {
+        Template::new(text).expect("a template")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn amq_exchanges_are_only_checked_even_under_declare() {
+        let broker = Broker::connect().await;
+        let key = unique_name("amq_key");
+        let queue = broker.queue("amq.direct", &key).await;
+        for exchange in ["amq.direct", "amq.{topic}"] {
+            let config = AmqpConfig::new(url(), template(exchange))
+                .routing_key(template("{key}"))
+                .exchange_setup(ExchangeSetup::Declare)
+                .exchange_kind(ExchangeKind::Topic);
+            let sink = match tokio::time::timeout(
+                Duration::from_secs(20),
+                AmqpSink::connect(config),
+            )
+            .await
+            {
+                Ok(Ok(sink)) => sink,
+                Ok(Err(e)) => panic!("exchange `{exchange}` under declare: start-up refused: {e}"),
+                Err(_) => panic!("exchange `{exchange}`: start-up did not return"),
+            };
+            let message: Message = NewMessage::new("direct", exchange).key(&key).into();
+            let outcomes = sink.publish(&[message]).await.expect("publish");
+            match &outcomes[0] {
+                Outcome::Delivered(_) => {}
+                Outcome::Failed(e) => panic!("exchange `{exchange}` under declare: {e}"),
+            }
+            let got = broker.take(&queue, 1).await;
+            assert_eq!(got[0].data, exchange.as_bytes());
+        }
+    }
+}

@@ -41,10 +41,12 @@ use std::future::Future;
 use std::pin::Pin;
 
 mod model;
+mod relay;
 mod sink;
 mod storage;
 
 pub use model::*;
+pub use relay::*;
 pub use sink::*;
 pub use storage::*;
 
@@ -89,7 +91,9 @@ macro_rules! __sink_checks {
     };
 }
 
-/// The one list of storage checks (see [`__sink_checks!`]).
+/// The one list of storage checks (see [`__sink_checks!`]), in three families over the same
+/// harness: `storage_*` (the `Storage` trait's calls), `relay_*` (a worker running over the
+/// storage) and `admin_*` (the operator's side, as the CLI and the console use it).
 #[doc(hidden)]
 #[macro_export]
 macro_rules! __storage_checks {
@@ -124,6 +128,9 @@ macro_rules! __storage_checks {
             storage_settle_writes_the_whole_outcome,
             storage_extend_lease_holds_the_claim,
             storage_random_operations_keep_key_order,
+            relay_retries_then_dead_letters_and_parks_the_key,
+            admin_keys_that_differ_in_any_byte_are_different_keys,
+            admin_dead_letter_search_matches_error_text_without_payloads,
         }
     };
 }
@@ -211,13 +218,18 @@ mod tests {
             include_str!("sink.rs"),
             include_str!("storage.rs"),
             include_str!("model.rs"),
+            include_str!("relay.rs"),
         ];
         let mut defined: Vec<&str> = sources
             .iter()
             .flat_map(|s| s.lines())
             .filter_map(|l| l.trim().strip_prefix("pub async fn "))
             .map(|l| l.split('(').next().unwrap_or(l))
-            .filter(|name| name.starts_with("sink_") || name.starts_with("storage_"))
+            .filter(|name| {
+                ["sink_", "storage_", "relay_", "admin_"]
+                    .iter()
+                    .any(|family| name.starts_with(family))
+            })
             .collect();
         defined.sort_unstable();
         let mut listed: Vec<&str> = SINK_CHECKS

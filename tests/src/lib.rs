@@ -30,3 +30,44 @@ pub fn drop_mysql_tables(table: &outbox_mysql::OutboxTable) {
         outbox_mysql::sqlx::query(&sql).execute(&pool).await.ok()
     });
 }
+
+/// Bad input to a storage is a clear error, never a panic: `message` (after a good one, in
+/// one enqueue) is refused as `Permanent` with a message, and nothing of the batch is
+/// written.
+pub async fn assert_refused_as_permanent(
+    storage: &dyn outbox_core::StorageAdmin,
+    what: &str,
+    message: outbox_core::NewMessage,
+) {
+    let good = outbox_core::NewMessage::new("t", "good").key("k");
+    let error = match storage.enqueue(&[good, message]).await {
+        Ok(()) => panic!("{what}: enqueued"),
+        Err(e) => e,
+    };
+    assert_eq!(
+        error.kind(),
+        outbox_core::ErrorKind::Permanent,
+        "{what}: {error}"
+    );
+    assert!(!error.message().is_empty(), "{what}: an empty message");
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        stats.pending, 0,
+        "{what}: the refused enqueue wrote part of its batch"
+    );
+}
+
+/// After refused enqueues ([`assert_refused_as_permanent`]) a good one goes through, and it
+/// is all a claim finds.
+pub async fn assert_a_good_enqueue_goes_through(storage: &dyn outbox_core::StorageAdmin) {
+    storage
+        .enqueue(&[outbox_core::NewMessage::new("t", "after").key("k")])
+        .await
+        .expect("a good enqueue after the refused ones");
+    let claim = storage
+        .claim("bad", 10, std::time::Duration::from_secs(30))
+        .await
+        .expect("claim");
+    let payloads: Vec<&[u8]> = claim.messages.iter().map(|m| &m.payload[..]).collect();
+    assert_eq!(payloads, [b"after"]);
+}

@@ -999,3 +999,244 @@ async fn the_retrying_column_migration_is_optional_for_relays_and_safe_to_rerun(
         .expect("shared figures");
     assert!(figures.measured_at.is_some(), "shared again: {figures:?}");
 }
+
+/// docs/storage/mysql.md "How locks and gap locks behave under the claim": "a claim never
+/// waits for an open application transaction"; acknowledgements look rows up by primary key
+/// or the forced `id` index ("a DELETE that scans waits for rows an open transaction
+/// inserted"); "rows of open transactions are invisible to the relay and hold nothing back".
+/// Every claim and settlement below runs while an application transaction that inserted rows
+/// of the same keys (and a keyless one) is open, and must finish at once, not after
+/// `lock_wait_timeout`.
+mod mysql_open_transaction {
+    use super::*;
+    use outbox_core::{DeadLetter, Delivery, Receipt, Retry};
+    use outbox_mysql::{MySqlConfig, MySqlStorage};
+
+    /// Far below `lock_wait_timeout` (10 s): a statement that waited for the open
+    /// transaction would take that long and then fail.
+    const QUICK: Duration = Duration::from_secs(3);
+    const LEASE: Duration = Duration::from_secs(60);
+
+    async fn quick<T>(
+        what: &str,
+        f: impl std::future::Future<Output = outbox_core::Result<T>>,
+    ) -> T {
+        match tokio::time::timeout(QUICK, f).await {
+            Err(_) => panic!("{what} waited {QUICK:?} for the open application transaction"),
+            Ok(Err(e)) => panic!("{what} failed while an application transaction is open: {e}"),
+            Ok(Ok(v)) => v,
+        }
+    }
+
+    fn keyed(key: &str, payload: &str) -> NewMessage {
+        NewMessage::new("t", payload.to_string()).key(key)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_and_settlements_never_wait_for_an_open_application_transaction() {
+        let t = TestOutbox::with_config(|_| {}).await;
+        let s = &t.storage;
+        // Another relay instance on the same tables: its acks go through the `id` index.
+        let other =
+            MySqlStorage::new(MySqlConfig::new(mysql_url()).table(s.table().table().to_string()))
+                .expect("config");
+        s.enqueue(&[
+            keyed("a", "a1"),
+            keyed("b", "b1"),
+            keyed("c", "c1"),
+            keyed("d", "d1"),
+            keyed("e", "e1"),
+            NewMessage::new("t", "free1"),
+        ])
+        .await
+        .expect("enqueue");
+
+        let pool = outbox_mysql::sqlx::MySqlPool::connect(&mysql_url())
+            .await
+            .expect("connect");
+        let mut app = pool.begin().await.expect("begin");
+        s.table()
+            .enqueue_many(
+                &mut app,
+                &[
+                    keyed("a", "a2"),
+                    keyed("b", "b2"),
+                    keyed("z", "z1"),
+                    NewMessage::new("t", "free2"),
+                ],
+            )
+            .await
+            .expect("the application's insert");
+
+        let c = quick("a claim", s.claim("w", 100, LEASE)).await;
+        let mut got = payloads(&c.messages);
+        got.sort();
+        assert_eq!(
+            got,
+            ["a1", "b1", "c1", "d1", "e1", "free1"],
+            "the claim takes the committed rows, nothing of the open transaction"
+        );
+        let by = |p: &str| {
+            c.messages
+                .iter()
+                .find(|m| m.payload == p.as_bytes())
+                .expect("claimed")
+                .id
+        };
+        let delivery = |id| Delivery {
+            id,
+            receipt: Receipt::new("r"),
+        };
+        let renewed = quick(
+            "a lease renewal",
+            s.extend_lease(&c.token, &[by("e1")], LEASE),
+        )
+        .await;
+        assert_eq!(renewed, 1);
+        let acked = quick(
+            "an acknowledgement by another instance (by id)",
+            other.ack(&c.token, &[delivery(by("a1"))]),
+        )
+        .await;
+        assert_eq!(acked, 1);
+        let retried = quick(
+            "a retry",
+            s.retry(
+                &c.token,
+                &[Retry {
+                    id: by("b1"),
+                    delay: Duration::from_secs(3600),
+                    error: "later".into(),
+                }],
+            ),
+        )
+        .await;
+        assert_eq!(retried, 1);
+        let dead = quick(
+            "a dead letter",
+            s.dead_letter(
+                &c.token,
+                &[DeadLetter {
+                    id: by("c1"),
+                    error: "poison".into(),
+                }],
+            ),
+        )
+        .await;
+        assert_eq!(dead, 1);
+        let released = quick("a release", s.release(&c.token, &[by("d1")])).await;
+        assert_eq!(released, 1);
+        let acked = quick(
+            "an acknowledgement by the claiming instance (by seq)",
+            s.ack(&c.token, &[delivery(by("e1")), delivery(by("free1"))]),
+        )
+        .await;
+        assert_eq!(acked, 2);
+        let c = quick("a second claim", s.claim("w", 100, LEASE)).await;
+        assert_eq!(
+            payloads(&c.messages),
+            ["d1"],
+            "d1 released, b waits, c parked"
+        );
+        quick("a release", s.release(&c.token, &[c.messages[0].id])).await;
+
+        app.commit().await.expect("the application commits");
+        let c = quick("a claim after the commit", s.claim("w", 100, LEASE)).await;
+        let mut got = payloads(&c.messages);
+        got.sort();
+        assert_eq!(
+            got,
+            ["a2", "d1", "free2", "z1"],
+            "the committed rows flow; b2 waits behind b1's retry"
+        );
+    }
+}
+
+/// docs/storage/mysql.md: migrations are recorded in `<table>_migrations` "and never runs one
+/// twice"; migrators take turns (`GET_LOCK`). Four relays migrating one new table at once must
+/// all succeed (a second run of a step would fail: `CREATE TABLE` of an existing table, or the
+/// version's primary key), each version recorded once, and the tables work.
+mod mysql_migrations {
+    use super::*;
+    use outbox_mysql::{MySqlConfig, MySqlStorage};
+
+    /// Drops the tables, whatever happens.
+    struct Dropped(outbox_mysql::OutboxTable);
+
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            outbox_tests::drop_mysql_tables(&self.0);
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn four_migrators_at_once_run_each_migration_once() {
+        let config = MySqlConfig::new(mysql_url()).table(unique_name("t"));
+        let migrators: Vec<MySqlStorage> = (0..4)
+            .map(|_| MySqlStorage::new(config.clone()).expect("config"))
+            .collect();
+        // Dropped at the end whatever happens.
+        let storage = MySqlStorage::new(config).expect("config");
+        let _dropped = Dropped(storage.table().clone());
+        let results = futures_util::future::join_all(migrators.iter().map(|m| m.migrate())).await;
+        for (i, result) in results.iter().enumerate() {
+            if let Err(e) = result {
+                panic!("migrator {i} of 4 failed: {e}");
+            }
+        }
+        let pool = outbox_mysql::sqlx::MySqlPool::connect(&mysql_url())
+            .await
+            .expect("connect");
+        let (count, max): (i64, i64) = outbox_mysql::sqlx::query_as(&format!(
+            "SELECT CAST(COUNT(*) AS SIGNED), CAST(MAX(version) AS SIGNED) FROM {}",
+            storage.table().qualified("_migrations")
+        ))
+        .fetch_one(&pool)
+        .await
+        .expect("the migrations table");
+        assert!(max >= 1);
+        assert_eq!(count, max, "each version recorded once, none skipped");
+        storage.migrate().await.expect("migrating again is a no-op");
+        storage
+            .enqueue(&[NewMessage::new("t", "x")])
+            .await
+            .expect("the migrated tables take messages");
+    }
+}
+
+/// docs/storage/mysql.md: "Keys up to 255 bytes, topics up to 255 characters ... an enqueue of
+/// a larger one fails as `Permanent`"; at the limits both are kept whole. A refused enqueue
+/// writes nothing, and the next good one goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_and_topics_over_their_limits_are_refused_as_permanent() {
+    use outbox_tests::{assert_a_good_enqueue_goes_through, assert_refused_as_permanent};
+    let outbox = TestOutbox::with_config(|_| {}).await;
+    let s = &*outbox.storage;
+    let long_key = NewMessage::new("t", "x").key("k".repeat(256));
+    assert_refused_as_permanent(s, "a 256-byte key", long_key).await;
+    let long_topic = NewMessage::new("é".repeat(256), "x");
+    assert_refused_as_permanent(s, "a 256-character topic", long_topic).await;
+    s.enqueue(&[NewMessage::new("é".repeat(255), "x").key("k".repeat(255))])
+        .await
+        .expect("a 255-byte key and a 255-character topic");
+    let c = s
+        .claim("bad", 10, Duration::from_secs(30))
+        .await
+        .expect("claim");
+    assert_eq!(c.messages[0].key.as_deref(), Some("k".repeat(255).as_str()));
+    assert_eq!(c.messages[0].topic, "é".repeat(255));
+    let delivered = [outbox_core::Delivery {
+        id: c.messages[0].id,
+        receipt: outbox_core::Receipt::new("r"),
+    }];
+    s.ack(&c.token, &delivered).await.expect("ack");
+    assert_a_good_enqueue_goes_through(s).await;
+}
+
+/// The payloads of `messages`, as text.
+fn payloads(messages: &[outbox_core::Message]) -> Vec<String> {
+    messages
+        .iter()
+        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+        .collect()
+}

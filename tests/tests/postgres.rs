@@ -1017,3 +1017,17 @@ async fn shared_stats_without_the_retrying_column_count_here() {
         );
     }
 }
+
+/// docs/storage/postgres.md: "bad data (SQLSTATE 22, 23) → `Permanent`": a refused enqueue
+/// writes nothing, and the next good one goes through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_data_is_refused_as_permanent_and_writes_nothing() {
+    use outbox_tests::{assert_a_good_enqueue_goes_through, assert_refused_as_permanent};
+    let outbox = TestOutbox::new().await;
+    let s = &*outbox.storage;
+    let nul_header = NewMessage::new("t", "x").header("h", "v\0");
+    assert_refused_as_permanent(s, "a NUL in the topic", NewMessage::new("a\0b", "x")).await;
+    assert_refused_as_permanent(s, "a NUL in the key", NewMessage::new("t", "x").key("k\0")).await;
+    assert_refused_as_permanent(s, "a NUL in a header value", nul_header).await;
+    assert_a_good_enqueue_goes_through(s).await;
+}

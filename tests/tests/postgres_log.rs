@@ -1711,3 +1711,187 @@ async fn a_retrying_key_with_a_long_backlog_does_not_stop_its_shard() {
         "the cursor passed everything"
     );
 }
+
+/// A [`MemorySink`] whose every call takes 5 ms, so a backlog lasts long enough for
+/// relays to join while it drains.
+struct Paced(MemorySink);
+
+#[async_trait::async_trait]
+impl outbox_core::Sink for Paced {
+    async fn publish(
+        &self,
+        batch: &[outbox_core::Message],
+    ) -> outbox_core::Result<Vec<outbox_core::Outcome>> {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+        self.0.publish(batch).await
+    }
+    async fn health(&self) -> outbox_core::Result<()> {
+        self.0.health().await
+    }
+}
+
+/// docs/ARCHITECTURE.md "Ownership and fencing": "When relays join, one above its share
+/// stops reading the shards it hands over, forgets what it read of them and never handed
+/// out, and gives each up once nothing of it is out (so the next owner redelivers
+/// nothing)". The existing four-relay test kills a relay too and so allows thousands of
+/// redeliveries; here nobody dies: two relays join one that owns every shard, under
+/// load, and every message must arrive exactly once, each key in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_joining_under_load_take_shards_over_without_redelivering() {
+    let db = log_outbox(8).await;
+    let (keys, total) = (80, 8000);
+    for chunk in (0..total).collect::<Vec<_>>().chunks(2000) {
+        let batch: Vec<NewMessage> = chunk
+            .iter()
+            .map(|i| NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)))
+            .collect();
+        db.storage.enqueue(&batch).await.expect("enqueue");
+    }
+    let sink = Arc::new(Paced(MemorySink::new()));
+    let config = |name: &str| WorkerConfig {
+        batch_size: 100,
+        lease: Duration::from_secs(2),
+        ..test_worker_config(name)
+    };
+    let first = db.another_relay();
+    let mut relays = vec![Relay::start(config("w0"), first.clone(), sink.clone())];
+    while sink.0.published().len() < total / 8 {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        first.owned_shards().await.len(),
+        8,
+        "w0 alone owns every shard"
+    );
+    let late: Vec<Arc<PgStorage>> = (0..2).map(|_| db.another_relay()).collect();
+    for (i, storage) in late.iter().enumerate() {
+        relays.push(Relay::start(
+            config(&format!("w{}", i + 1)),
+            storage.clone(),
+            sink.clone(),
+        ));
+    }
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    let mut joined = false;
+    let mut joined_at = 0;
+    loop {
+        if !joined {
+            let mut all = true;
+            for storage in &late {
+                all &= !storage.owned_shards().await.is_empty();
+            }
+            joined = all;
+            if joined {
+                joined_at = sink.0.published().len();
+            }
+        }
+        let published = sink.0.published().len();
+        if joined && published >= total {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "after 60 s: joined {joined}, {published} of {total} published"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Anything redelivered would arrive shortly after the last first delivery.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    for relay in relays {
+        relay.stop().await;
+    }
+    let published = sink.0.published();
+    let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
+    for (key, got) in &by_key(&sink.0) {
+        assert_eq!(got, &expected, "key {key}: duplicates or order broken");
+    }
+    assert_eq!(published.len(), total, "each message exactly once");
+    assert!(
+        joined_at < total * 3 / 4,
+        "the joining relays got their shards only after {joined_at} of {total} were \
+         published: the hand-over did not happen under load"
+    );
+}
+
+/// docs/storage/postgres.md "Log mode", the horizon: "rows held back only by an older
+/// transaction that ends without writing to the outbox are found by the next poll
+/// (`poll_interval`)". No commit on the outbox follows to wake the relay; the rows must go
+/// out within a poll or two of the transaction's end, whether it rolls back or commits a
+/// write to another table.
+mod log_mode_horizon {
+    use super::*;
+    use outbox_core::memory::MemorySink;
+    use outbox_core::{CancellationToken, Worker};
+    use outbox_tests::{LogOutbox, test_worker_config};
+
+    const POLL: Duration = Duration::from_secs(1);
+
+    fn published(sink: &MemorySink) -> Vec<String> {
+        sink.published().iter().map(|m| text(&m.payload)).collect()
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rows_held_by_a_transaction_that_never_writes_the_outbox_go_out_at_the_next_poll() {
+        // A database of its own: the horizon is per database.
+        let db = LogOutbox::new(4, |_| {}).await;
+        sqlx::query("CREATE TABLE other (x int)")
+            .execute(&db.pool)
+            .await
+            .expect("another table");
+        let sink = Arc::new(MemorySink::new());
+        let config = outbox_core::WorkerConfig {
+            poll_interval: POLL,
+            ..test_worker_config("horizon")
+        };
+        let worker = Worker::new(config, db.storage.clone(), sink.clone()).expect("worker");
+        let stop = CancellationToken::new();
+        let relay = tokio::spawn({
+            let stop = stop.clone();
+            async move { worker.run(stop).await }
+        });
+
+        for (round, commits) in [(0, false), (1, true)] {
+            // An older transaction with an id (it wrote, or asked for one) holds the horizon.
+            let mut older = db.pool.begin().await.expect("begin");
+            sqlx::query("INSERT INTO other VALUES (1)")
+                .execute(&mut *older)
+                .await
+                .expect("a write to another table");
+            let batch: Vec<NewMessage> = (0..3)
+                .map(|i| NewMessage::new("t", format!("{round}-{i}")).key("k"))
+                .collect();
+            db.storage.enqueue(&batch).await.expect("enqueue");
+            tokio::time::sleep(POLL * 2).await;
+            assert_eq!(
+                published(&sink).len(),
+                round * 3,
+                "round {round}: the open transaction holds the rows back"
+            );
+            if commits {
+                older.commit().await.expect("commit");
+            } else {
+                older.rollback().await.expect("rollback");
+            }
+            let ended = tokio::time::Instant::now();
+            let deadline = ended + POLL * 3 + Duration::from_secs(2);
+            while published(&sink).len() < (round + 1) * 3 {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "round {round} ({}): the held rows did not go out within {:?} of the \
+                     transaction's end (poll_interval {POLL:?}); published {:?}",
+                    if commits { "commit" } else { "rollback" },
+                    deadline - ended,
+                    published(&sink)
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        stop.cancel();
+        relay.await.expect("the relay stops");
+        assert_eq!(
+            published(&sink),
+            ["0-0", "0-1", "0-2", "1-0", "1-1", "1-2"],
+            "each once, in order"
+        );
+    }
+}

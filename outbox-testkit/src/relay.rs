@@ -1,0 +1,335 @@
+//! The checks that need more than one call of the storage: a relay (the worker) running over
+//! it (`relay_*`), and the operator's side read the way the CLI and the console read it
+//! (`admin_*`). They take a [`StorageHarness`] like the storage checks, and every storage
+//! harness runs them.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use outbox_core::memory::MemorySink;
+use outbox_core::{
+    Backoff, CancellationToken, DeadLetter, DeadLetterFilter, DeadLetterRow, Delivery, Error,
+    Message, NewMessage, QueueStats, Receipt, StorageAdmin, Worker, WorkerConfig,
+};
+
+use crate::storage::fixture;
+use crate::{StorageFixture, StorageHarness, note};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+fn payloads(messages: &[Message]) -> Vec<String> {
+    messages.iter().map(|m| text(&m.payload)).collect()
+}
+
+fn keyed(key: &str, payload: &str) -> NewMessage {
+    NewMessage::new("conformance", payload).key(key)
+}
+
+/// A fixture keeping per-key order, or `None` (the check notes why) for a storage that
+/// cannot.
+async fn ordered(h: &dyn StorageHarness, check: &str) -> Option<Box<dyn StorageFixture>> {
+    let f = fixture(h, true).await;
+    if f.is_none() {
+        note(check, "skipped: the storage cannot keep per-key order");
+    }
+    f
+}
+
+/// Worker settings for a check: fast polls and short backoff.
+fn worker_config(max_attempts: u32) -> WorkerConfig {
+    WorkerConfig {
+        poll_interval: Duration::from_millis(50),
+        backoff: Backoff {
+            initial: Duration::from_millis(50),
+            multiplier: 2.0,
+            max: Duration::from_millis(500),
+            jitter: 0.2,
+        },
+        max_attempts,
+        shutdown_timeout: Duration::from_secs(5),
+        ..WorkerConfig::new("conformance-relay")
+    }
+}
+
+/// Polls the queue figures until `done` holds; panics with `what` and the figures after
+/// 20 s.
+async fn wait_for(admin: &dyn StorageAdmin, what: &str, done: impl Fn(&QueueStats) -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let stats = admin.stats().await.unwrap_or_else(|e| panic!("stats: {e}"));
+        if done(&stats) {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{what} within 20 s: {stats:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// docs/ARCHITECTURE.md, `Temporary`: "charges an attempt; retries after backoff;
+/// dead-letters at `max_attempts`"; docs/guarantees.md: "its key's later messages (including
+/// new ones) are parked, then delivered in order after a replay". Through a relay: exactly
+/// `max_attempts` publishes of the poison message, none of its key's later ones meanwhile,
+/// the attempts and the reason on the dead letter, and after the replay the key in order.
+pub async fn relay_retries_then_dead_letters_and_parks_the_key(h: &dyn StorageHarness) {
+    const CHECK: &str = "relay_retries_then_dead_letters_and_parks_the_key";
+    let Some(f) = ordered(h, CHECK).await else {
+        return;
+    };
+    f.enqueue(&[keyed("p", "p1"), keyed("p", "p2"), keyed("f", "f1")])
+        .await;
+    let sink = Arc::new(MemorySink::new());
+    let tries = Arc::new(AtomicUsize::new(0));
+    let poisoned = Arc::new(AtomicBool::new(true));
+    sink.fail_when({
+        let (tries, poisoned) = (tries.clone(), poisoned.clone());
+        move |m| {
+            (m.payload == b"p1" && poisoned.load(Ordering::SeqCst)).then(|| {
+                tries.fetch_add(1, Ordering::SeqCst);
+                Error::temporary("broker said no")
+            })
+        }
+    });
+    let worker = Worker::new(worker_config(3), f.storage(), sink.clone())
+        .unwrap_or_else(|e| panic!("{CHECK}: worker configuration: {e}"));
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    let admin = f.admin();
+    wait_for(&*admin, "p1 dead-lettered", |s| s.dead_lettered == 1).await;
+    f.enqueue(&[keyed("p", "p3")]).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(tries.load(Ordering::SeqCst), 3, "{CHECK}: publishes of p1");
+    let dead = admin
+        .dead_letters(&DeadLetterFilter::default(), 10)
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: dead letters: {e}"));
+    assert_eq!(dead.len(), 1, "{CHECK}: {dead:?}");
+    assert_eq!(
+        dead[0].message.attempts, 3,
+        "{CHECK}: attempts recorded on the dead letter"
+    );
+    assert!(
+        dead[0].last_error.contains("3 attempts") && dead[0].last_error.contains("said no"),
+        "{CHECK}: the reason says how many attempts and why: {}",
+        dead[0].last_error
+    );
+    assert_eq!(
+        payloads(&sink.published()),
+        ["f1"],
+        "{CHECK}: p2 and p3 stay parked behind the dead letter"
+    );
+    poisoned.store(false, Ordering::SeqCst);
+    assert_eq!(f.replay_dead_letters(&[dead[0].message.id]).await, 1);
+    wait_for(&*admin, "drained after the replay", |s| {
+        s.pending == 0 && s.in_flight == 0
+    })
+    .await;
+    shutdown.cancel();
+    relay
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: the relay task: {e}"));
+    assert_eq!(
+        payloads(&sink.published()),
+        ["f1", "p1", "p2", "p3"],
+        "{CHECK}: after the replay the key goes in order"
+    );
+    assert_eq!(tries.load(Ordering::SeqCst), 3, "{CHECK}: no publish more");
+}
+
+/// docs/storage/mysql.md: "keys compare byte for byte, so no collation folds `A` into `a` or
+/// drops trailing spaces", and so in every storage: `A`, `a`, `a ` and both spellings of `é`
+/// are five keys, in claims, in parking and in the operator's release.
+pub async fn admin_keys_that_differ_in_any_byte_are_different_keys(h: &dyn StorageHarness) {
+    const CHECK: &str = "admin_keys_that_differ_in_any_byte_are_different_keys";
+    const KEYS: [&str; 5] = ["A", "a", "a ", "\u{e9}", "e\u{301}"];
+    let Some(f) = ordered(h, CHECK).await else {
+        return;
+    };
+    let (storage, admin) = (f.storage(), f.admin());
+    let nth = |n: usize| -> Vec<NewMessage> {
+        KEYS.iter()
+            .enumerate()
+            .map(|(i, k)| NewMessage::new("conformance", format!("{i}-{n}")).key(*k))
+            .collect()
+    };
+    f.enqueue(&nth(1)).await;
+    f.enqueue(&nth(2)).await;
+    let claim = |limit: usize| {
+        let storage = storage.clone();
+        async move {
+            storage
+                .claim("keys", limit, LEASE)
+                .await
+                .unwrap_or_else(|e| panic!("{CHECK}: claim: {e}"))
+        }
+    };
+
+    // One message per claim, nothing settled: each claim holds its key, so the next finds a
+    // key of its own only if the keys are told apart.
+    let mut held = Vec::new();
+    for _ in 0..KEYS.len() {
+        let c = claim(1).await;
+        held.extend(c.messages.into_iter().map(|m| (c.token, m)));
+    }
+    let mut got: Vec<String> = held.iter().map(|(_, m)| text(&m.payload)).collect();
+    got.sort();
+    let firsts: Vec<String> = (0..KEYS.len()).map(|i| format!("{i}-1")).collect();
+    assert_eq!(
+        got, firsts,
+        "{CHECK}: each of {KEYS:?} is a key of its own: its first message is free while the \
+         others' are held"
+    );
+    for (token, m) in &held {
+        let settled = if m.key.as_deref() == Some("A") {
+            let dead = [DeadLetter {
+                id: m.id,
+                error: "poison".into(),
+            }];
+            storage.dead_letter(token, &dead).await
+        } else {
+            let delivered = [Delivery {
+                id: m.id,
+                receipt: Receipt::new("r"),
+            }];
+            storage.ack(token, &delivered).await
+        };
+        let settled = settled.unwrap_or_else(|e| panic!("{CHECK}: settling {}: {e}", m.id));
+        assert_eq!(settled, 1, "{CHECK}: settled {}", m.id);
+    }
+    let mut got = payloads(&claim(100).await.messages);
+    got.sort();
+    assert_eq!(
+        got,
+        ["1-2", "2-2", "3-2", "4-2"],
+        "{CHECK}: only A is parked; a, `a `, and both spellings of é flow"
+    );
+    let stats = admin
+        .stats()
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: stats: {e}"));
+    assert_eq!(stats.parked_keys, 1, "{CHECK}: {stats:?}");
+    for other in ["a", "A "] {
+        assert!(
+            !f.release_parked_key(other).await,
+            "{CHECK}: releasing {other:?} found a parked key, though only `A` is parked"
+        );
+    }
+    assert!(f.release_parked_key("A").await, "{CHECK}: `A` was parked");
+    assert_eq!(
+        payloads(&claim(100).await.messages),
+        ["0-2"],
+        "{CHECK}: A flows once released"
+    );
+}
+
+/// docs/console.md and `outbox dead-letters list --error`: the storage matches the text of
+/// the last error (ASCII case ignored, `%` and `_` taken as themselves), counts only matches
+/// against the limit, and leaves payloads out when asked, so a search or a listing reads no
+/// more than it shows.
+pub async fn admin_dead_letter_search_matches_error_text_without_payloads(h: &dyn StorageHarness) {
+    const CHECK: &str = "admin_dead_letter_search_matches_error_text_without_payloads";
+    let f = h.fresh(true).await;
+    let (storage, admin) = (f.storage(), f.admin());
+    let errors = [
+        "HTTP 503 Service Unavailable",
+        "broker said: TIMEOUT after 5 s",
+        "poison",
+    ];
+    let messages: Vec<NewMessage> = (0..errors.len())
+        .map(|i| NewMessage::new(format!("t{}", i % 2), vec![b'x'; 1000]).key(format!("k{i}")))
+        .collect();
+    f.enqueue(&messages).await;
+    let c = storage
+        .claim("search", 10, LEASE)
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: claim: {e}"));
+    assert_eq!(c.messages.len(), errors.len(), "{CHECK}: claimed");
+    let dead: Vec<DeadLetter> = c
+        .messages
+        .iter()
+        .zip(errors)
+        .map(|(m, error)| DeadLetter {
+            id: m.id,
+            error: error.into(),
+        })
+        .collect();
+    let settled = storage
+        .dead_letter(&c.token, &dead)
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: dead letter: {e}"));
+    assert_eq!(settled, 3, "{CHECK}: dead-lettered");
+    let list = |filter: DeadLetterFilter, limit: usize| {
+        let admin = admin.clone();
+        async move {
+            admin
+                .dead_letters(&filter, limit)
+                .await
+                .unwrap_or_else(|e| panic!("{CHECK}: listing {filter:?}: {e}"))
+        }
+    };
+    let search = |text: &str, topic: Option<&str>| DeadLetterFilter {
+        last_error: Some(text.into()),
+        topic: topic.map(Into::into),
+        ..DeadLetterFilter::default()
+    };
+    let found = |rows: Vec<DeadLetterRow>| -> Vec<String> {
+        rows.into_iter().map(|r| r.last_error).collect()
+    };
+    for (filter, expected) in [
+        (search("timeout", None), vec![errors[1]]),
+        (search("Unavailable", Some("t0")), vec![errors[0]]),
+        (search("unavailable", Some("t1")), vec![]),
+        (search(" ", None), vec![errors[0], errors[1]]),
+        (search("%", None), vec![]),
+        (search("_", None), vec![]),
+    ] {
+        let described = format!("{filter:?}");
+        assert_eq!(
+            found(list(filter, 10).await),
+            expected,
+            "{CHECK}: {described}"
+        );
+    }
+    assert_eq!(
+        found(list(search("s", None), 1).await),
+        [errors[0]],
+        "{CHECK}: the limit counts matches only"
+    );
+
+    let listed = list(
+        DeadLetterFilter {
+            without_payloads: true,
+            ..DeadLetterFilter::default()
+        },
+        10,
+    )
+    .await;
+    assert_eq!(listed.len(), 3, "{CHECK}: listed");
+    for (row, m) in listed.iter().zip(&c.messages) {
+        assert!(
+            row.message.payload.is_empty(),
+            "{CHECK}: payload left out: {row:?}"
+        );
+        assert_eq!(
+            (&row.message.id, &row.message.topic, &row.message.key),
+            (&m.id, &m.topic, &m.key),
+            "{CHECK}: everything else is there"
+        );
+        assert_eq!(row.message.headers, m.headers, "{CHECK}: headers");
+    }
+    let whole = list(DeadLetterFilter::default(), 10).await;
+    assert!(
+        whole.iter().all(|r| r.message.payload.len() == 1000),
+        "{CHECK}: without the flag the payloads are there"
+    );
+}
