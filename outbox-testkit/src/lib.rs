@@ -11,7 +11,9 @@
 //!   points it at a closed port and at a server that never answers), or says it has none;
 //! - storages: [`StorageHarness`] gives a fresh, empty storage and a way to write messages in
 //!   a transaction that is later committed or rolled back, and says how its writes behave
-//!   ([`HarnessTraits`]).
+//!   ([`HarnessTraits`]); its table has the `storage_*`, `relay_*` and `admin_*` checks;
+//! - inboxes: [`InboxHarness`] gives a fresh, migrated inbox with a business table beside it
+//!   and the consumer's transactions on it ([`INBOX_CHECKS`]).
 //!
 //! The suite reads [`Sink::capabilities`](outbox_core::Sink::capabilities),
 //! [`Storage::capabilities`](outbox_core::Storage::capabilities) and the harness's traits and
@@ -40,11 +42,13 @@
 use std::future::Future;
 use std::pin::Pin;
 
+mod inbox;
 mod model;
 mod relay;
 mod sink;
 mod storage;
 
+pub use inbox::*;
 pub use model::*;
 pub use relay::*;
 pub use sink::*;
@@ -135,6 +139,24 @@ macro_rules! __storage_checks {
     };
 }
 
+/// The one list of inbox checks (see [`__sink_checks!`]).
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __inbox_checks {
+    ($mode:ident $($args:tt)*) => {
+        $crate::__checks! { $mode [$($args)*] $crate::InboxHarness;
+            inbox_a_new_id_is_processed_and_a_redelivery_skipped,
+            inbox_a_failed_handler_leaves_no_record,
+            inbox_the_business_change_and_the_record_commit_together,
+            inbox_consumers_are_independent,
+            inbox_racing_transactions_process_an_id_once,
+            inbox_purge_removes_old_records_in_batches,
+            inbox_migrations_are_repeatable_and_concurrent,
+            inbox_bad_names_and_misuse_are_refused,
+        }
+    };
+}
+
 /// What a list of checks expands to: `table` (a `&[Check]`) or `tests` (one
 /// `#[tokio::test]` per check, each building the harness with the expression given).
 #[doc(hidden)]
@@ -165,6 +187,9 @@ pub const SINK_CHECKS: &[Check<dyn SinkHarness>] = __sink_checks!(table);
 /// Every storage check, in the order [`run_storage_suite`] runs them.
 pub const STORAGE_CHECKS: &[Check<dyn StorageHarness>] = __storage_checks!(table);
 
+/// Every inbox check, in the order [`run_inbox_suite`] runs them.
+pub const INBOX_CHECKS: &[Check<dyn InboxHarness>] = __inbox_checks!(table);
+
 /// Runs every sink check of [`SINK_CHECKS`] in turn.
 pub async fn run_sink_suite(h: &(dyn SinkHarness + 'static)) {
     for check in SINK_CHECKS {
@@ -175,6 +200,13 @@ pub async fn run_sink_suite(h: &(dyn SinkHarness + 'static)) {
 /// Runs every storage check of [`STORAGE_CHECKS`] in turn.
 pub async fn run_storage_suite(h: &(dyn StorageHarness + 'static)) {
     for check in STORAGE_CHECKS {
+        (check.run)(h).await;
+    }
+}
+
+/// Runs every inbox check of [`INBOX_CHECKS`] in turn.
+pub async fn run_inbox_suite(h: &(dyn InboxHarness + 'static)) {
+    for check in INBOX_CHECKS {
         (check.run)(h).await;
     }
 }
@@ -206,6 +238,18 @@ macro_rules! storage_conformance_tests {
     };
 }
 
+/// Makes one `#[tokio::test]` per inbox check of [`INBOX_CHECKS`], each building the
+/// harness with `$harness` (an expression, may use `.await`). See [`InboxHarness`].
+#[macro_export]
+macro_rules! inbox_conformance_tests {
+    ($harness:expr; $($check:ident),+ $(,)?) => {
+        $crate::__checks!(tests [$harness] $crate::InboxHarness; $($check),+);
+    };
+    ($harness:expr) => {
+        $crate::__inbox_checks!(tests $harness);
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -219,6 +263,7 @@ mod tests {
             include_str!("storage.rs"),
             include_str!("model.rs"),
             include_str!("relay.rs"),
+            include_str!("inbox.rs"),
         ];
         let mut defined: Vec<&str> = sources
             .iter()
@@ -226,7 +271,7 @@ mod tests {
             .filter_map(|l| l.trim().strip_prefix("pub async fn "))
             .map(|l| l.split('(').next().unwrap_or(l))
             .filter(|name| {
-                ["sink_", "storage_", "relay_", "admin_"]
+                ["sink_", "storage_", "relay_", "admin_", "inbox_"]
                     .iter()
                     .any(|family| name.starts_with(family))
             })
@@ -236,6 +281,7 @@ mod tests {
             .iter()
             .map(|c| c.name)
             .chain(STORAGE_CHECKS.iter().map(|c| c.name))
+            .chain(INBOX_CHECKS.iter().map(|c| c.name))
             .collect();
         listed.sort_unstable();
         assert!(defined.len() > 30, "found the check functions: {defined:?}");

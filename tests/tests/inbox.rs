@@ -1,7 +1,7 @@
 //! The inbox of each storage against the real database: PostgreSQL and MariaDB on their
 //! standard ports (`OUTBOX_TEST_POSTGRES_URL`, `OUTBOX_TEST_MYSQL_URL` override them), SQLite
-//! in a temporary directory. The same checks run on all three (the `suite` module, through
-//! [`Store`]): a new id is processed once, a failed handler leaves no record, the business
+//! in a temporary directory. The same checks run on all three (the testkit's `inbox_*` checks,
+//! through an `InboxHarness` each): a new id is processed once, a failed handler leaves no record, the business
 //! change and the record commit together, consumers are independent, two transactions
 //! racing on one id process it once, purge works in batches, migrations are repeatable and
 //! concurrent, and bad names and misuse are refused. PostgreSQL also runs a randomised model
@@ -13,351 +13,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use outbox_core::{ErrorKind, Result};
+use async_trait::async_trait;
+use outbox_core::Result;
+use outbox_testkit::{InboxFixture, InboxHarness, InboxTransaction};
 use outbox_tests::{clean_up, postgres_url, unique_name};
 use uuid::Uuid;
 
 /// How long a racing transaction is watched to be sure it waits for the first one.
 const RACE_WAIT: Duration = Duration::from_millis(300);
-
-/// One storage's inbox, with a business table (`effects`) beside it that the handlers of
-/// the checks write into: one row per run of a handler, no unique key, so a handler that
-/// ran twice shows as two rows.
-trait Store: Sized {
-    /// A transaction on a connection of its own.
-    type Tx;
-
-    /// A fresh, migrated inbox and an empty business table.
-    async fn new() -> Self;
-    async fn begin(&self) -> Self::Tx;
-    async fn commit(tx: Self::Tx);
-    async fn rollback(tx: Self::Tx);
-    /// `Inbox::process` in `tx`.
-    async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool>;
-    /// `Inbox::process` on a connection outside any transaction.
-    async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool>;
-    /// The handler's business change: one row in `effects`.
-    async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid);
-    /// Committed runs of the handler for (consumer, id).
-    async fn effects(&self, consumer: &str, id: Uuid) -> i64;
-    /// Whether the inbox holds a committed record of (consumer, id).
-    async fn recorded(&self, consumer: &str, id: Uuid) -> bool;
-    /// Moves the record's `processed_at` back by `by`.
-    async fn backdate(&self, consumer: &str, id: Uuid, by: Duration);
-    async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64>;
-    /// Migrates the inbox table `table` (beside the fixture's) on a connection of its own.
-    async fn migrate(&self, table: &str) -> Result<()>;
-    /// The versions recorded in `<table>_migrations`.
-    async fn versions(&self, table: &str) -> i64;
-    /// `Inbox::process` in a transaction on the inbox `table`, which may not be migrated.
-    async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool>;
-    /// The name of the business table, for an inbox that must refuse it.
-    fn business_table(&self) -> String;
-    /// The inbox's constructor's error for the table name `table`, if any.
-    fn new_inbox(&self, table: &str) -> Result<()>;
-}
-
-/// The checks every storage runs.
-mod suite {
-    use super::*;
-
-    pub async fn a_new_id_is_processed_and_a_redelivery_skipped<S: Store>() {
-        let s = S::new().await;
-        let id = Uuid::now_v7();
-        let mut tx = s.begin().await;
-        assert!(s.process(&mut tx, "billing", id).await.expect("process"));
-        // Again in the same transaction: already recorded.
-        assert!(!s.process(&mut tx, "billing", id).await.expect("process"));
-        S::commit(tx).await;
-        for _ in 0..2 {
-            let mut tx = s.begin().await;
-            assert!(
-                !s.process(&mut tx, "billing", id).await.expect("process"),
-                "a redelivery after the commit must be a duplicate"
-            );
-            S::commit(tx).await;
-        }
-        let mut tx = s.begin().await;
-        assert!(
-            s.process(&mut tx, "billing", Uuid::now_v7())
-                .await
-                .expect("process"),
-            "another id is new"
-        );
-        S::rollback(tx).await;
-    }
-
-    pub async fn a_failed_handler_leaves_no_record<S: Store>() {
-        let s = S::new().await;
-        let id = Uuid::now_v7();
-        // The first delivery's handler fails: its transaction rolls back.
-        let mut tx = s.begin().await;
-        assert!(s.process(&mut tx, "billing", id).await.expect("process"));
-        s.record_effect(&mut tx, "billing", id).await;
-        S::rollback(tx).await;
-        assert!(!s.recorded("billing", id).await, "a rolled-back record");
-        // The next delivery runs the handler, which succeeds.
-        let mut tx = s.begin().await;
-        assert!(
-            s.process(&mut tx, "billing", id).await.expect("process"),
-            "the redelivery after a failed handler must run it again"
-        );
-        s.record_effect(&mut tx, "billing", id).await;
-        S::commit(tx).await;
-        assert_eq!(s.effects("billing", id).await, 1);
-        assert!(s.recorded("billing", id).await);
-    }
-
-    pub async fn the_business_change_and_the_record_commit_together<S: Store>() {
-        let s = S::new().await;
-        let (kept, dropped) = (Uuid::now_v7(), Uuid::now_v7());
-        let mut tx = s.begin().await;
-        assert!(s.process(&mut tx, "billing", kept).await.expect("process"));
-        s.record_effect(&mut tx, "billing", kept).await;
-        // Nothing is visible before the commit.
-        assert_eq!(s.effects("billing", kept).await, 0);
-        assert!(!s.recorded("billing", kept).await);
-        S::commit(tx).await;
-        assert_eq!(s.effects("billing", kept).await, 1);
-        assert!(s.recorded("billing", kept).await);
-
-        let mut tx = s.begin().await;
-        assert!(
-            s.process(&mut tx, "billing", dropped)
-                .await
-                .expect("process")
-        );
-        s.record_effect(&mut tx, "billing", dropped).await;
-        S::rollback(tx).await;
-        assert_eq!(s.effects("billing", dropped).await, 0);
-        assert!(!s.recorded("billing", dropped).await);
-    }
-
-    pub async fn consumers_are_independent<S: Store>() {
-        let s = S::new().await;
-        let id = Uuid::now_v7();
-        for consumer in ["billing", "shipping", "Billing"] {
-            let mut tx = s.begin().await;
-            assert!(
-                s.process(&mut tx, consumer, id).await.expect("process"),
-                "{consumer} has not seen the message"
-            );
-            S::commit(tx).await;
-        }
-        for consumer in ["billing", "shipping", "Billing"] {
-            let mut tx = s.begin().await;
-            assert!(!s.process(&mut tx, consumer, id).await.expect("process"));
-            S::commit(tx).await;
-        }
-        let longest = "c".repeat(255);
-        let mut tx = s.begin().await;
-        assert!(s.process(&mut tx, &longest, id).await.expect("255 bytes"));
-        S::commit(tx).await;
-        assert!(s.recorded(&longest, id).await);
-    }
-
-    /// Two transactions on the same (consumer, id): the second waits for the first, then
-    /// gets `false` if the first committed, `true` if it rolled back.
-    pub async fn racing_transactions_process_an_id_once<S: Store>() {
-        let s = S::new().await;
-        for first_commits in [true, false] {
-            let id = Uuid::now_v7();
-            let mut first = s.begin().await;
-            assert!(s.process(&mut first, "billing", id).await.expect("first"));
-            s.record_effect(&mut first, "billing", id).await;
-            let mut second = s.begin().await;
-            let second_done = AtomicBool::new(false);
-            let second_run = async {
-                let new = s.process(&mut second, "billing", id).await.expect("second");
-                second_done.store(true, Ordering::SeqCst);
-                if new {
-                    s.record_effect(&mut second, "billing", id).await;
-                }
-                new
-            };
-            let first_end = async {
-                tokio::time::sleep(RACE_WAIT).await;
-                assert!(
-                    !second_done.load(Ordering::SeqCst),
-                    "the second transaction must wait for the first"
-                );
-                if first_commits {
-                    S::commit(first).await;
-                } else {
-                    S::rollback(first).await;
-                }
-            };
-            let (second_new, ()) = tokio::join!(second_run, first_end);
-            S::commit(second).await;
-            assert_eq!(
-                second_new,
-                !first_commits,
-                "the second transaction after the first {}",
-                if first_commits {
-                    "committed"
-                } else {
-                    "rolled back"
-                }
-            );
-            assert_eq!(s.effects("billing", id).await, 1, "the handler ran once");
-            assert!(s.recorded("billing", id).await);
-        }
-    }
-
-    pub async fn purge_removes_old_records_in_batches<S: Store>() {
-        let s = S::new().await;
-        let old: Vec<Uuid> = (0..5).map(|_| Uuid::now_v7()).collect();
-        let fresh: Vec<Uuid> = (0..2).map(|_| Uuid::now_v7()).collect();
-        let mut tx = s.begin().await;
-        for id in old.iter().chain(&fresh) {
-            assert!(s.process(&mut tx, "billing", *id).await.expect("process"));
-        }
-        S::commit(tx).await;
-        for id in &old {
-            s.backdate("billing", *id, Duration::from_secs(7200)).await;
-        }
-        let hour = Duration::from_secs(3600);
-        assert_eq!(s.purge(hour, 0).await.expect("purge"), 0, "limit 0");
-        assert_eq!(s.purge(Duration::MAX, 10).await.expect("purge"), 0);
-        let mut batches = Vec::new();
-        loop {
-            let n = s.purge(hour, 2).await.expect("purge");
-            batches.push(n);
-            if n < 2 {
-                break;
-            }
-        }
-        assert_eq!(batches, [2, 2, 1], "batches of at most `limit`");
-        for id in &old {
-            assert!(!s.recorded("billing", *id).await, "an old record survived");
-        }
-        for id in &fresh {
-            assert!(
-                s.recorded("billing", *id).await,
-                "a fresh record was purged"
-            );
-        }
-        // A purged id is new again: retention must outlast the broker's redelivery.
-        let mut tx = s.begin().await;
-        assert!(
-            s.process(&mut tx, "billing", old[0])
-                .await
-                .expect("process")
-        );
-        S::rollback(tx).await;
-        // SQLite's clock has milliseconds: let the fresh records be older than now.
-        tokio::time::sleep(Duration::from_millis(5)).await;
-        assert_eq!(s.purge(Duration::ZERO, 10).await.expect("purge all"), 2);
-    }
-
-    pub async fn migrations_are_repeatable_and_concurrent<S: Store>() {
-        let s = S::new().await;
-        let table = unique_name("inbox");
-        let results = futures_util::future::join_all((0..4).map(|_| s.migrate(&table))).await;
-        for result in results {
-            result.expect("concurrent migration");
-        }
-        s.migrate(&table).await.expect("migrating again");
-        assert_eq!(s.versions(&table).await, 1, "each version recorded once");
-        let id = Uuid::now_v7();
-        assert!(s.process_in(&table, "billing", id).await.expect("process"));
-    }
-
-    pub async fn bad_names_and_misuse_are_refused<S: Store>() {
-        let s = S::new().await;
-        for bad in ["Bad-Name", "x\"; DROP TABLE y; --", ""] {
-            let err = s.new_inbox(bad).expect_err("a bad table name");
-            assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-            assert!(
-                err.to_string()
-                    .contains(&format!("table `{bad}` is not allowed")),
-                "{err}"
-            );
-        }
-        // A table of the name that is not an inbox.
-        let err = s
-            .migrate(&s.business_table())
-            .await
-            .expect_err("an inbox on the business table");
-        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-        assert!(err.to_string().contains("is not an inbox"), "{err}");
-        // Not migrated: a schema error that says what to run.
-        let err = s
-            .process_in(&unique_name("inbox"), "billing", Uuid::now_v7())
-            .await
-            .expect_err("an inbox that is not migrated");
-        assert_eq!(err.kind(), ErrorKind::Schema, "{err}");
-        assert!(err.to_string().contains("Inbox::migrate"), "{err}");
-        // Outside a transaction the record would commit before the handler ran.
-        let id = Uuid::now_v7();
-        let err = s
-            .process_outside_transaction("billing", id)
-            .await
-            .expect_err("process outside a transaction");
-        assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-        assert!(
-            err.to_string()
-                .contains("inside the consumer's transaction"),
-            "{err}"
-        );
-        assert!(!s.recorded("billing", id).await);
-        for consumer in [String::new(), "c".repeat(256)] {
-            let mut tx = s.begin().await;
-            let err = s
-                .process(&mut tx, &consumer, id)
-                .await
-                .expect_err("a bad consumer name");
-            assert_eq!(err.kind(), ErrorKind::Config, "{err}");
-            assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
-            S::rollback(tx).await;
-        }
-    }
-}
-
-/// The checks of [`suite`] as tests for one storage.
-macro_rules! inbox_suite {
-    ($store:ty) => {
-        #[tokio::test]
-        async fn a_new_id_is_processed_and_a_redelivery_skipped() {
-            suite::a_new_id_is_processed_and_a_redelivery_skipped::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn a_failed_handler_leaves_no_record() {
-            suite::a_failed_handler_leaves_no_record::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn the_business_change_and_the_record_commit_together() {
-            suite::the_business_change_and_the_record_commit_together::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn consumers_are_independent() {
-            suite::consumers_are_independent::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn racing_transactions_process_an_id_once() {
-            suite::racing_transactions_process_an_id_once::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn purge_removes_old_records_in_batches() {
-            suite::purge_removes_old_records_in_batches::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn migrations_are_repeatable_and_concurrent() {
-            suite::migrations_are_repeatable_and_concurrent::<$store>().await
-        }
-
-        #[tokio::test]
-        async fn bad_names_and_misuse_are_refused() {
-            suite::bad_names_and_misuse_are_refused::<$store>().await
-        }
-    };
-}
 
 mod postgres {
     use outbox_postgres::Inbox;
@@ -402,10 +65,42 @@ mod postgres {
         }
     }
 
-    impl Store for Pg {
-        type Tx = Transaction<'static, Postgres>;
+    /// A consumer's transaction on the fixture's inbox and business table.
+    pub struct PgTx {
+        tx: Transaction<'static, Postgres>,
+        inbox: Inbox,
+        effects: String,
+    }
 
-        async fn new() -> Pg {
+    #[async_trait]
+    impl InboxTransaction for PgTx {
+        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(&mut self.tx, consumer, id).await
+        }
+
+        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
+            sqlx::query(&format!(
+                "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
+                self.effects
+            ))
+            .bind(consumer)
+            .bind(id)
+            .execute(&mut *self.tx)
+            .await
+            .expect("business change");
+        }
+
+        async fn commit(self: Box<Self>) {
+            self.tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(self: Box<Self>) {
+            self.tx.rollback().await.expect("rollback")
+        }
+    }
+
+    impl Pg {
+        pub async fn new() -> Pg {
             let pool = PgPoolOptions::new()
                 .max_connections(8)
                 .connect(&postgres_url())
@@ -429,38 +124,31 @@ mod postgres {
             .expect("business table");
             pg
         }
+    }
 
-        async fn begin(&self) -> Self::Tx {
-            self.pool.begin().await.expect("begin")
+    /// Each check's inbox.
+    pub struct Harness;
+
+    #[async_trait]
+    impl InboxHarness for Harness {
+        async fn fresh(&self) -> Box<dyn InboxFixture> {
+            Box::new(Pg::new().await)
         }
+    }
 
-        async fn commit(tx: Self::Tx) {
-            tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(tx: Self::Tx) {
-            tx.rollback().await.expect("rollback")
-        }
-
-        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(tx, consumer, id).await
+    #[async_trait]
+    impl InboxFixture for Pg {
+        async fn begin(&self) -> Box<dyn InboxTransaction> {
+            Box::new(PgTx {
+                tx: self.pool.begin().await.expect("begin"),
+                inbox: self.inbox.clone(),
+                effects: self.effects_table(),
+            })
         }
 
         async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
             let mut conn = self.pool.acquire().await.expect("connection");
             self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
-            sqlx::query(&format!(
-                "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
-                self.effects_table()
-            ))
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut **tx)
-            .await
-            .expect("business change");
         }
 
         async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
@@ -526,9 +214,9 @@ mod postgres {
 
         async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
             let inbox = Inbox::new(&self.schema, table)?;
-            let mut tx = self.begin().await;
+            let mut tx = self.pool.begin().await.expect("begin");
             let new = inbox.process(&mut tx, consumer, id).await?;
-            Self::commit(tx).await;
+            tx.commit().await.expect("commit");
             Ok(new)
         }
 
@@ -541,12 +229,12 @@ mod postgres {
         }
     }
 
-    inbox_suite!(Pg);
+    outbox_testkit::inbox_conformance_tests!(Harness);
 
     #[tokio::test]
     async fn a_bad_schema_name_is_refused() {
         let err = Inbox::new("Bad-Schema", "inbox").expect_err("a bad schema name");
-        assert_eq!(err.kind(), ErrorKind::Config);
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
         assert!(
             err.to_string()
                 .contains("schema `Bad-Schema` is not allowed"),
@@ -604,7 +292,7 @@ mod postgres {
     async fn a_race_at_repeatable_read_is_a_serialization_failure() {
         let s = Pg::new().await;
         let id = Uuid::now_v7();
-        let mut late = s.begin().await;
+        let mut late = s.pool.begin().await.expect("begin");
         sqlx::query("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
             .execute(&mut *late)
             .await
@@ -613,20 +301,31 @@ mod postgres {
             .execute(&mut *late)
             .await
             .expect("take the snapshot");
-        let mut first = s.begin().await;
-        assert!(s.process(&mut first, "billing", id).await.expect("first"));
-        Pg::commit(first).await;
+        let mut first = s.pool.begin().await.expect("begin");
+        assert!(
+            s.inbox
+                .process(&mut first, "billing", id)
+                .await
+                .expect("first")
+        );
+        first.commit().await.expect("commit");
         let err = s
+            .inbox
             .process(&mut late, "billing", id)
             .await
             .expect_err("a serialization failure");
-        assert_eq!(err.kind(), ErrorKind::Temporary, "{err}");
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Temporary, "{err}");
         assert!(err.is_retryable());
-        Pg::rollback(late).await;
+        late.rollback().await.expect("rollback");
         // Redelivered, it is a duplicate.
-        let mut again = s.begin().await;
-        assert!(!s.process(&mut again, "billing", id).await.expect("again"));
-        Pg::rollback(again).await;
+        let mut again = s.pool.begin().await.expect("begin");
+        assert!(
+            !s.inbox
+                .process(&mut again, "billing", id)
+                .await
+                .expect("again")
+        );
+        again.rollback().await.expect("rollback");
     }
 
     /// A randomised model: deliveries of a few ids to a few consumers, with duplicates and
@@ -655,19 +354,19 @@ mod postgres {
             );
             let fails = rng.u8(..100) < 30;
             let mut tx = s.begin().await;
-            let new = s.process(&mut tx, &key.0, key.1).await.expect("process");
+            let new = tx.process(&key.0, key.1).await.expect("process");
             assert_eq!(
                 new,
                 !committed.contains(&key),
                 "step {step} (seed {seed}): process said {new} for {key:?}"
             );
             if new {
-                s.record_effect(&mut tx, &key.0, key.1).await;
+                tx.record_effect(&key.0, key.1).await;
             }
             if fails {
-                Pg::rollback(tx).await;
+                tx.rollback().await;
             } else {
-                Pg::commit(tx).await;
+                tx.commit().await;
                 committed.insert(key);
             }
         }
@@ -696,14 +395,14 @@ mod postgres {
                             return outcomes;
                         };
                         let mut tx = s.begin().await;
-                        let new = s.process(&mut tx, &key.0, key.1).await.expect("process");
+                        let new = tx.process(&key.0, key.1).await.expect("process");
                         if new {
-                            s.record_effect(&mut tx, &key.0, key.1).await;
+                            tx.record_effect(&key.0, key.1).await;
                         }
                         if fails {
-                            Pg::rollback(tx).await;
+                            tx.rollback().await;
                         } else {
-                            Pg::commit(tx).await;
+                            tx.commit().await;
                         }
                         outcomes.push((key, new, !fails));
                     }
@@ -794,10 +493,42 @@ mod sqlite {
             .busy_timeout(Duration::from_secs(10))
     }
 
-    impl Store for Lite {
-        type Tx = Transaction<'static, Sqlite>;
+    /// A consumer's transaction on the fixture's inbox and business table.
+    pub struct LiteTx {
+        tx: Transaction<'static, Sqlite>,
+        inbox: Inbox,
+        effects: String,
+    }
 
-        async fn new() -> Lite {
+    #[async_trait]
+    impl InboxTransaction for LiteTx {
+        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(&mut self.tx, consumer, id).await
+        }
+
+        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
+            sqlx::query(&format!(
+                "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
+                self.effects
+            ))
+            .bind(consumer)
+            .bind(id.to_string())
+            .execute(&mut *self.tx)
+            .await
+            .expect("business change");
+        }
+
+        async fn commit(self: Box<Self>) {
+            self.tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(self: Box<Self>) {
+            self.tx.rollback().await.expect("rollback")
+        }
+    }
+
+    impl Lite {
+        pub async fn new() -> Lite {
             let dir = TempDir::new("outbox-inbox");
             let pool = SqlitePoolOptions::new()
                 .max_connections(4)
@@ -813,35 +544,31 @@ mod sqlite {
                 .expect("business table");
             Lite { inbox, pool, dir }
         }
+    }
 
-        async fn begin(&self) -> Self::Tx {
-            self.pool.begin().await.expect("begin")
+    /// Each check's inbox.
+    pub struct Harness;
+
+    #[async_trait]
+    impl InboxHarness for Harness {
+        async fn fresh(&self) -> Box<dyn InboxFixture> {
+            Box::new(Lite::new().await)
         }
+    }
 
-        async fn commit(tx: Self::Tx) {
-            tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(tx: Self::Tx) {
-            tx.rollback().await.expect("rollback")
-        }
-
-        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(tx, consumer, id).await
+    #[async_trait]
+    impl InboxFixture for Lite {
+        async fn begin(&self) -> Box<dyn InboxTransaction> {
+            Box::new(LiteTx {
+                tx: self.pool.begin().await.expect("begin"),
+                inbox: self.inbox.clone(),
+                effects: "effects".into(),
+            })
         }
 
         async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
             let mut conn = self.pool.acquire().await.expect("connection");
             self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
-            sqlx::query("INSERT INTO effects (consumer, message_id) VALUES (?, ?)")
-                .bind(consumer)
-                .bind(id.to_string())
-                .execute(&mut **tx)
-                .await
-                .expect("business change");
         }
 
         async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
@@ -899,9 +626,9 @@ mod sqlite {
 
         async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
             let inbox = Inbox::new(table)?;
-            let mut tx = self.begin().await;
+            let mut tx = self.pool.begin().await.expect("begin");
             let new = inbox.process(&mut tx, consumer, id).await?;
-            Self::commit(tx).await;
+            tx.commit().await.expect("commit");
             Ok(new)
         }
 
@@ -914,7 +641,7 @@ mod sqlite {
         }
     }
 
-    inbox_suite!(Lite);
+    outbox_testkit::inbox_conformance_tests!(Harness);
 
     /// A consumer transaction begun with `BEGIN IMMEDIATE` takes the write lock at once, so
     /// it may read before it records the message: the advice of `Inbox::process`.
@@ -1023,10 +750,42 @@ mod mysql {
         }
     }
 
-    impl Store for My {
-        type Tx = Transaction<'static, MySql>;
+    /// A consumer's transaction on the fixture's inbox and business table.
+    pub struct MyTx {
+        tx: Transaction<'static, MySql>,
+        inbox: Inbox,
+        effects: String,
+    }
 
-        async fn new() -> My {
+    #[async_trait]
+    impl InboxTransaction for MyTx {
+        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
+            self.inbox.process(&mut self.tx, consumer, id).await
+        }
+
+        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
+            sqlx::query(&format!(
+                "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
+                self.effects
+            ))
+            .bind(consumer)
+            .bind(id.to_string())
+            .execute(&mut *self.tx)
+            .await
+            .expect("business change");
+        }
+
+        async fn commit(self: Box<Self>) {
+            self.tx.commit().await.expect("commit")
+        }
+
+        async fn rollback(self: Box<Self>) {
+            self.tx.rollback().await.expect("rollback")
+        }
+    }
+
+    impl My {
+        pub async fn new() -> My {
             let pool = MySqlPoolOptions::new()
                 .max_connections(8)
                 .connect(&mysql_url())
@@ -1053,38 +812,31 @@ mod mysql {
             drop(conn);
             my
         }
+    }
 
-        async fn begin(&self) -> Self::Tx {
-            self.pool.begin().await.expect("begin")
+    /// Each check's inbox.
+    pub struct Harness;
+
+    #[async_trait]
+    impl InboxHarness for Harness {
+        async fn fresh(&self) -> Box<dyn InboxFixture> {
+            Box::new(My::new().await)
         }
+    }
 
-        async fn commit(tx: Self::Tx) {
-            tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(tx: Self::Tx) {
-            tx.rollback().await.expect("rollback")
-        }
-
-        async fn process(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(tx, consumer, id).await
+    #[async_trait]
+    impl InboxFixture for My {
+        async fn begin(&self) -> Box<dyn InboxTransaction> {
+            Box::new(MyTx {
+                tx: self.pool.begin().await.expect("begin"),
+                inbox: self.inbox.clone(),
+                effects: self.effects_table(),
+            })
         }
 
         async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
             let mut conn = self.pool.acquire().await.expect("connection");
             self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn record_effect(&self, tx: &mut Self::Tx, consumer: &str, id: Uuid) {
-            sqlx::query(&format!(
-                "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
-                self.effects_table()
-            ))
-            .bind(consumer)
-            .bind(id.to_string())
-            .execute(&mut **tx)
-            .await
-            .expect("business change");
         }
 
         async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
@@ -1151,9 +903,9 @@ mod mysql {
 
         async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
             let inbox = Inbox::new(&database(), table)?;
-            let mut tx = self.begin().await;
+            let mut tx = self.pool.begin().await.expect("begin");
             let new = inbox.process(&mut tx, consumer, id).await?;
-            Self::commit(tx).await;
+            tx.commit().await.expect("commit");
             Ok(new)
         }
 
@@ -1166,5 +918,5 @@ mod mysql {
         }
     }
 
-    inbox_suite!(My);
+    outbox_testkit::inbox_conformance_tests!(Harness);
 }
