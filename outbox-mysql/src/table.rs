@@ -94,16 +94,8 @@ impl OutboxTable {
         for (sql, chunk) in self.inserts.chunks(&rows) {
             let mut query = sqlx::query(&sql);
             for row in chunk {
-                query = query
-                    .bind(row.id.as_str())
-                    .bind(row.topic)
-                    .bind(row.key)
-                    .bind(row.payload)
-                    .bind(row.headers.as_str())
-                    .bind(row.traceparent)
-                    .bind(row.tracestate)
-                    // DATETIME holds no zone: the table's times are UTC.
-                    .bind(row.created_at.naive_utc());
+                // DATETIME holds no zone: the table's times are UTC.
+                query = outbox_sql::bind_columns!(query, row, row.created_at.naive_utc());
             }
             conn.execute(query)
                 .await

@@ -53,6 +53,28 @@ pub struct Columns<'a> {
     pub created_at: DateTime<Utc>,
 }
 
+/// Binds the [`Columns`] `$row` to the sqlx query `$query` in the order of
+/// [`INSERT_COLUMNS`], with `created_at` as `$created_at` (each storage's column type): the
+/// column order is written here once, beside the list it must follow.
+///
+/// ```text
+/// query = outbox_sql::bind_columns!(query, row, row.created_at.timestamp_micros());
+/// ```
+#[macro_export]
+macro_rules! bind_columns {
+    ($query:expr, $row:expr, $created_at:expr) => {
+        $query
+            .bind($row.id.as_str())
+            .bind($row.topic)
+            .bind($row.key)
+            .bind($row.payload)
+            .bind($row.headers.as_str())
+            .bind($row.traceparent)
+            .bind($row.tracestate)
+            .bind($created_at)
+    };
+}
+
 impl<'a> Columns<'a> {
     /// The columns of `m`. Fails (`Permanent`) on an empty topic ([`check_topic`]) or
     /// headers that cannot be written as JSON.

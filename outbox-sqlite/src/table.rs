@@ -84,15 +84,7 @@ impl OutboxTable {
         for (sql, chunk) in self.inserts.chunks(&rows) {
             let mut query = sqlx::query(&sql);
             for row in chunk {
-                query = query
-                    .bind(row.id.as_str())
-                    .bind(row.topic)
-                    .bind(row.key)
-                    .bind(row.payload)
-                    .bind(row.headers.as_str())
-                    .bind(row.traceparent)
-                    .bind(row.tracestate)
-                    .bind(row.created_at.timestamp_micros());
+                query = outbox_sql::bind_columns!(query, row, row.created_at.timestamp_micros());
             }
             conn.execute(query)
                 .await

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use outbox::redis::redis;
-use outbox_tests::{Proxy, postgres_url, unique_name};
+use outbox_tests::{Proxy, Service, postgres_url, unique_name};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
@@ -210,7 +210,7 @@ struct Entry {
 /// Every entry of stream `name`, read a page at a time.
 async fn stream(name: &str) -> Vec<Entry> {
     use outbox::redis::wire;
-    let client = redis::Client::open("redis://127.0.0.1:6379").expect("redis url");
+    let client = redis::Client::open(Service::Redis.url()).expect("redis url");
     let mut conn = client
         .get_multiplexed_async_connection()
         .await
@@ -261,22 +261,15 @@ struct Streams(String);
 impl Drop for Streams {
     fn drop(&mut self) {
         let names = [format!("{}t", self.0), format!("{}probe", self.0)];
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let client = redis::Client::open("redis://127.0.0.1:6379").ok()?;
-                let mut conn = client.get_multiplexed_async_connection().await.ok()?;
-                redis::cmd("DEL")
-                    .arg(&names)
-                    .query_async::<i64>(&mut conn)
-                    .await
-                    .ok()
-            })
+        outbox_tests::clean_up(async move {
+            let client = redis::Client::open(Service::Redis.url()).ok()?;
+            let mut conn = client.get_multiplexed_async_connection().await.ok()?;
+            redis::cmd("DEL")
+                .arg(&names)
+                .query_async::<i64>(&mut conn)
+                .await
+                .ok()
         });
-        let _ = cleanup.join();
     }
 }
 
@@ -488,27 +481,10 @@ impl Outbox {
 /// with a runtime of its own (a runtime cannot block inside another), errors ignored.
 impl Drop for Outbox {
     fn drop(&mut self) {
-        let Some(database) = self.database.clone() else {
-            outbox_tests::drop_schemas(std::slice::from_ref(&self.schema));
-            return;
-        };
-        let url = postgres_url();
-        let cleanup = std::thread::spawn(move || {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-                .ok()?;
-            runtime.block_on(async {
-                let admin = PgPool::connect(&url).await.ok()?;
-                sqlx::query(&format!(
-                    r#"DROP DATABASE IF EXISTS "{database}" WITH (FORCE)"#
-                ))
-                .execute(&admin)
-                .await
-                .ok()
-            })
-        });
-        let _ = cleanup.join();
+        match &self.database {
+            Some(database) => outbox_tests::drop_database(database),
+            None => outbox_tests::drop_schemas(std::slice::from_ref(&self.schema)),
+        }
     }
 }
 

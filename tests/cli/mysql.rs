@@ -1,5 +1,5 @@
-//! The binary on MySQL / MariaDB (127.0.0.1:3306, database `test`; `OUTBOX_TEST_MYSQL_URL`
-//! overrides it): a relay process killed with SIGKILL in the middle of a drain loses
+//! The binary on MySQL / MariaDB (`OUTBOX_TEST_MYSQL_URL`, or 127.0.0.1:3306, database
+//! `test`): a relay process killed with SIGKILL in the middle of a drain loses
 //! nothing and keeps per-key order, and bad `[storage]` settings exit with the
 //! configuration code naming the setting.
 
@@ -257,7 +257,7 @@ fn migrate_print_sql_gives_the_script_a_dba_applies() {
     assert!(!status.status.success(), "{}", text(&status.stdout));
 
     let mut client = Command::new("mariadb")
-        .args(["-h", "127.0.0.1", "-P", "3306", "-u", "root", "test"])
+        .args(client_args(&mysql_url()))
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -290,4 +290,25 @@ fn migrate_print_sql_gives_the_script_a_dba_applies() {
         "{}",
         text(&status.stderr)
     );
+}
+
+/// The `mariadb` client's arguments for the server, user, password and database of `url`
+/// (`mysql://user[:password]@host[:port]/database`).
+fn client_args(url: &str) -> Vec<String> {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let (login, rest) = rest.rsplit_once('@').unwrap_or(("root", rest));
+    let (user, password) = login.split_once(':').unwrap_or((login, ""));
+    let (server, database) = rest.split_once('/').unwrap_or((rest, "test"));
+    let database = database.split('?').next().unwrap_or("test");
+    let (host, port) = server.split_once(':').unwrap_or((server, "3306"));
+    let mut args = vec![
+        format!("--host={host}"),
+        format!("--port={port}"),
+        format!("--user={user}"),
+    ];
+    if !password.is_empty() {
+        args.push(format!("--password={password}"));
+    }
+    args.push(database.to_string());
+    args
 }

@@ -12,7 +12,8 @@ mod log_outbox;
 
 pub use log_outbox::{LogOutbox, with_database};
 pub use outbox_test_support::relay::{
-    Relay, TestOutbox, dead_letters_of, drop_schemas, end_to_end, test_worker_config,
+    Relay, TestOutbox, dead_letters_of, drop_database, drop_schemas, end_to_end, run_on_postgres,
+    test_worker_config,
 };
 pub use outbox_test_support::{
     Proxy, Service, TempDir, clean_up, free_addr, free_port, host_port, kafka, mysql_url,

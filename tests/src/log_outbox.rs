@@ -9,7 +9,7 @@ use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
-use crate::{Relay, Service, clean_up, postgres_url, test_worker_config, unique_name};
+use crate::{Relay, Service, drop_database, postgres_url, test_worker_config, unique_name};
 
 /// A log-mode outbox in a database of its own (the readable horizon is per database, so
 /// one test's open transactions never delay another's), dropped with it.
@@ -171,19 +171,7 @@ impl LogOutbox {
 
 impl Drop for LogOutbox {
     fn drop(&mut self) {
-        let sql = format!(
-            r#"DROP DATABASE IF EXISTS "{}" WITH (FORCE)"#,
-            self.database
-        );
-        let url = postgres_url();
-        clean_up(async move {
-            let pool = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&url)
-                .await
-                .ok()?;
-            sqlx::query(&sql).execute(&pool).await.ok()
-        });
+        drop_database(&self.database);
     }
 }
 

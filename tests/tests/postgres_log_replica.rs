@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use outbox_core::NewMessage;
 use outbox_core::memory::MemorySink;
-use outbox_tests::{LogOutbox, clean_up, unique_name, with_database};
+use outbox_tests::{LogOutbox, unique_name, with_database};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
@@ -191,18 +191,8 @@ impl Paused {
 
 impl Drop for Paused {
     fn drop(&mut self) {
-        let url = replica_server();
-        clean_up(async move {
-            let pool = PgPoolOptions::new()
-                .max_connections(1)
-                .connect(&url)
-                .await
-                .ok()?;
-            sqlx::query("SELECT pg_wal_replay_resume()")
-                .execute(&pool)
-                .await
-                .ok()
-        });
+        let resume = "SELECT pg_wal_replay_resume()".to_string();
+        outbox_tests::run_on_postgres(replica_server(), vec![resume]);
     }
 }
 

@@ -81,33 +81,25 @@ fn with_database(url: &str, database: &str) -> String {
 }
 
 /// Runs SQL statements as the administrator from any context (a `Drop` inside a test's
-/// runtime included): on a thread of its own with its own runtime. Errors are ignored, as
-/// in a clean-up.
+/// runtime included, through [`outbox_tests::clean_up`]). Errors are ignored, as in a
+/// clean-up.
 fn clean_up(statements: Vec<String>, postgres: bool) {
-    let _ = std::thread::spawn(move || {
-        let runtime = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .ok()?;
-        runtime.block_on(async {
-            if postgres {
-                let mut conn = sqlx::PgConnection::connect(&postgres_url()).await.ok()?;
-                for sql in statements {
-                    let _ = sqlx::query(&sql).execute(&mut conn).await;
-                }
-            } else {
-                let url = mysql_url();
-                let mut conn = outbox_mysql::sqlx::MySqlConnection::connect(&url)
-                    .await
-                    .ok()?;
-                for sql in statements {
-                    let _ = outbox_mysql::sqlx::query(&sql).execute(&mut conn).await;
-                }
+    outbox_tests::clean_up(async move {
+        if postgres {
+            let mut conn = sqlx::PgConnection::connect(&postgres_url()).await.ok()?;
+            for sql in statements {
+                let _ = sqlx::query(&sql).execute(&mut conn).await;
             }
-            Some(())
-        })
-    })
-    .join();
+        } else {
+            let mut conn = outbox_mysql::sqlx::MySqlConnection::connect(&mysql_url())
+                .await
+                .ok()?;
+            for sql in statements {
+                let _ = outbox_mysql::sqlx::query(&sql).execute(&mut conn).await;
+            }
+        }
+        Some(())
+    });
 }
 
 // --- PostgreSQL ---

@@ -15,7 +15,7 @@ use outbox_core::{
     WorkerConfig,
 };
 use outbox_postgres::sqlx::PgPool;
-use outbox_postgres::sqlx::{self, postgres::PgPoolOptions};
+use outbox_postgres::sqlx::{self, Connection, PgConnection, postgres::PgPoolOptions};
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
 
 use crate::{Service, clean_up, postgres_url, unique_name};
@@ -198,28 +198,35 @@ impl Drop for TestOutbox {
     }
 }
 
-/// Drops these schemas and everything in them, from any context (a `Drop` inside a test's
-/// runtime included, through [`clean_up`]); errors are ignored, as in a clean-up.
+/// Drops these schemas and everything in them, from any context (see [`run_on_postgres`]).
 pub fn drop_schemas(schemas: &[String]) {
-    let sql: Vec<String> = schemas
-        .iter()
-        .map(|s| format!(r#"DROP SCHEMA IF EXISTS "{s}" CASCADE"#))
+    // A test that failed may still hold a transaction on these tables: give up on the
+    // schema (it keeps its unique name) rather than wait for it forever.
+    let statements = std::iter::once("SET lock_timeout = '5s'".to_string())
+        .chain(
+            schemas
+                .iter()
+                .map(|s| format!(r#"DROP SCHEMA IF EXISTS "{s}" CASCADE"#)),
+        )
         .collect();
-    let url = postgres_url();
+    run_on_postgres(postgres_url(), statements);
+}
+
+/// Drops the database `database` of the server of [`postgres_url`], closing its sessions,
+/// from any context (see [`run_on_postgres`]).
+pub fn drop_database(database: &str) {
+    let drop = format!(r#"DROP DATABASE IF EXISTS "{database}" WITH (FORCE)"#);
+    run_on_postgres(postgres_url(), vec![drop]);
+}
+
+/// Runs `statements` in turn on one connection to the PostgreSQL server at `url`, from any
+/// context, a `Drop` inside a test's runtime included (through [`clean_up`]); errors are
+/// ignored, as in a clean-up.
+pub fn run_on_postgres(url: String, statements: Vec<String>) {
     clean_up(async move {
-        let pool = PgPoolOptions::new()
-            .max_connections(1)
-            .connect(&url)
-            .await
-            .ok()?;
-        // A test that failed may still hold a transaction on these tables: give up on the
-        // schema (it keeps its unique name) rather than wait for it forever.
-        sqlx::query("SET lock_timeout = '5s'")
-            .execute(&pool)
-            .await
-            .ok()?;
-        for statement in sql {
-            sqlx::query(&statement).execute(&pool).await.ok()?;
+        let mut conn = PgConnection::connect(&url).await.ok()?;
+        for statement in statements {
+            let _ = sqlx::query(&statement).execute(&mut conn).await;
         }
         Some(())
     });
