@@ -133,6 +133,8 @@ macro_rules! __storage_checks {
             storage_extend_lease_holds_the_claim,
             storage_random_operations_keep_key_order,
             relay_retries_then_dead_letters_and_parks_the_key,
+            relay_a_permanent_failure_is_dead_lettered_at_once_and_release_lets_the_rest_flow,
+            relay_a_sink_outage_charges_no_attempt_and_everything_arrives_later,
             admin_keys_that_differ_in_any_byte_are_different_keys,
             admin_dead_letter_search_matches_error_text_without_payloads,
         }

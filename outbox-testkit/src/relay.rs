@@ -73,18 +73,77 @@ async fn wait_for(admin: &dyn StorageAdmin, what: &str, done: impl Fn(&QueueStat
     }
 }
 
+/// A relay over `f`'s storage with `sink`, in the background: stop it with
+/// [`RelayTask::stop`].
+struct RelayTask {
+    shutdown: CancellationToken,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl RelayTask {
+    fn start(
+        check: &str,
+        f: &dyn StorageFixture,
+        sink: Arc<MemorySink>,
+        max_attempts: u32,
+    ) -> RelayTask {
+        let worker = Worker::new(worker_config(max_attempts), f.storage(), sink)
+            .unwrap_or_else(|e| panic!("{check}: worker configuration: {e}"));
+        let shutdown = CancellationToken::new();
+        let task = tokio::spawn({
+            let shutdown = shutdown.clone();
+            async move { worker.run(shutdown).await }
+        });
+        RelayTask { shutdown, task }
+    }
+
+    async fn stop(self, check: &str) {
+        self.shutdown.cancel();
+        self.task
+            .await
+            .unwrap_or_else(|e| panic!("{check}: the relay task: {e}"));
+    }
+}
+
+/// The queue figures; panics naming the check when they cannot be read.
+async fn stats_of(check: &str, admin: &dyn StorageAdmin) -> QueueStats {
+    admin
+        .stats()
+        .await
+        .unwrap_or_else(|e| panic!("{check}: stats: {e}"))
+}
+
+/// Every dead letter, oldest first; panics naming the check when they cannot be read.
+async fn dead_letters_of(check: &str, admin: &dyn StorageAdmin) -> Vec<DeadLetterRow> {
+    admin
+        .dead_letters(&DeadLetterFilter::default(), 10)
+        .await
+        .unwrap_or_else(|e| panic!("{check}: dead letters: {e}"))
+}
+
+/// The payloads the sink published for `key`, in order.
+fn published_of(sink: &MemorySink, key: &str) -> Vec<String> {
+    sink.published()
+        .iter()
+        .filter(|m| m.key.as_deref() == Some(key))
+        .map(|m| text(&m.payload))
+        .collect()
+}
+
 /// docs/ARCHITECTURE.md, `Temporary`: "charges an attempt; retries after backoff;
-/// dead-letters at `max_attempts`"; docs/guarantees.md: "its key's later messages (including
-/// new ones) are parked, then delivered in order after a replay". Through a relay: exactly
-/// `max_attempts` publishes of the poison message, none of its key's later ones meanwhile,
-/// the attempts and the reason on the dead letter, and after the replay the key in order.
+/// dead-letters at `max_attempts`"; docs/guarantees.md: "other keys keep flowing; its key's
+/// later messages (including new ones) are parked, then delivered in order after a replay".
+/// Through a relay: exactly `max_attempts` publishes of the poison message, another key's
+/// ten messages meanwhile and none of its own key's, the attempts and the reason on the dead
+/// letter, the queue figures, and after the replay the key in order.
 pub async fn relay_retries_then_dead_letters_and_parks_the_key(h: &dyn StorageHarness) {
     const CHECK: &str = "relay_retries_then_dead_letters_and_parks_the_key";
     let Some(f) = ordered(h, CHECK).await else {
         return;
     };
-    f.enqueue(&[keyed("p", "p1"), keyed("p", "p2"), keyed("f", "f1")])
-        .await;
+    let mut messages = vec![keyed("p", "p1"), keyed("p", "p2")];
+    messages.extend((0..10).map(|i| keyed("f", &format!("f{i}"))));
+    f.enqueue(&messages).await;
     let sink = Arc::new(MemorySink::new());
     let tries = Arc::new(AtomicUsize::new(0));
     let poisoned = Arc::new(AtomicBool::new(true));
@@ -97,53 +156,142 @@ pub async fn relay_retries_then_dead_letters_and_parks_the_key(h: &dyn StorageHa
             })
         }
     });
-    let worker = Worker::new(worker_config(3), f.storage(), sink.clone())
-        .unwrap_or_else(|e| panic!("{CHECK}: worker configuration: {e}"));
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    let relay = RelayTask::start(CHECK, &*f, sink.clone(), 3);
     let admin = f.admin();
     wait_for(&*admin, "p1 dead-lettered", |s| s.dead_lettered == 1).await;
     f.enqueue(&[keyed("p", "p3")]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(tries.load(Ordering::SeqCst), 3, "{CHECK}: publishes of p1");
-    let dead = admin
-        .dead_letters(&DeadLetterFilter::default(), 10)
-        .await
-        .unwrap_or_else(|e| panic!("{CHECK}: dead letters: {e}"));
+    let dead = dead_letters_of(CHECK, &*admin).await;
     assert_eq!(dead.len(), 1, "{CHECK}: {dead:?}");
     assert_eq!(
         dead[0].message.attempts, 3,
         "{CHECK}: attempts recorded on the dead letter"
     );
     assert!(
-        dead[0].last_error.contains("3 attempts") && dead[0].last_error.contains("said no"),
+        dead[0].last_error.contains("gave up after 3 attempts")
+            && dead[0].last_error.contains("said no"),
         "{CHECK}: the reason says how many attempts and why: {}",
         dead[0].last_error
     );
     assert_eq!(
-        payloads(&sink.published()),
-        ["f1"],
+        published_of(&sink, "f").len(),
+        10,
+        "{CHECK}: the other key flows"
+    );
+    assert_eq!(
+        published_of(&sink, "p"),
+        Vec::<String>::new(),
         "{CHECK}: p2 and p3 stay parked behind the dead letter"
+    );
+    let stats = stats_of(CHECK, &*admin).await;
+    assert_eq!(
+        (stats.parked_keys, stats.pending, stats.dead_lettered),
+        (1, 2, 1),
+        "{CHECK}: one key parked, p2 and p3 pending, p1 dead: {stats:?}"
     );
     poisoned.store(false, Ordering::SeqCst);
     assert_eq!(f.replay_dead_letters(&[dead[0].message.id]).await, 1);
     wait_for(&*admin, "drained after the replay", |s| {
-        s.pending == 0 && s.in_flight == 0
+        s.pending == 0 && s.in_flight == 0 && s.parked_keys == 0 && s.dead_lettered == 0
     })
     .await;
-    shutdown.cancel();
-    relay
-        .await
-        .unwrap_or_else(|e| panic!("{CHECK}: the relay task: {e}"));
+    relay.stop(CHECK).await;
     assert_eq!(
-        payloads(&sink.published()),
-        ["f1", "p1", "p2", "p3"],
+        published_of(&sink, "p"),
+        ["p1", "p2", "p3"],
         "{CHECK}: after the replay the key goes in order"
     );
     assert_eq!(tries.load(Ordering::SeqCst), 3, "{CHECK}: no publish more");
+}
+
+/// docs/ARCHITECTURE.md, `Permanent`: "dead-letters at once (parks the key)"; releasing the
+/// parked key lets its later messages flow without the dead letter, which stays until it is
+/// purged.
+pub async fn relay_a_permanent_failure_is_dead_lettered_at_once_and_release_lets_the_rest_flow(
+    h: &dyn StorageHarness,
+) {
+    const CHECK: &str =
+        "relay_a_permanent_failure_is_dead_lettered_at_once_and_release_lets_the_rest_flow";
+    let Some(f) = ordered(h, CHECK).await else {
+        return;
+    };
+    let messages = [keyed("k", "too big"), keyed("k", "next")];
+    f.enqueue(&messages).await;
+    let sink = Arc::new(MemorySink::new());
+    sink.fail_when(|m| (m.payload == b"too big").then(|| Error::permanent("message too large")));
+    let relay = RelayTask::start(CHECK, &*f, sink.clone(), 5);
+    let admin = f.admin();
+    wait_for(&*admin, "the key parked", |s| s.parked_keys == 1).await;
+    let dead = dead_letters_of(CHECK, &*admin).await;
+    assert_eq!(dead.len(), 1, "{CHECK}: {dead:?}");
+    assert_eq!(
+        dead[0].message.attempts, 1,
+        "{CHECK}: one attempt, no retry"
+    );
+    assert_eq!(
+        dead[0].last_error,
+        Error::permanent("message too large").to_string(),
+        "{CHECK}: the reason is the sink's"
+    );
+    assert!(f.release_parked_key("k").await, "{CHECK}: `k` was parked");
+    wait_for(&*admin, "drained after the release", |s| {
+        s.pending == 0 && s.in_flight == 0 && s.parked_keys == 0
+    })
+    .await;
+    relay.stop(CHECK).await;
+    assert_eq!(
+        published_of(&sink, "k"),
+        ["next"],
+        "{CHECK}: the rest flowed"
+    );
+    let stats = stats_of(CHECK, &*admin).await;
+    assert_eq!(stats.dead_lettered, 1, "{CHECK}: the dead letter stays");
+    assert_eq!(f.purge_dead_letters(&[messages[0].id]).await, 1);
+}
+
+/// docs/guarantees.md: "A sink outage charges no attempt and dead-letters nothing;
+/// everything is delivered once it is back": with the sink down for two seconds nothing is
+/// claimed or charged, and once it is up every message goes out on its first attempt.
+pub async fn relay_a_sink_outage_charges_no_attempt_and_everything_arrives_later(
+    h: &dyn StorageHarness,
+) {
+    const CHECK: &str = "relay_a_sink_outage_charges_no_attempt_and_everything_arrives_later";
+    let f = h.fresh(true).await;
+    let messages: Vec<NewMessage> = (0..50)
+        .map(|i| keyed(&format!("k{}", i % 5), &format!("m{i}")))
+        .collect();
+    f.enqueue(&messages).await;
+    let sink = Arc::new(MemorySink::new());
+    sink.set_up(false);
+    let relay = RelayTask::start(CHECK, &*f, sink.clone(), 3);
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let admin = f.admin();
+    let stats = stats_of(CHECK, &*admin).await;
+    assert_eq!(
+        (
+            stats.pending,
+            stats.in_flight,
+            stats.dead_lettered,
+            stats.retrying
+        ),
+        (50, 0, 0, 0),
+        "{CHECK}: nothing claimed, charged or dead-lettered while the sink is down: {stats:?}"
+    );
+    sink.set_up(true);
+    wait_for(&*admin, "drained once the sink is up", |s| {
+        s.pending == 0 && s.in_flight == 0
+    })
+    .await;
+    relay.stop(CHECK).await;
+    let published = sink.published();
+    assert_eq!(published.len(), 50, "{CHECK}: everything once");
+    assert!(
+        published.iter().all(|m| m.attempts == 0),
+        "{CHECK}: every message went out on its first attempt"
+    );
+    let stats = stats_of(CHECK, &*admin).await;
+    assert_eq!(stats.dead_lettered, 0, "{CHECK}: {stats:?}");
 }
 
 /// docs/storage/mysql.md: "keys compare byte for byte, so no collation folds `A` into `a` or
@@ -213,10 +361,7 @@ pub async fn admin_keys_that_differ_in_any_byte_are_different_keys(h: &dyn Stora
         ["1-2", "2-2", "3-2", "4-2"],
         "{CHECK}: only A is parked; a, `a `, and both spellings of é flow"
     );
-    let stats = admin
-        .stats()
-        .await
-        .unwrap_or_else(|e| panic!("{CHECK}: stats: {e}"));
+    let stats = stats_of(CHECK, &*admin).await;
     assert_eq!(stats.parked_keys, 1, "{CHECK}: {stats:?}");
     for other in ["a", "A "] {
         assert!(

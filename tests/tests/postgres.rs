@@ -7,8 +7,8 @@ use std::time::Duration;
 
 use outbox_core::memory::MemorySink;
 use outbox_core::{
-    Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, StorageAdmin,
-    TraceContext, WorkerConfig,
+    Claim, Delivery, Error, ErrorKind, NewMessage, Receipt, Retry, Storage, TraceContext,
+    WorkerConfig,
 };
 use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{TestOutbox, postgres_url, test_worker_config};
@@ -436,142 +436,6 @@ async fn messages_without_a_key_take_turns_with_keyed_ones() {
     );
     let rest = outbox.storage.claim("w", 100, LEASE).await.unwrap();
     assert_eq!(rest.messages.len(), 10, "the rest in the next claim");
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_down_sink_charges_no_attempts_and_everything_arrives_later() {
-    let outbox = TestOutbox::new().await;
-    let messages: Vec<NewMessage> = (0..50)
-        .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 5)))
-        .collect();
-    outbox.enqueue(&messages).await;
-    let sink = Arc::new(MemorySink::new());
-    sink.set_up(false);
-    let relay = outbox.relay("w", sink.clone());
-    tokio::time::sleep(Duration::from_secs(2)).await;
-    let stats = outbox.stats().await;
-    assert_eq!(
-        (stats.pending, stats.in_flight, stats.dead_lettered),
-        (50, 0, 0)
-    );
-    assert!(outbox.attempts().await.iter().all(|&a| a == 0));
-    sink.set_up(true);
-    outbox.wait_until_drained(Duration::from_secs(10)).await;
-    relay.stop().await;
-    assert_eq!(sink.published().len(), 50);
-    assert!(sink.published().iter().all(|m| m.attempts == 0));
-    assert!(outbox.dead_letters().await.is_empty());
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_poison_message_is_dead_lettered_and_parks_its_key_until_replayed() {
-    let outbox = TestOutbox::new().await;
-    let mut messages = vec![
-        NewMessage::new("t", "poison").key("k1"),
-        NewMessage::new("t", "k1-a").key("k1"),
-    ];
-    messages.extend((0..10).map(|i| NewMessage::new("t", format!("k2-{i}")).key("k2")));
-    messages.push(NewMessage::new("t", "k1-b").key("k1"));
-    outbox.enqueue(&messages).await;
-    let poison_id = messages[0].id;
-
-    let sink = Arc::new(MemorySink::new());
-    sink.fail_when(|m| (m.payload == b"poison").then(|| Error::temporary("broker rejected it")));
-    let config = WorkerConfig {
-        max_attempts: 3,
-        ..test_worker_config("w")
-    };
-    let relay = outbox.relay_with(config, sink.clone());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
-    while outbox.dead_letters().await.is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "never dead-lettered"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    let dead = outbox.dead_letters().await;
-    assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].0, poison_id);
-    assert!(
-        dead[0].1.contains("gave up after 3 attempts") && dead[0].1.contains("broker rejected it"),
-        "{}",
-        dead[0].1
-    );
-    let keys = by_key(&sink);
-    assert_eq!(keys["k2"].len(), 10, "other keys keep flowing");
-    assert!(
-        !keys.contains_key("k1"),
-        "k1's later messages must stay parked"
-    );
-    let stats = outbox.stats().await;
-    assert_eq!(
-        (stats.parked_keys, stats.pending, stats.dead_lettered),
-        (1, 2, 1)
-    );
-
-    // Messages enqueued for a parked key wait too.
-    outbox
-        .enqueue(&[NewMessage::new("t", "k1-c").key("k1")])
-        .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!by_key(&sink).contains_key("k1"));
-
-    sink.fail_when(|_| None);
-    assert_eq!(
-        outbox
-            .storage
-            .replay_dead_letters(&[poison_id])
-            .await
-            .unwrap(),
-        1
-    );
-    outbox.wait_until_drained(Duration::from_secs(10)).await;
-    relay.stop().await;
-    assert_eq!(by_key(&sink)["k1"], ["poison", "k1-a", "k1-b", "k1-c"]);
-    let stats = outbox.stats().await;
-    assert_eq!((stats.parked_keys, stats.dead_lettered), (0, 0));
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_permanent_failure_is_dead_lettered_at_once_and_release_unparks() {
-    let outbox = TestOutbox::new().await;
-    let messages = [
-        NewMessage::new("t", "too big").key("k"),
-        NewMessage::new("t", "next").key("k"),
-    ];
-    outbox.enqueue(&messages).await;
-    let sink = Arc::new(MemorySink::new());
-    sink.fail_when(|m| (m.payload == b"too big").then(|| Error::permanent("message too large")));
-    let relay = outbox.relay("w", sink.clone());
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while outbox.stats().await.parked_keys == 0 {
-        assert!(tokio::time::Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let dead = outbox
-        .storage
-        .dead_letters(&Default::default(), 10)
-        .await
-        .unwrap();
-    assert_eq!(dead[0].message.attempts, 1);
-    assert_eq!(
-        dead[0].last_error,
-        Error::permanent("message too large").to_string()
-    );
-    assert!(outbox.storage.release_parked_key("k").await.unwrap());
-    outbox.wait_until_drained(Duration::from_secs(10)).await;
-    relay.stop().await;
-    assert_eq!(by_key(&sink)["k"], ["next"]);
-    assert_eq!(
-        outbox
-            .storage
-            .purge_dead_letters(&[messages[0].id])
-            .await
-            .unwrap(),
-        1
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
