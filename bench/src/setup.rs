@@ -173,10 +173,6 @@ pub enum SinkKind {
     Kafka,
 }
 
-const AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
-const NATS_URL: &str = "nats://127.0.0.1:4222";
-const KAFKA_BROKERS: &str = "127.0.0.1:9092";
-
 impl SinkKind {
     /// The relay's `max_per_key` for this sink: examples/kafka.toml lowers it for Kafka,
     /// whose round trips take milliseconds; the others keep the default.
@@ -200,86 +196,21 @@ impl SinkKind {
     /// Makes what the broker needs before `run` publishes: an exchange with a queue bound to
     /// it (AMQP), a stream capturing the run's subjects (NATS).
     pub async fn prepare(self, run: &str) -> Result<(), String> {
+        use outbox_test_support::{amqp, kafka, nats};
         match self {
             SinkKind::Amqp => {
-                use outbox_amqp::lapin::{
-                    Connection, ConnectionProperties, ExchangeKind, options::*, types::FieldTable,
-                };
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                    .await
-                    .map_err(text)?;
-                let channel = conn.create_channel().await.map_err(text)?;
-                channel
-                    .exchange_declare(
-                        run.into(),
-                        ExchangeKind::Fanout,
-                        ExchangeDeclareOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(text)?;
-                let queue = format!("{run}.q");
-                channel
-                    .queue_declare(
-                        queue.as_str().into(),
-                        QueueDeclareOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(text)?;
-                channel
-                    .queue_bind(
-                        queue.as_str().into(),
-                        run.into(),
-                        "".into(),
-                        QueueBindOptions::default(),
-                        FieldTable::default(),
-                    )
-                    .await
-                    .map_err(text)?;
-                conn.close(200, "done".into()).await.map_err(text)?;
+                let kind = outbox_amqp::lapin::ExchangeKind::Fanout;
+                amqp::declare_destination(run, kind, &format!("{run}.q"), "").await
             }
             SinkKind::Nats => {
-                use outbox_nats::async_nats::jetstream::{self, stream};
-                let client = outbox_nats::async_nats::connect(NATS_URL)
-                    .await
-                    .map_err(text)?;
-                jetstream::new(client)
-                    .create_stream(stream::Config {
-                        name: run.to_string(),
-                        subjects: vec![format!("{run}.>")],
-                        storage: stream::StorageType::Memory,
-                        ..Default::default()
-                    })
-                    .await
-                    .map_err(text)?;
+                let js = nats::try_connect().await?;
+                nats::try_create_stream(&js, run, vec![format!("{run}.>")]).await
             }
             SinkKind::Kafka => {
-                use outbox_kafka::rdkafka::admin::{
-                    AdminClient, AdminOptions, NewTopic, TopicReplication,
-                };
-                let admin: AdminClient<outbox_kafka::rdkafka::client::DefaultClientContext> =
-                    outbox_kafka::rdkafka::ClientConfig::new()
-                        .set("bootstrap.servers", KAFKA_BROKERS)
-                        .create()
-                        .map_err(text)?;
-                let topic = format!("{run}.bench");
-                let options =
-                    AdminOptions::new().operation_timeout(Some(std::time::Duration::from_secs(10)));
-                for result in admin
-                    .create_topics(
-                        [&NewTopic::new(&topic, 3, TopicReplication::Fixed(1))],
-                        &options,
-                    )
-                    .await
-                    .map_err(text)?
-                {
-                    result.map_err(|(t, e)| format!("creating topic {t}: {e}"))?;
-                }
+                kafka::try_create_topic(&kafka::brokers(), &format!("{run}.bench"), 3, &[]).await
             }
-            SinkKind::Null | SinkKind::Redis => {}
+            SinkKind::Null | SinkKind::Redis => Ok(()),
         }
-        Ok(())
     }
 
     /// A new sink instance (one per relay: sinks are not shared between relays), writing
@@ -295,20 +226,21 @@ impl SinkKind {
             ),
             SinkKind::Amqp => Arc::new(
                 outbox_amqp::AmqpSink::lazy(outbox_amqp::AmqpConfig::new(
-                    AMQP_URL,
+                    outbox_test_support::amqp::url(),
                     outbox_core::Template::new(run).map_err(text)?,
                 ))
                 .map_err(text)?,
             ),
             SinkKind::Nats => Arc::new(
                 outbox_nats::NatsSink::new(
-                    outbox_nats::NatsConfig::new(NATS_URL)
+                    outbox_nats::NatsConfig::new(outbox_test_support::nats::url())
                         .subject(format!("{run}."), outbox_core::Template::topic()),
                 )
                 .map_err(text)?,
             ),
             SinkKind::Kafka => {
-                let mut config = outbox_kafka::KafkaConfig::new(KAFKA_BROKERS);
+                let mut config =
+                    outbox_kafka::KafkaConfig::new(outbox_test_support::kafka::brokers());
                 config.topic_template =
                     outbox_core::Template::new(format!("{run}.{{topic}}")).map_err(text)?;
                 config.properties.insert("linger.ms".into(), "5".into());
@@ -340,47 +272,60 @@ impl SinkKind {
                 }
             }
             SinkKind::Amqp => {
-                use outbox_amqp::lapin::{Connection, ConnectionProperties, options::*};
-                let conn = Connection::connect(AMQP_URL, ConnectionProperties::default())
-                    .await
-                    .map_err(text)?;
-                let channel = conn.create_channel().await.map_err(text)?;
-                channel
-                    .queue_delete(
-                        format!("{run}.q").as_str().into(),
-                        QueueDeleteOptions::default(),
-                    )
-                    .await
-                    .map_err(text)?;
-                channel
-                    .exchange_delete(run.into(), ExchangeDeleteOptions::default())
-                    .await
-                    .map_err(text)?;
-                conn.close(200, "done".into()).await.map_err(text)?;
+                outbox_test_support::amqp::remove_destination(run, &format!("{run}.q")).await?;
             }
             SinkKind::Nats => {
-                let client = outbox_nats::async_nats::connect(NATS_URL)
-                    .await
-                    .map_err(text)?;
-                outbox_nats::async_nats::jetstream::new(client)
-                    .delete_stream(run)
-                    .await
-                    .map_err(text)?;
+                let js = outbox_test_support::nats::try_connect().await?;
+                outbox_test_support::nats::delete_stream(&js, run).await?;
             }
             SinkKind::Kafka => {
-                use outbox_kafka::rdkafka::admin::{AdminClient, AdminOptions};
-                let admin: AdminClient<outbox_kafka::rdkafka::client::DefaultClientContext> =
-                    outbox_kafka::rdkafka::ClientConfig::new()
-                        .set("bootstrap.servers", KAFKA_BROKERS)
-                        .create()
-                        .map_err(text)?;
-                admin
-                    .delete_topics(&[&format!("{run}.bench")], &AdminOptions::new())
-                    .await
-                    .map_err(text)?;
+                let topic = format!("{run}.bench");
+                outbox_test_support::kafka::delete_topics(
+                    &outbox_test_support::kafka::brokers(),
+                    &[&topic],
+                )
+                .await?;
             }
             SinkKind::Null => {}
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_core::NewMessage;
+
+    use super::*;
+
+    /// What every drain does before and after it measures, against the real brokers: each
+    /// sink's destination is made, takes a publish under the run's names, and is removed.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_sinks_destination_is_made_takes_a_publish_and_is_removed() {
+        for kind in [
+            SinkKind::Redis,
+            SinkKind::Amqp,
+            SinkKind::Nats,
+            SinkKind::Kafka,
+        ] {
+            let run = outbox_test_support::unique_name("bench_setup");
+            let name = kind.name();
+            kind.prepare(&run)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let sink = kind.build(&run).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let message = Message::from(NewMessage::new("bench", "x").key("k"));
+            let outcomes = sink
+                .publish(&[message])
+                .await
+                .unwrap_or_else(|e| panic!("{name}: publish: {e}"));
+            assert!(
+                matches!(outcomes[..], [Outcome::Delivered(_)]),
+                "{name}: {outcomes:?}"
+            );
+            kind.cleanup(&run)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
     }
 }

@@ -17,10 +17,11 @@ use outbox_core::redact_url;
 use outbox_kafka::rdkafka::consumer::{BaseConsumer, Consumer};
 use outbox_kafka::rdkafka::message::Message as _;
 use outbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
-use outbox_nats::async_nats::{self, jetstream};
+use outbox_nats::async_nats::jetstream;
 use outbox_redis::redis::{self, AsyncCommands, streams::StreamRangeReply};
 use outbox_test_support::kafka::{Tansu, try_create_topic};
 use outbox_test_support::{Service, free_addr, through};
+use outbox_test_support::{nats, redis as test_redis};
 use tokio_util::sync::CancellationToken;
 
 use crate::writers::{POISON_TOPIC, TOPIC};
@@ -92,22 +93,8 @@ impl Broker {
             }
             Kind::Kafka => Broker::Kafka(start_tansu(name, upstream, proxy).await?),
             Kind::Nats => {
-                let url = Service::Nats.url();
-                let client = async_nats::ConnectOptions::new()
-                    .connection_timeout(Duration::from_secs(5))
-                    .connect(url.as_str())
-                    .await
-                    .ctx(redact_url(&url))?;
-                let js = jetstream::new(client);
-                js.create_stream(jetstream::stream::Config {
-                    name: name.to_string(),
-                    subjects: vec![format!("{name}.>")],
-                    storage: jetstream::stream::StorageType::Memory,
-                    max_age: Duration::from_secs(3600),
-                    ..Default::default()
-                })
-                .await
-                .ctx(format_args!("creating JetStream stream {name}"))?;
+                let js = nats::try_connect().await?;
+                nats::try_create_stream(&js, name, vec![format!("{name}.>")]).await?;
                 Broker::Nats(js)
             }
         })
@@ -190,12 +177,9 @@ impl Broker {
     pub async fn cleanup(&mut self, name: &str) {
         let result = match self {
             Broker::Amqp(amqp) => amqp.cleanup(name).await,
-            Broker::Redis => match redis_connection().await {
-                Ok(mut con) => con.del(format!("{name}:{TOPIC}")).await.ctx("DEL"),
-                Err(error) => Err(error),
-            },
+            Broker::Redis => test_redis::remove_prefixed(&format!("{name}:")).await,
             Broker::Kafka(tansu) => tansu.stop().await.ctx("stopping tansu"),
-            Broker::Nats(js) => js.delete_stream(name).await.map(drop).ctx("stream"),
+            Broker::Nats(js) => nats::delete_stream(js, name).await,
         };
         if let Err(error) = result {
             eprintln!("chaos: cleaning up {name} on the broker: {error}");

@@ -15,6 +15,78 @@ use lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
 
 use crate::{Service, unique_name};
 
+/// Declares a durable exchange `exchange` of `kind` and a durable queue `queue` bound to it
+/// with `binding`, on a connection of its own (closed after), saying what failed: the
+/// destination of a run that outlives the connection (benchmarks, chaos runs), removed
+/// again with [`remove_destination`].
+pub async fn declare_destination(
+    exchange: &str,
+    kind: ExchangeKind,
+    queue: &str,
+    binding: &str,
+) -> Result<(), String> {
+    let failed = |e: &dyn std::fmt::Display| format!("declaring {exchange} and {queue}: {e}");
+    let (connection, channel) = try_channel().await?;
+    let none = FieldTable::default;
+    let declare = ExchangeDeclareOptions::default();
+    channel
+        .exchange_declare(exchange.into(), kind, declare, none())
+        .await
+        .map_err(|e| failed(&e))?;
+    let declare = QueueDeclareOptions::default();
+    channel
+        .queue_declare(queue.into(), declare, none())
+        .await
+        .map_err(|e| failed(&e))?;
+    let bind = QueueBindOptions::default();
+    channel
+        .queue_bind(queue.into(), exchange.into(), binding.into(), bind, none())
+        .await
+        .map_err(|e| failed(&e))?;
+    connection
+        .close(200, "done".into())
+        .await
+        .map_err(|e| failed(&e))
+}
+
+/// Deletes the queue and the exchange of [`declare_destination`], saying what failed.
+pub async fn remove_destination(exchange: &str, queue: &str) -> Result<(), String> {
+    let failed = |e: &dyn std::fmt::Display| format!("deleting {queue} and {exchange}: {e}");
+    let (connection, channel) = try_channel().await?;
+    channel
+        .queue_delete(queue.into(), Default::default())
+        .await
+        .map_err(|e| failed(&e))?;
+    channel
+        .exchange_delete(exchange.into(), Default::default())
+        .await
+        .map_err(|e| failed(&e))?;
+    connection
+        .close(200, "done".into())
+        .await
+        .map_err(|e| failed(&e))
+}
+
+/// A connection to [`url`] and a channel on it, or what failed.
+async fn try_channel() -> Result<(Connection, Channel), String> {
+    let connection = try_connect().await?;
+    match connection.create_channel().await {
+        Ok(channel) => Ok((connection, channel)),
+        Err(e) => Err(format!("opening a channel to RabbitMQ: {e}")),
+    }
+}
+
+/// A connection to [`url`], or what failed when it does not answer within 5 s.
+async fn try_connect() -> Result<Connection, String> {
+    let url = url();
+    let server = format!("RabbitMQ at {}", outbox_core::redact_url(&url));
+    let connect = Connection::connect(&url, ConnectionProperties::default());
+    tokio::time::timeout(Duration::from_secs(5), connect)
+        .await
+        .map_err(|_| format!("{server}: no answer within 5 s"))?
+        .map_err(|e| format!("{server}: {e}"))
+}
+
 /// How long [`Broker::take`] waits for the messages it expects.
 pub const TAKE_DEADLINE: Duration = Duration::from_secs(60);
 /// How long [`Broker::take`] then waits for one more, which would be one too many.
@@ -35,13 +107,9 @@ pub struct Broker {
 impl Broker {
     /// Connects to [`url`]; panics naming the server when it does not answer within 5 s.
     pub async fn connect() -> Broker {
-        let url = url();
-        let connect = Connection::connect(&url, ConnectionProperties::default());
-        let connection = match tokio::time::timeout(Duration::from_secs(5), connect).await {
-            Ok(Ok(connection)) => connection,
-            Ok(Err(e)) => Service::Amqp.missing(e),
-            Err(_) => Service::Amqp.missing("no answer within 5 s"),
-        };
+        let connection = try_connect()
+            .await
+            .unwrap_or_else(|e| Service::Amqp.missing(e));
         let channel = connection.create_channel().await.expect("open a channel");
         Broker {
             _connection: connection,

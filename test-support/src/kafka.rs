@@ -7,9 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication};
+use rdkafka::admin::{AdminClient, AdminOptions, NewTopic, TopicReplication, TopicResult};
 use rdkafka::client::DefaultClientContext;
 use rdkafka::consumer::{BaseConsumer, Consumer};
+use rdkafka::error::KafkaResult;
 use rdkafka::message::{Headers, Message as _};
 use rdkafka::{ClientConfig, Offset, TopicPartitionList};
 
@@ -39,18 +40,40 @@ pub async fn try_create_topic(
     partitions: i32,
     configs: &[(&str, &str)],
 ) -> Result<(), String> {
-    let failed = |e: &dyn std::fmt::Display| format!("creating topic {topic} on {brokers}: {e}");
-    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
-        .set("bootstrap.servers", brokers)
-        .create()
-        .map_err(|e| failed(&e))?;
+    let what = format!("creating topic {topic}");
     let mut new = NewTopic::new(topic, partitions, TopicReplication::Fixed(1));
     for (name, value) in configs {
         new = new.set(name, value);
     }
     let options = AdminOptions::new().operation_timeout(Some(Duration::from_secs(10)));
-    let created = admin.create_topics([&new], &options);
-    let results = tokio::time::timeout(Duration::from_secs(20), created)
+    admin_call(brokers, &what, |admin| async move {
+        admin.create_topics([&new], &options).await
+    })
+    .await
+}
+
+/// Deletes `topics`, saying what failed.
+pub async fn delete_topics(brokers: &str, topics: &[&str]) -> Result<(), String> {
+    let what = format!("deleting topics {topics:?}");
+    admin_call(brokers, &what, |admin| async move {
+        admin.delete_topics(topics, &AdminOptions::new()).await
+    })
+    .await
+}
+
+/// Runs one call of an admin client on `brokers` within 20 s, and fails naming `what` when
+/// the call or one of its topics failed.
+async fn admin_call<F, Fut>(brokers: &str, what: &str, call: F) -> Result<(), String>
+where
+    F: FnOnce(AdminClient<DefaultClientContext>) -> Fut,
+    Fut: std::future::Future<Output = KafkaResult<Vec<TopicResult>>>,
+{
+    let failed = |e: &dyn std::fmt::Display| format!("{what} on {brokers}: {e}");
+    let admin: AdminClient<DefaultClientContext> = ClientConfig::new()
+        .set("bootstrap.servers", brokers)
+        .create()
+        .map_err(|e| failed(&e))?;
+    let results = tokio::time::timeout(Duration::from_secs(20), call(admin))
         .await
         .map_err(|_| failed(&"timed out"))?
         .map_err(|e| failed(&e))?;

@@ -16,17 +16,37 @@ pub fn url() -> String {
 /// A JetStream context on a connection of the test's own; panics naming the server when it
 /// does not answer within 5 s.
 pub async fn connect() -> jetstream::Context {
+    try_connect()
+        .await
+        .unwrap_or_else(|e| Service::Nats.missing(e))
+}
+
+/// A JetStream context on a connection of its own, or what failed when the server does not
+/// answer within 5 s.
+pub async fn try_connect() -> Result<jetstream::Context, String> {
     let client = async_nats::ConnectOptions::new()
         .connection_timeout(Duration::from_secs(5))
         .connect(url().as_str())
         .await
-        .unwrap_or_else(|e| Service::Nats.missing(e));
-    jetstream::new(client)
+        .map_err(|e| format!("NATS at {}: {e}", outbox_core::redact_url(&url())))?;
+    Ok(jetstream::new(client))
 }
 
 /// Creates stream `name` capturing `subjects`, in memory, emptied after an hour so that
-/// repeated runs leave little behind, de-duplicating by message id over two minutes.
+/// repeated runs leave little behind, de-duplicating by message id over two minutes; panics
+/// when it cannot.
 pub async fn create_stream(js: &jetstream::Context, name: &str, subjects: Vec<String>) {
+    if let Err(error) = try_create_stream(js, name, subjects).await {
+        panic!("{error}");
+    }
+}
+
+/// [`create_stream`], saying what failed.
+pub async fn try_create_stream(
+    js: &jetstream::Context,
+    name: &str,
+    subjects: Vec<String>,
+) -> Result<(), String> {
     js.create_stream(stream::Config {
         name: name.to_string(),
         subjects,
@@ -36,7 +56,16 @@ pub async fn create_stream(js: &jetstream::Context, name: &str, subjects: Vec<St
         ..Default::default()
     })
     .await
-    .unwrap_or_else(|e| panic!("creating JetStream stream {name} at {}: {e}", url()));
+    .map(drop)
+    .map_err(|e| format!("creating JetStream stream {name} at {}: {e}", url()))
+}
+
+/// Deletes stream `name`, saying what failed.
+pub async fn delete_stream(js: &jetstream::Context, name: &str) -> Result<(), String> {
+    js.delete_stream(name)
+        .await
+        .map(drop)
+        .map_err(|e| format!("deleting JetStream stream {name} at {}: {e}", url()))
 }
 
 /// Every message of stream `name`, in stream order, once it holds at least `at_least` (or

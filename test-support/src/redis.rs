@@ -80,13 +80,34 @@ pub fn text(fields: &BTreeMap<String, Vec<u8>>, name: &str) -> String {
     String::from_utf8(value.clone()).unwrap_or_else(|_| panic!("field `{name}` is not text"))
 }
 
-/// Deletes every key that starts with `prefix`.
+/// Deletes every key that starts with `prefix`; panics naming the server when it cannot.
 pub async fn delete_prefixed(prefix: &str) {
-    let mut con = client().await;
-    let keys: Vec<String> = con.keys(format!("{prefix}*")).await.expect("KEYS");
-    if !keys.is_empty() {
-        let _: () = con.del(keys).await.expect("DEL");
+    if let Err(error) = remove_prefixed(prefix).await {
+        panic!("{error}");
     }
+}
+
+/// Deletes every key that starts with `prefix` (what a run under that prefix left: its
+/// streams), saying what failed.
+pub async fn remove_prefixed(prefix: &str) -> Result<(), String> {
+    let failed = |e: &dyn std::fmt::Display| {
+        let server = outbox_core::redact_url(&url());
+        format!("deleting the keys {prefix}* on Redis at {server}: {e}")
+    };
+    let client = redis::Client::open(url().as_str()).map_err(|e| failed(&e))?;
+    let connect = client.get_multiplexed_async_connection();
+    let mut con = tokio::time::timeout(Duration::from_secs(5), connect)
+        .await
+        .map_err(|_| failed(&"no answer within 5 s"))?
+        .map_err(|e| failed(&e))?;
+    let keys: Vec<String> = con
+        .keys(format!("{prefix}*"))
+        .await
+        .map_err(|e| failed(&e))?;
+    if !keys.is_empty() {
+        let _: () = con.del(keys).await.map_err(|e| failed(&e))?;
+    }
+    Ok(())
 }
 
 /// The names of the complete commands in what a client sent (RESP arrays), upper-cased, in
