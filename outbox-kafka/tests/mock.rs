@@ -17,14 +17,19 @@ fn cluster(topic: &str, partitions: i32) -> MockCluster<'static, DefaultProducer
     mock
 }
 
-fn sink(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaSink {
+/// The settings of every sink here: a 3 s delivery time-out, and short librdkafka retry
+/// waits that keep these tests quick.
+fn config(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaConfig {
     let mut config = KafkaConfig::new(mock.bootstrap_servers());
     config.publish_timeout = Duration::from_secs(3);
-    config.health_timeout = Duration::from_secs(1);
-    // Short librdkafka retry waits keep these tests quick.
-    let config = config
+    config
         .property("retry.backoff.ms", "10")
-        .property("linger.ms", "0");
+        .property("linger.ms", "0")
+}
+
+fn sink(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaSink {
+    let mut config = config(mock);
+    config.health_timeout = Duration::from_secs(1);
     KafkaSink::new(config).expect("sink")
 }
 
@@ -45,6 +50,35 @@ fn delivered(outcome: &Outcome) {
     if let Outcome::Failed(e) = outcome {
         panic!("expected delivery: {e}");
     }
+}
+
+/// The outcome of publishing one message of `payload` (also its key) to `topic`.
+async fn publish(sink: &KafkaSink, topic: &str, payload: &str) -> Outcome {
+    let mut outcomes = sink
+        .publish(&[message(topic, payload)])
+        .await
+        .expect("publish");
+    outcomes.remove(0)
+}
+
+/// The payloads written to the one partition of `topic`, once `count` came (within 10 s).
+async fn payloads(
+    mock: &MockCluster<'static, DefaultProducerContext>,
+    topic: &str,
+    count: usize,
+) -> Vec<String> {
+    let records = consume(
+        &mock.bootstrap_servers(),
+        topic,
+        1,
+        count,
+        Duration::from_secs(10),
+    )
+    .await;
+    records
+        .into_iter()
+        .map(|r| String::from_utf8(r.payload).expect("UTF-8 payload"))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -68,20 +102,8 @@ async fn retryable_broker_errors_are_retried_by_the_producer_and_written_once() 
     outcomes.iter().for_each(delivered);
 
     // Idempotence: the retries after a time-out or a dropped connection wrote nothing twice.
-    let records = consume(
-        &mock.bootstrap_servers(),
-        &topic,
-        1,
-        5,
-        Duration::from_secs(10),
-    )
-    .await;
-    let payloads: Vec<String> = records
-        .iter()
-        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
-        .collect();
     assert_eq!(
-        payloads,
+        payloads(&mock, &topic, 5).await,
         ["m0", "m1", "m2", "m3", "m4"],
         "once each, in order"
     );
@@ -109,11 +131,8 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
         let topic = unique_name("fatal");
         mock.create_topic(&topic, 1, 1).expect("mock topic");
         mock.request_errors(RDKafkaApiKey::Produce, &[injected]);
-        let outcomes = sink
-            .publish(&[message(&topic, reason)])
-            .await
-            .expect("publish");
-        let error = failed(&outcomes[0]);
+        let outcome = publish(&sink, &topic, reason).await;
+        let error = failed(&outcome);
         assert_eq!(error.kind(), ErrorKind::Permanent, "{reason}: {error}");
         assert!(
             error.to_string().contains(reason),
@@ -122,34 +141,15 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
         // The next message goes through: one refused message does not stop the producer.
         let next = unique_name("next");
         mock.create_topic(&next, 1, 1).expect("mock topic");
-        let outcomes = sink
-            .publish(&[message(&next, &format!("after {reason}"))])
-            .await
-            .expect("publish");
-        delivered(&outcomes[0]);
+        delivered(&publish(&sink, &next, &format!("after {reason}")).await);
         written.push((topic, next));
     }
     for (refused, next) in written {
-        let records = consume(
-            &mock.bootstrap_servers(),
-            &next,
-            1,
-            1,
-            Duration::from_secs(10),
-        )
-        .await;
-        assert_eq!(records.len(), 1);
-        let records = consume(
-            &mock.bootstrap_servers(),
-            &refused,
-            1,
-            0,
-            Duration::from_secs(10),
-        )
-        .await;
+        assert_eq!(payloads(&mock, &next, 1).await.len(), 1);
+        let refused = payloads(&mock, &refused, 0).await;
         assert!(
-            records.is_empty(),
-            "a refused message is not written: {records:?}"
+            refused.is_empty(),
+            "a refused message is not written: {refused:?}"
         );
     }
 }
@@ -177,20 +177,13 @@ async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
     let topic = unique_name("down");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
-    let outcomes = sink
-        .publish(&[message(&topic, "before")])
-        .await
-        .expect("publish");
-    delivered(&outcomes[0]);
+    delivered(&publish(&sink, &topic, "before").await);
 
     mock.broker_down(1).expect("broker down");
     let err = sink.health().await.expect_err("the only broker is down");
     assert_eq!(err.kind(), ErrorKind::Unavailable, "{err}");
-    let outcomes = sink
-        .publish(&[message(&topic, "during")])
-        .await
-        .expect("publish");
-    assert_eq!(failed(&outcomes[0]).kind(), ErrorKind::Unavailable);
+    let outcome = publish(&sink, &topic, "during").await;
+    assert_eq!(failed(&outcome).kind(), ErrorKind::Unavailable);
 
     mock.broker_up(1).expect("broker up");
     // As the worker does: wait for the health check, publish, and on `Unavailable` (the
@@ -207,30 +200,15 @@ async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
                 tokio::time::sleep(Duration::from_millis(200)).await;
                 continue;
             }
-            let outcomes = sink
-                .publish(&[message(&topic, payload)])
-                .await
-                .expect("publish");
-            match &outcomes[0] {
+            let outcome = publish(&sink, &topic, payload).await;
+            match &outcome {
                 Outcome::Delivered(_) => break,
                 Outcome::Failed(e) => assert_eq!(e.kind(), ErrorKind::Unavailable, "{e}"),
             }
         }
     }
-    let records = consume(
-        &mock.bootstrap_servers(),
-        &topic,
-        1,
-        3,
-        Duration::from_secs(10),
-    )
-    .await;
-    let payloads: Vec<String> = records
-        .iter()
-        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
-        .collect();
     assert_eq!(
-        payloads,
+        payloads(&mock, &topic, 3).await,
         ["before", "during", "after"],
         "once each, in order"
     );
@@ -241,12 +219,7 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
     let topic = unique_name("desync");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
-    delivered(
-        &sink
-            .publish(&[message(&topic, "first")])
-            .await
-            .expect("publish")[0],
-    );
+    delivered(&publish(&sink, &topic, "first").await);
     // A sequence gap at the head of the partition (librdkafka can no longer vouch for order
     // or once-ness and raises a fatal error), and the broker refusing the producer's epoch:
     // either way this producer is done for.
@@ -262,11 +235,8 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
         ),
     ] {
         mock.request_errors(RDKafkaApiKey::Produce, &[injected]);
-        let outcomes = sink
-            .publish(&[message(&topic, name)])
-            .await
-            .expect("publish");
-        let error = failed(&outcomes[0]);
+        let outcome = publish(&sink, &topic, name).await;
+        let error = failed(&outcome);
         assert_eq!(
             error.kind(),
             ErrorKind::Temporary,
@@ -275,27 +245,10 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
         // The retry runs on a new producer and goes through.
         sink.health().await.expect("healthy again");
         let retried = format!("{name} retried");
-        delivered(
-            &sink
-                .publish(&[message(&topic, &retried)])
-                .await
-                .expect("publish")[0],
-        );
+        delivered(&publish(&sink, &topic, &retried).await);
     }
-    let records = consume(
-        &mock.bootstrap_servers(),
-        &topic,
-        1,
-        4,
-        Duration::from_secs(10),
-    )
-    .await;
-    let payloads: Vec<String> = records
-        .iter()
-        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
-        .collect();
     assert_eq!(
-        payloads,
+        payloads(&mock, &topic, 4).await,
         [
             "first",
             "out of order retried",
@@ -310,28 +263,20 @@ async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
     let topic = unique_name("silent");
     let mock = cluster(&topic, 1);
     let sink = sink(&mock);
-    delivered(
-        &sink
-            .publish(&[message(&topic, "first")])
-            .await
-            .expect("publish")[0],
-    );
+    delivered(&publish(&sink, &topic, "first").await);
 
     // Answers take a minute, far past the delivery time-out (3 s here): the publish must
     // end near that time-out as Unavailable, not wait for the answer.
     mock.broker_round_trip_time(1, Duration::from_secs(60))
         .expect("slow broker");
     let started = std::time::Instant::now();
-    let outcomes = sink
-        .publish(&[message(&topic, "stuck")])
-        .await
-        .expect("publish");
+    let outcome = publish(&sink, &topic, "stuck").await;
     let took = started.elapsed();
     assert_eq!(
-        failed(&outcomes[0]).kind(),
+        failed(&outcome).kind(),
         ErrorKind::Unavailable,
         "{:?}",
-        outcomes[0]
+        outcome
     );
     assert!(
         took < Duration::from_secs(10),
@@ -343,11 +288,8 @@ async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
         .expect("fast broker");
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     loop {
-        let outcomes = sink
-            .publish(&[message(&topic, "after")])
-            .await
-            .expect("publish");
-        match &outcomes[0] {
+        let outcome = publish(&sink, &topic, "after").await;
+        match &outcome {
             Outcome::Delivered(_) => break,
             Outcome::Failed(e) => assert!(std::time::Instant::now() < deadline, "not back: {e}"),
         }
@@ -364,13 +306,7 @@ async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
 async fn a_refused_message_does_not_stop_the_later_ones_of_its_partition_so_key_runs_stay_off() {
     let topic = unique_name("run");
     let mock = cluster(&topic, 1);
-    let mut config = KafkaConfig::new(mock.bootstrap_servers());
-    config.publish_timeout = Duration::from_secs(3);
-    let config = config
-        .property("retry.backoff.ms", "10")
-        .property("linger.ms", "0")
-        .property("batch.num.messages", "1");
-    let sink = KafkaSink::new(config).expect("sink");
+    let sink = KafkaSink::new(config(&mock).property("batch.num.messages", "1")).expect("sink");
     assert!(
         !sink.capabilities().ordered_key_runs,
         "the Kafka sink must not declare ordered_key_runs: see this test"
@@ -392,17 +328,5 @@ async fn a_refused_message_does_not_stop_the_later_ones_of_its_partition_so_key_
     assert_eq!(failed(&outcomes[1]).kind(), ErrorKind::Permanent);
     // Behind the refused message of its key and partition, and written all the same.
     delivered(&outcomes[2]);
-    let records = consume(
-        &mock.bootstrap_servers(),
-        &topic,
-        1,
-        2,
-        Duration::from_secs(10),
-    )
-    .await;
-    let payloads: Vec<String> = records
-        .iter()
-        .map(|r| String::from_utf8(r.payload.clone()).unwrap())
-        .collect();
-    assert_eq!(payloads, ["m0", "m2"]);
+    assert_eq!(payloads(&mock, &topic, 2).await, ["m0", "m2"]);
 }
