@@ -23,8 +23,9 @@ pub struct Backend {
     pub what: &'static str,
 }
 
-/// Expands the table: for each kind, the list of its rows (`STORAGES`, `SINKS`), a function
-/// that registers every row compiled in (`#[cfg(feature = …)]` on each call), and the
+/// Expands the table: for each kind, the list of its rows (`STORAGES`, `SINKS`), the function
+/// that builds its registry (`storages()`, `sinks()`: every row compiled in registered, with
+/// `#[cfg(feature = …)]` on each call, and the others noted as missing), and the
 /// re-export of each row's crate (in [`crates`], which the crate root re-exports). A row is
 /// `"type", feature "feature", "what it is", outbox_<name> as <name>;`: the crate's
 /// `register` function registers the type. A row without a crate is registered by the crate
@@ -32,7 +33,7 @@ pub struct Backend {
 macro_rules! backends {
     ($(
         $(#[$doc:meta])*
-        $list:ident, $registry:ty, $register_all:ident {
+        $list:ident, $registry:ty, $kind:literal, $build:ident {
             $( $name:literal, feature $feature:literal, $what:literal
                 $(, $krate:ident as $module:ident)?; )*
         }
@@ -43,14 +44,18 @@ macro_rules! backends {
                 $( Backend { name: $name, feature: $feature, what: $what }, )*
             ];
 
-            /// Registers every row of the list above that this build has.
-            // A build with none of them leaves `registry` unused.
-            #[allow(unused_variables)]
-            fn $register_all(registry: &mut $registry) {
+            #[doc = concat!("Every ", $kind, " type this build has; the others are noted with the cargo")]
+            /// feature that adds them, so asking for one says how to get it.
+            pub fn $build() -> $registry {
+                let mut registry = <$registry>::new();
                 $($(
                     #[cfg(feature = $feature)]
-                    crates::$module::register(registry);
+                    crates::$module::register(&mut registry);
                 )?)*
+                for backend in $list {
+                    registry.note_missing(backend.name, backend.feature);
+                }
+                registry
             }
         )*
 
@@ -69,14 +74,14 @@ macro_rules! backends {
 backends! {
     /// Every storage type: its `[storage] type` name, the cargo feature that adds it and
     /// what it stores in.
-    STORAGES, StorageRegistry, register_storages {
+    STORAGES, StorageRegistry, "storage", storages {
         "postgres", feature "postgres", "PostgreSQL", outbox_postgres as postgres;
         "sqlite", feature "sqlite", "SQLite", outbox_sqlite as sqlite;
         "mysql", feature "mysql", "MySQL, MariaDB", outbox_mysql as mysql;
     }
     /// Every sink type: its `[sink] type` name, the cargo feature that adds it and what it
     /// delivers to.
-    SINKS, SinkRegistry, register_sinks {
+    SINKS, SinkRegistry, "sink", sinks {
         "redis", feature "redis", "Redis Streams", outbox_redis as redis;
         "amqp", feature "amqp", "AMQP 0-9-1, RabbitMQ", outbox_amqp as amqp;
         "kafka", feature "kafka", "Kafka", outbox_kafka as kafka;
@@ -85,28 +90,6 @@ backends! {
         // outbox_file::register registers it, beside `file`.
         "stdout", feature "file", "JSON lines on standard output";
     }
-}
-
-/// Every storage type this build has; the others are noted with the cargo feature that adds
-/// them, so asking for one says how to get it.
-pub fn storages() -> StorageRegistry {
-    let mut registry = StorageRegistry::new();
-    register_storages(&mut registry);
-    for storage in STORAGES {
-        registry.note_missing(storage.name, storage.feature);
-    }
-    registry
-}
-
-/// Every sink type this build has; the others are noted with the cargo feature that adds
-/// them, so asking for one says how to get it.
-pub fn sinks() -> SinkRegistry {
-    let mut registry = SinkRegistry::new();
-    register_sinks(&mut registry);
-    for sink in SINKS {
-        registry.note_missing(sink.name, sink.feature);
-    }
-    registry
 }
 
 /// The backends for `--help`: every storage and sink, and which ones this build has.

@@ -12,4 +12,6 @@ pub mod cli;
 pub mod fuzzing;
 
 pub mod backends;
+// A build without any backend feature has nothing to re-export.
+#[allow(unused_imports)]
 pub use backends::crates::*;

@@ -304,12 +304,9 @@ mod tests {
 
     const PARENT: &str = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
 
-    fn names(envelope: &Envelope<'_>) -> Vec<&'static str> {
-        envelope.fields().into_iter().map(|(n, _)| n).collect()
-    }
-
-    #[test]
-    fn a_full_message_renders_every_field_in_order() {
+    /// A message with every field set: key, an application header (`x-tenant`), a trace
+    /// context with a state, and a creation time with nanoseconds.
+    fn full_message() -> Message {
         let mut message: Message = NewMessage::json("orders", &[1])
             .unwrap()
             .key("o-1")
@@ -323,6 +320,16 @@ mod tests {
             .timestamp_opt(1_738_324_800, 123_456_789)
             .single()
             .unwrap();
+        message
+    }
+
+    fn names(envelope: &Envelope<'_>) -> Vec<&'static str> {
+        envelope.fields().into_iter().map(|(n, _)| n).collect()
+    }
+
+    #[test]
+    fn a_full_message_renders_every_field_in_order() {
+        let message = full_message();
         let envelope = Envelope::of(&message);
         let fields: Vec<(&str, String)> = envelope
             .fields()
@@ -439,18 +446,7 @@ mod tests {
 
     #[test]
     fn every_field_written_is_read_back() {
-        let mut message: Message = NewMessage::json("orders", &[1])
-            .unwrap()
-            .key("o-1")
-            .trace_context(TraceContext {
-                traceparent: PARENT.into(),
-                tracestate: Some("rojo=1".into()),
-            })
-            .into();
-        message.created_at = Utc
-            .timestamp_opt(1_738_324_800, 123_456_789)
-            .single()
-            .unwrap();
+        let message = full_message();
         let mut fields = wire(&message);
         // Other headers and fields around the envelope are ignored.
         fields.insert(0, ("x-tenant".into(), b"acme".to_vec()));

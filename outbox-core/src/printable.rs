@@ -46,16 +46,20 @@ mod tests {
     #[test]
     fn newlines_escapes_and_bidi_controls_are_escaped() {
         // The security review's topics: a forged log line, terminal colours and a title.
-        assert_eq!(
-            printable("forge\n2026-12-02T07:40:00Z  INFO outbox::console: console action"),
-            "forge\\n2026-12-02T07:40:00Z  INFO outbox::console: console action"
-        );
-        assert_eq!(
-            printable("logi\u{1b}[31mRED\u{1b}]0;TITLE\u{7}"),
-            "logi\\u{1b}[31mRED\\u{1b}]0;TITLE\\u{7}"
-        );
-        assert_eq!(printable("t&\u{202E}gnp.exe"), "t&\\u{202e}gnp.exe");
-        assert_eq!(printable("a\r\tb"), "a\\r\\tb");
+        for (text, shown) in [
+            (
+                "forge\n2026-12-02T07:40:00Z  INFO outbox::console: console action",
+                "forge\\n2026-12-02T07:40:00Z  INFO outbox::console: console action",
+            ),
+            (
+                "logi\u{1b}[31mRED\u{1b}]0;TITLE\u{7}",
+                "logi\\u{1b}[31mRED\\u{1b}]0;TITLE\\u{7}",
+            ),
+            ("t&\u{202E}gnp.exe", "t&\\u{202e}gnp.exe"),
+            ("a\r\tb", "a\\r\\tb"),
+        ] {
+            assert_eq!(printable(text), shown);
+        }
     }
 
     #[test]

@@ -41,6 +41,14 @@ fn payloads(messages: &[Message]) -> Vec<String> {
     messages.iter().map(|m| text(&m.payload)).collect()
 }
 
+/// Each message's payload with the attempts charged to it.
+fn attempts_of(messages: &[Message]) -> Vec<(String, u32)> {
+    messages
+        .iter()
+        .map(|m| (text(&m.payload), m.attempts))
+        .collect()
+}
+
 fn times_of_attempts(
     sink: &MemorySink,
     fail: impl Fn(&Message) -> bool + Send + Sync + 'static,
@@ -89,16 +97,36 @@ async fn retries_follow_the_backoff_then_dead_letter() {
     assert_eq!(dead[0].0.attempts, 5);
 }
 
-/// A storage whose every claim fails, recording when it was called.
-struct BrokenStorage {
+/// A storage that is down: every claim fails, and is recorded with when it was made. The
+/// claim numbered `hangs_on` (1 is the first), if any, hangs for 61 s before it fails (a run
+/// that lasted over a minute, then lost the database).
+struct DownStorage {
     calls: Mutex<Vec<Duration>>,
     start: Instant,
+    hangs_on: Option<usize>,
+}
+
+impl DownStorage {
+    fn new(hangs_on: Option<usize>) -> Self {
+        DownStorage {
+            calls: Mutex::new(Vec::new()),
+            start: Instant::now(),
+            hangs_on,
+        }
+    }
 }
 
 #[async_trait]
-impl Storage for BrokenStorage {
+impl Storage for DownStorage {
     async fn claim(&self, _: &str, _: usize, _: Duration) -> Result<Claim> {
-        self.calls.lock().unwrap().push(self.start.elapsed());
+        let n = {
+            let mut calls = self.calls.lock().unwrap();
+            calls.push(self.start.elapsed());
+            calls.len()
+        };
+        if self.hangs_on == Some(n) {
+            sleep(Duration::from_secs(61)).await;
+        }
         Err(Error::unavailable("database is down"))
     }
     async fn settle(&self, _: &ClaimToken, _: &Settlement) -> Result<u64> {
@@ -120,10 +148,7 @@ impl Storage for BrokenStorage {
 
 #[tokio::test(start_paused = true)]
 async fn failed_runs_restart_after_doubling_waits() {
-    let storage = Arc::new(BrokenStorage {
-        calls: Mutex::new(Vec::new()),
-        start: Instant::now(),
-    });
+    let storage = Arc::new(DownStorage::new(None));
     let worker = Worker::new(config(), storage.clone(), Arc::new(MemorySink::new())).unwrap();
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn({
@@ -147,53 +172,13 @@ async fn failed_runs_restart_after_doubling_waits() {
     assert_eq!(asked.elapsed(), Duration::ZERO);
 }
 
-/// A storage that is down: claims fail at once, except the third, which hangs for
-/// 61 s before failing (a run that lasted over a minute, then lost the database).
-struct Flaky {
-    calls: Mutex<Vec<Duration>>,
-    start: Instant,
-}
-
-#[async_trait]
-impl Storage for Flaky {
-    async fn claim(&self, _: &str, _: usize, _: Duration) -> Result<Claim> {
-        let n = {
-            let mut calls = self.calls.lock().unwrap();
-            calls.push(self.start.elapsed());
-            calls.len()
-        };
-        if n == 3 {
-            sleep(Duration::from_secs(61)).await;
-        }
-        Err(Error::unavailable("database is down"))
-    }
-    async fn settle(&self, _: &ClaimToken, _: &Settlement) -> Result<u64> {
-        unreachable!("nothing was claimed")
-    }
-    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
-        unreachable!("nothing was claimed")
-    }
-    async fn health(&self) -> Result<()> {
-        Err(Error::unavailable("database is down"))
-    }
-    async fn stats(&self) -> Result<QueueStats> {
-        Err(Error::unavailable("database is down"))
-    }
-    fn capabilities(&self) -> StorageCapabilities {
-        StorageCapabilities::new(true)
-    }
-}
-
 /// docs/ARCHITECTURE.md "Supervision": a failed run is restarted after 1 s, 2 s, 4 s
 /// ..., and "the wait resets after a run that lasted 60 s". The test above checks the
 /// doubling; this one the reset: runs start at 0 s, 1 s (after 1 s) and 3 s (after 2 s);
 /// the third lasts 61 s, so the fourth starts 1 s after it ends (65 s), not 4 s (68 s).
 #[tokio::test(start_paused = true)]
 async fn the_restart_wait_resets_after_a_run_that_lasted_a_minute() {
-    let storage = Arc::new(Flaky {
-        calls: Mutex::new(Vec::new()),
-        start: Instant::now(),
-    });
+    let storage = Arc::new(DownStorage::new(Some(3)));
     let (shutdown, handle) = start(config(), storage.clone(), Arc::new(MemorySink::new()));
     sleep(Duration::from_millis(66_500)).await;
     shutdown.cancel();
@@ -323,22 +308,14 @@ async fn a_failing_head_holds_back_its_key_but_not_others() {
     }
     let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_millis(500)).await;
-    let published: Vec<String> = sink
-        .published()
-        .iter()
-        .map(|m| String::from_utf8(m.payload.clone()).unwrap())
-        .collect();
+    let published = payloads(&sink.published());
     assert_eq!(
         published,
         ["b0", "b1", "b2"],
         "key a must wait for its head"
     );
     // a1 and a2 were released uncharged; a0 was charged.
-    let pending = storage.pending();
-    let attempts: Vec<(String, u32)> = pending
-        .iter()
-        .map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts))
-        .collect();
+    let attempts = attempts_of(&storage.pending());
     assert_eq!(
         attempts,
         [("a0".into(), 1), ("a1".into(), 0), ("a2".into(), 0)]
@@ -348,11 +325,7 @@ async fn a_failing_head_holds_back_its_key_but_not_others() {
     sleep(Duration::from_secs(3)).await;
     shutdown.cancel();
     handle.await.unwrap();
-    let published: Vec<String> = sink
-        .published()
-        .iter()
-        .map(|m| String::from_utf8(m.payload.clone()).unwrap())
-        .collect();
+    let published = payloads(&sink.published());
     assert_eq!(published, ["b0", "b1", "b2", "a0", "a1", "a2"]);
 }
 
@@ -739,11 +712,20 @@ async fn a_batch_that_outlives_its_lease_keeps_it_renewed() {
     assert_eq!(delivered, [b"k1".to_vec(), b"k2".to_vec()]);
 }
 
-/// A storage whose leases cannot be renewed (the database went away during a batch).
-struct NoRenewal(MemoryStorage);
+/// The in-memory storage whose lease renewals fail, in one of two ways.
+struct LostLease(MemoryStorage, Lost);
+
+/// How a [`LostLease`] storage refuses a renewal.
+enum Lost {
+    /// The database went away during the batch: the renewal errs.
+    Unreachable,
+    /// Another relay claimed the rows after the lease ran out on the database's clock: the
+    /// renewal changes no row.
+    TakenOver,
+}
 
 #[async_trait]
-impl Storage for NoRenewal {
+impl Storage for LostLease {
     async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Result<Claim> {
         self.0.claim(worker, limit, lease).await
     }
@@ -751,7 +733,10 @@ impl Storage for NoRenewal {
         self.0.settle(token, settlement).await
     }
     async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
-        Err(Error::unavailable("database is down"))
+        match self.1 {
+            Lost::Unreachable => Err(Error::unavailable("database is down")),
+            Lost::TakenOver => Ok(0),
+        }
     }
     async fn health(&self) -> Result<()> {
         Ok(())
@@ -766,7 +751,7 @@ impl Storage for NoRenewal {
 
 #[tokio::test(start_paused = true)]
 async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
-    let storage = Arc::new(NoRenewal(MemoryStorage::new(true)));
+    let storage = Arc::new(LostLease(MemoryStorage::new(true), Lost::Unreachable));
     storage.0.enqueue(NewMessage::new("t", "k1").key("k"));
     storage.0.enqueue(NewMessage::new("t", "k2").key("k"));
     let lease = Duration::from_secs(4);
@@ -788,39 +773,13 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
     assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
 }
 
-/// A storage whose lease renewals find the claim taken over (another relay claimed the
-/// rows after the lease ran out on the database's clock).
-struct TakenOver(MemoryStorage);
-
-#[async_trait]
-impl Storage for TakenOver {
-    async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Result<Claim> {
-        self.0.claim(worker, limit, lease).await
-    }
-    async fn settle(&self, token: &ClaimToken, settlement: &Settlement) -> Result<u64> {
-        self.0.settle(token, settlement).await
-    }
-    async fn extend_lease(&self, _: &ClaimToken, _: &[Uuid], _: Duration) -> Result<u64> {
-        Ok(0)
-    }
-    async fn health(&self) -> Result<()> {
-        Ok(())
-    }
-    async fn stats(&self) -> Result<QueueStats> {
-        self.0.stats().await
-    }
-    fn capabilities(&self) -> StorageCapabilities {
-        self.0.capabilities()
-    }
-}
-
 /// docs/ARCHITECTURE.md "Leases": "When renewal fails (taken over, or the storage
 /// cannot be reached ...) it stops the batch: the round in flight is abandoned and
 /// nothing more is published". The test above covers the unreachable storage; this one
 /// the takeover, seen as a renewal that changes fewer rows than claimed.
 #[tokio::test(start_paused = true)]
 async fn a_renewal_that_finds_the_claim_taken_over_stops_the_batch_at_once() {
-    let storage = Arc::new(TakenOver(MemoryStorage::new(true)));
+    let storage = Arc::new(LostLease(MemoryStorage::new(true), Lost::TakenOver));
     storage.0.enqueue(NewMessage::new("t", "k1").key("k"));
     storage.0.enqueue(NewMessage::new("t", "k2").key("k"));
     let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
@@ -938,26 +897,22 @@ async fn a_sink_with_ordered_key_runs_takes_a_batch_in_one_call_and_stops_a_key_
         storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
         storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
     }
-    let payloads = |sink: &MemorySink| -> Vec<String> {
-        (sink.published().iter())
-            .map(|m| String::from_utf8(m.payload.clone()).unwrap())
-            .collect()
-    };
     let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_millis(500)).await;
     assert_eq!(sink.publish_calls(), 1, "one call for the whole batch");
-    assert_eq!(payloads(&sink), ["a0", "b0", "b1", "b2"]);
+    assert_eq!(payloads(&sink.published()), ["a0", "b0", "b1", "b2"]);
     // a1 was charged; a2, behind it and never tried, was put back uncharged.
-    let attempts: Vec<(String, u32)> = (storage.pending().iter())
-        .map(|m| (String::from_utf8(m.payload.clone()).unwrap(), m.attempts))
-        .collect();
+    let attempts = attempts_of(&storage.pending());
     assert_eq!(attempts, [("a1".into(), 1), ("a2".into(), 0)]);
 
     sink.fail_when(|_| None);
     sleep(Duration::from_secs(3)).await;
     shutdown.cancel();
     handle.await.unwrap();
-    assert_eq!(payloads(&sink), ["a0", "b0", "b1", "b2", "a1", "a2"]);
+    assert_eq!(
+        payloads(&sink.published()),
+        ["a0", "b0", "b1", "b2", "a1", "a2"]
+    );
 }
 
 #[test]
