@@ -272,7 +272,14 @@ impl AmqpConfig {
             ));
         }
         self.parse_uri()?;
-        self.check_tls_files()?;
+        // The TLS files need an `amqps://` URL and must exist; a certificate needs its key.
+        outbox_core::config::check_tls_files_of_url(
+            &self.url,
+            "amqps://",
+            self.tls_ca_file.as_deref(),
+            self.tls_cert_file.as_deref(),
+            self.tls_key_file.as_deref(),
+        )?;
         let default = self.default_route()?;
         check_exchange("exchange", &default.exchange)?;
         check_routing_key("routing_key", &default.routing_key)?;
@@ -334,32 +341,6 @@ impl AmqpConfig {
         self.reconnect_backoff
             .validate()
             .map_err(|e| e.in_section("reconnect_backoff"))
-    }
-
-    /// The TLS files need an `amqps://` URL and must exist; a certificate needs its key.
-    fn check_tls_files(&self) -> Result<()> {
-        let tls_files = [
-            ("tls_ca_file", &self.tls_ca_file),
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-        ];
-        for (key, file) in tls_files {
-            if file.is_none() {
-                continue;
-            }
-            if !self.url.starts_with("amqps://") {
-                return Err(Error::setting(
-                    key,
-                    "needs a TLS connection: write the url as amqps://…",
-                ));
-            }
-        }
-        outbox_core::config::check_tls_files(
-            self.tls_ca_file.as_deref(),
-            self.tls_cert_file.as_deref(),
-            self.tls_key_file.as_deref(),
-        )?;
-        Ok(())
     }
 
     /// The route of topics not in `routes`: `exchange` with `routing_key`.

@@ -1,6 +1,7 @@
 //! What every backend's configuration shares: one struct serves the relay's file and the
 //! Rust API (deserialised with [`from_value`], so a bad value is reported under the key the
-//! user wrote), and the [`Template`] that turns a message's topic into a broker name.
+//! user wrote, and checked by its [`Settings::validate`]), and the [`Template`] that turns a
+//! message's topic into a broker name.
 
 use std::fmt;
 
@@ -29,6 +30,23 @@ pub fn from_value<T: DeserializeOwned>(value: serde_json::Value) -> Result<T> {
     })
 }
 
+/// A backend's settings: its section of the relay's configuration file (the `[storage]` or
+/// `[sink]` table, without `type`) and its Rust API alike. A backend writes
+/// [`validate`](Settings::validate); [`from_value`](Settings::from_value) reads a section and
+/// checks it, so no setting reaches a backend unchecked.
+pub trait Settings: DeserializeOwned {
+    /// Checks every setting; the error is keyed by the bad one, relative to the section (the
+    /// caller places it with [`Error::in_section`]).
+    fn validate(&self) -> Result<()>;
+
+    /// Reads the settings from a section (as JSON, see [`from_value`]) and validates them.
+    fn from_value(value: serde_json::Value) -> Result<Self> {
+        let settings: Self = from_value(value)?;
+        settings.validate()?;
+        Ok(settings)
+    }
+}
+
 /// serde's "invalid type" message without the value it found: `invalid type: integer
 /// `987654321012345`, expected a string` becomes `invalid type: integer, expected a string`.
 /// The value may be a secret typed unquoted (a numeric password or token), and the kind of
@@ -43,6 +61,32 @@ fn without_value(problem: &str) -> String {
     };
     let kind = found.split(['`', '"']).next().unwrap_or(found).trim_end();
     format!("{PREFIX}{kind}, expected {expected}")
+}
+
+/// For a backend whose URL's scheme turns TLS on (`rediss://`, `amqps://`): refuses a
+/// `tls_*` file given with a `url` that does not start with `tls_scheme`, then checks the
+/// files as [`check_tls_files`] does.
+pub fn check_tls_files_of_url(
+    url: &str,
+    tls_scheme: &str,
+    ca: Option<&std::path::Path>,
+    cert: Option<&std::path::Path>,
+    key: Option<&std::path::Path>,
+) -> Result<()> {
+    let given = [
+        ("tls_ca_file", ca),
+        ("tls_cert_file", cert),
+        ("tls_key_file", key),
+    ];
+    if let Some((setting, _)) = given.iter().find(|(_, file)| file.is_some()) {
+        if !url.starts_with(tls_scheme) {
+            return Err(Error::setting(
+                setting,
+                format!("needs a TLS connection: write the url as {tls_scheme}…"),
+            ));
+        }
+    }
+    check_tls_files(ca, cert, key)
 }
 
 /// Checks the TLS files every backend takes under the same keys, `tls_ca_file`,
@@ -347,7 +391,7 @@ mod tests {
 
     #[derive(Debug, serde::Deserialize, PartialEq)]
     #[serde(deny_unknown_fields)]
-    struct Settings {
+    struct Sample {
         batch: u64,
         ratio: f64,
         on: bool,
@@ -368,7 +412,7 @@ mod tests {
     #[test]
     fn text_is_typed_by_the_setting_it_sets() {
         // As environment variables give them: every value text.
-        let settings: Settings = from_value(serde_json::json!({
+        let settings: Sample = from_value(serde_json::json!({
             "batch": "500", "ratio": "0.5", "on": "true", "limit": "7",
             "password": "12345", "ports": ["1", "2"],
             "properties": {"linger.ms": "5", "acks": "all"},
@@ -385,7 +429,7 @@ mod tests {
         assert_eq!(settings.inner, Inner { depth: -3 });
         assert_eq!(settings.wait, Duration::from_secs(2));
         // Typed values read as before.
-        let typed: Settings = from_value(serde_json::json!({
+        let typed: Sample = from_value(serde_json::json!({
             "batch": 500, "ratio": 0.5, "on": true, "limit": null, "password": "p",
             "ports": [], "properties": {}, "inner": {"depth": 1}, "wait": "1s",
         }))
@@ -398,15 +442,15 @@ mod tests {
         let error = from_value::<Inner>(serde_json::json!({"depth": "deep"})).unwrap_err();
         assert!(error.to_string().contains("depth"), "{error}");
         let error =
-            from_value::<Settings>(serde_json::json!({"batch": "1", "extra": 1})).unwrap_err();
+            from_value::<Sample>(serde_json::json!({"batch": "1", "extra": 1})).unwrap_err();
         assert!(error.to_string().contains("extra"), "{error}");
     }
 
     #[test]
     fn a_value_of_the_wrong_type_is_not_echoed_it_may_be_a_secret() {
         // An unquoted numeric password or token in TOML (the security review's case).
-        let error = from_value::<Settings>(serde_json::json!({"password": 987654321012345_u64}))
-            .unwrap_err();
+        let error =
+            from_value::<Sample>(serde_json::json!({"password": 987654321012345_u64})).unwrap_err();
         let text = error.to_string();
         assert!(!text.contains("987654321012345"), "{text}");
         assert!(
@@ -414,7 +458,7 @@ mod tests {
             "{text}"
         );
         let error =
-            from_value::<Settings>(serde_json::json!({"properties": {"sasl.password": 1.25}}))
+            from_value::<Sample>(serde_json::json!({"properties": {"sasl.password": 1.25}}))
                 .unwrap_err();
         assert!(!error.to_string().contains("1.25"), "{error}");
         assert_eq!(without_value("unknown field `x`"), "unknown field `x`");

@@ -7,6 +7,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
+use crate::config::Settings;
 use crate::{Error, Result, Sink, StorageAdmin};
 
 /// A boxed future, as returned by a [`Factory`].
@@ -80,6 +81,21 @@ impl<T: ?Sized + 'static> Registry<T> {
             name.to_string(),
             Arc::new(move |config| Box::pin(factory(config))),
         );
+    }
+
+    /// Registers under `name` a factory that takes its typed settings: the section is read
+    /// and validated with [`Settings::from_value`] (a bad key or value is a `Config` error
+    /// keyed by the setting) before `build` is called, so a backend cannot forget to.
+    pub fn register_settings<C, F, Fut>(&mut self, name: &str, build: F)
+    where
+        C: Settings,
+        F: Fn(C) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Arc<T>>> + Send + 'static,
+    {
+        self.register(name, move |section| {
+            let building = C::from_value(section).map(&build);
+            async move { building?.await }
+        });
     }
 
     /// Records that type `name` exists but this build lacks it, and which cargo feature
@@ -160,5 +176,53 @@ mod tests {
             missing.to_string().contains("cargo feature `kafka`"),
             "{missing}"
         );
+    }
+
+    /// Settings of a sink made up for the test: `size` must be at least 1.
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Spool {
+        size: usize,
+    }
+
+    impl Settings for Spool {
+        fn validate(&self) -> Result<()> {
+            if self.size == 0 {
+                return Err(Error::setting("size", "is 0; it must be at least 1"));
+            }
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_factory_of_settings_gets_them_read_and_checked() {
+        let mut registry = SinkRegistry::new();
+        let built = Arc::new(std::sync::Mutex::new(Vec::new()));
+        registry.register_settings("spool", {
+            let built = built.clone();
+            move |settings: Spool| {
+                built.lock().unwrap().push(settings.size);
+                async { Ok(Arc::new(MemorySink::new()) as Arc<dyn Sink>) }
+            }
+        });
+        let build = |section| registry.build("spool", section);
+        assert!(build(serde_json::json!({"size": "3"})).await.is_ok());
+        for (section, problem) in [
+            (
+                serde_json::json!({"size": 0}),
+                "sink.size is 0; it must be at least 1",
+            ),
+            (
+                serde_json::json!({"size": 1, "extra": 1}),
+                "sink.extra: unknown field",
+            ),
+            (serde_json::json!({"size": "many"}), "sink.size: invalid"),
+        ] {
+            let error = build(section).await.err().unwrap().in_section("sink");
+            assert!(error.message().starts_with(problem), "{error}");
+            assert_eq!(error.kind(), crate::ErrorKind::Config);
+        }
+        // The factory ran for the good section only.
+        assert_eq!(*built.lock().unwrap(), [3]);
     }
 }

@@ -297,26 +297,15 @@ impl NatsConfig {
             ("tls_cert_file", &self.tls_cert_file),
             ("tls_key_file", &self.tls_key_file),
         ] {
-            if let Some(file) = file
-                && is_a_secret(file)
-            {
+            if file.as_deref().is_some_and(is_a_secret) {
                 return Err(Error::setting(key, CONTENTS_NOT_PATH));
             }
-            if let Some(file) = file
-                && let Err(e) = std::fs::metadata(file)
-            {
-                return Err(Error::setting(
-                    key,
-                    format!("`{}` cannot be read: {e}", file.display()),
-                ));
-            }
         }
-        if self.tls_cert_file.is_some() != self.tls_key_file.is_some() {
-            return Err(Error::setting(
-                "tls_cert_file",
-                "and tls_key_file go together: give both for a client certificate, or neither",
-            ));
-        }
+        outbox_core::config::check_tls_files(
+            self.tls_ca_file.as_deref(),
+            self.tls_cert_file.as_deref(),
+            self.tls_key_file.as_deref(),
+        )?;
         if self.token.as_ref().is_some_and(|t| t.is_empty()) {
             return Err(Error::setting(
                 "token",

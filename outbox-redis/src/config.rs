@@ -191,23 +191,9 @@ impl RedisConfig {
                 ),
             ));
         }
-        let tls_files = [
-            ("tls_ca_file", &self.tls_ca_file),
-            ("tls_cert_file", &self.tls_cert_file),
-            ("tls_key_file", &self.tls_key_file),
-        ];
-        for (key, file) in tls_files {
-            if file.is_none() {
-                continue;
-            }
-            if !self.url.starts_with("rediss://") {
-                return Err(Error::setting(
-                    key,
-                    "needs a TLS connection: write the url as rediss://…",
-                ));
-            }
-        }
-        outbox_core::config::check_tls_files(
+        outbox_core::config::check_tls_files_of_url(
+            &self.url,
+            "rediss://",
             self.tls_ca_file.as_deref(),
             self.tls_cert_file.as_deref(),
             self.tls_key_file.as_deref(),
