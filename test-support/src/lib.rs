@@ -2,7 +2,8 @@
 //! are ([`Service`]), names no other test uses ([`unique_name`]), URL surgery for putting a
 //! proxy in front of a server ([`host_port`], [`through`]), a TCP [`Proxy`] that cuts,
 //! stalls, holds and counts, and the fixtures' plumbing: [`clean_up`] (async clean-up from a
-//! `Drop`), [`TempDir`], [`free_port`] and [`free_addr`].
+//! `Drop`), [`TempDir`], [`free_port`] and [`free_addr`], and how a test reads messages back
+//! ([`text`], [`payloads`], [`by_key`]).
 //!
 //! Helpers for one broker are behind a feature of its name, each bringing that broker's
 //! client crate only: `redis`, `amqp`, `kafka`, `nats`. `relay` (feature `relay`, bringing
@@ -33,6 +34,7 @@ mod temp_dir;
 #[cfg(feature = "tls")]
 pub mod tls;
 
+use std::collections::BTreeMap;
 use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;
@@ -103,6 +105,29 @@ pub fn free_port() -> u16 {
 /// `127.0.0.1:port` with a port that was free a moment ago ([`free_port`]).
 pub fn free_addr() -> String {
     format!("127.0.0.1:{}", free_port())
+}
+
+/// A payload as text, lossily: the suites' payloads are text, and one that is not shows as
+/// what it is in the assertion that compares it.
+pub fn text(payload: &[u8]) -> String {
+    String::from_utf8_lossy(payload).into_owned()
+}
+
+/// The payloads of `messages` as text ([`text`]), in order.
+pub fn payloads(messages: &[outbox_core::Message]) -> Vec<String> {
+    messages.iter().map(|m| text(&m.payload)).collect()
+}
+
+/// Per key (`""` for none), the payloads of `published` as text, in the order they came: what
+/// a per-key order assertion reads from a sink's record.
+pub fn by_key(published: &[outbox_core::Message]) -> BTreeMap<String, Vec<String>> {
+    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    for m in published {
+        keys.entry(m.key.clone().unwrap_or_default())
+            .or_default()
+            .push(text(&m.payload));
+    }
+    keys
 }
 
 /// Runs a fixture's async clean-up to its end from any context, a `Drop` inside a test's

@@ -12,13 +12,37 @@ mod log_outbox;
 
 pub use log_outbox::{LogOutbox, with_database};
 pub use outbox_test_support::relay::{
-    Relay, TestOutbox, dead_letters_of, drop_database, drop_schemas, end_to_end, run_on_postgres,
-    test_worker_config,
+    PgOutbox, Relay, TestOutbox, dead_letters_of, drop_database, drop_schemas, end_to_end,
+    run_on_postgres, test_worker_config, wait_until_drained,
 };
 pub use outbox_test_support::{
-    Proxy, Service, TempDir, clean_up, free_addr, free_port, host_port, kafka, mysql_url,
-    postgres_url, unique_name,
+    Proxy, Service, TempDir, by_key, clean_up, free_addr, free_port, host_port, kafka, mysql_url,
+    payloads, postgres_url, text, unique_name,
 };
+
+/// `total` messages over `keys` keys in turn (`k0`, `k1`, …): the n-th message of a key has
+/// the payload `n` in five digits, so that [`assert_key_order`] can tell each key's order.
+pub fn over_keys(total: usize, keys: usize) -> Vec<outbox_core::NewMessage> {
+    (0..total)
+        .map(|i| {
+            outbox_core::NewMessage::new("t", format!("{:05}", i / keys))
+                .key(format!("k{}", i % keys))
+        })
+        .collect()
+}
+
+/// Asserts that every key of `by_key` (payloads per key, as [`by_key`] reads them) holds the
+/// payloads of [`over_keys`]`(total, keys)`, all of them, in order.
+pub fn assert_key_order(
+    by_key: &std::collections::BTreeMap<String, Vec<String>>,
+    total: usize,
+    keys: usize,
+) {
+    let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
+    for (key, payloads) in by_key {
+        assert_eq!(payloads, &expected, "order broken for key {key}");
+    }
+}
 
 /// Drops a MySQL outbox's tables (every one its migrations make:
 /// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime

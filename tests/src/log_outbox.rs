@@ -4,26 +4,29 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{NewMessage, QueueStats, Sink, Storage, WorkerConfig};
-use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
-use sqlx::PgPool;
+use outbox_core::{Sink, WorkerConfig};
+use outbox_postgres::{PgStorage, PostgresConfig, StorageMode};
 use sqlx::postgres::PgPoolOptions;
 
-use crate::{Relay, Service, drop_database, postgres_url, test_worker_config, unique_name};
+use crate::{PgOutbox, Relay, Service, drop_database, postgres_url, unique_name};
 
 /// A log-mode outbox in a database of its own (the readable horizon is per database, so
-/// one test's open transactions never delay another's), dropped with it.
+/// one test's open transactions never delay another's), dropped with it. It dereferences to
+/// its [`PgOutbox`] (table, pool on the primary, storage; enqueue, relays, figures).
 pub struct LogOutbox {
-    /// The table names and enqueue statements.
-    pub table: OutboxTable,
-    /// A pool for the application side (enqueueing, inspecting), on the primary.
-    pub pool: PgPool,
-    /// The relay side.
-    pub storage: Arc<PgStorage>,
+    outbox: PgOutbox,
     /// The URL of the test's database.
     pub url: String,
     /// The test's database, on the server of [`postgres_url`].
     pub database: String,
+}
+
+impl std::ops::Deref for LogOutbox {
+    type Target = PgOutbox;
+
+    fn deref(&self) -> &PgOutbox {
+        &self.outbox
+    }
 }
 
 impl LogOutbox {
@@ -59,15 +62,8 @@ impl LogOutbox {
         adjust(&mut config);
         let storage = PgStorage::new(config).expect("valid test configuration");
         storage.migrate().await.expect("migrate for log mode");
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect(&url)
-            .await
-            .expect("connect to the test's database");
         LogOutbox {
-            table: storage.table().clone(),
-            pool,
-            storage: Arc::new(storage),
+            outbox: PgOutbox::connect(storage, &url).await,
             url,
             database,
         }
@@ -76,16 +72,6 @@ impl LogOutbox {
     /// Another relay's storage on the same table (its own shards and memory).
     pub fn another_relay(&self) -> Arc<PgStorage> {
         Arc::new(PgStorage::new(self.storage.config().clone()).expect("valid configuration"))
-    }
-
-    /// Enqueues `messages` in one committed transaction.
-    pub async fn enqueue(&self, messages: &[NewMessage]) {
-        let mut tx = self.pool.begin().await.expect("begin");
-        self.table
-            .enqueue_many(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        tx.commit().await.expect("commit");
     }
 
     /// Starts a worker over `storage` (this outbox's or [`LogOutbox::another_relay`]'s) with
@@ -97,16 +83,6 @@ impl LogOutbox {
         sink: Arc<dyn Sink>,
     ) -> Relay {
         Relay::start(config, storage, sink)
-    }
-
-    /// Starts a relay on this outbox's storage with [`test_worker_config`].
-    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
-        self.relay_on(self.storage.clone(), test_worker_config(worker_id), sink)
-    }
-
-    /// Queue figures, as this outbox's storage sees them.
-    pub async fn stats(&self) -> QueueStats {
-        Storage::stats(&*self.storage).await.expect("queue figures")
     }
 
     /// Rows in the log not yet behind a cursor, and rows kept aside, counted in SQL on the
@@ -161,11 +137,6 @@ impl LogOutbox {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-    }
-
-    /// Dead letters as (id, last error), oldest first.
-    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
-        crate::dead_letters_of(&*self.storage).await
     }
 }
 

@@ -4,21 +4,23 @@
 //! uses tables of its own, so they run in parallel. A server that is not running fails the
 //! tests with its address.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::memory::MemorySink;
 use outbox_core::{
-    CancellationToken, ErrorKind, NewMessage, Sink, Storage, StorageAdmin, StorageRegistry, Worker,
-    WorkerConfig,
+    ErrorKind, NewMessage, Sink, Storage, StorageAdmin, StorageRegistry, WorkerConfig,
 };
 use outbox_mysql::sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use outbox_mysql::sqlx::{self, MySql, Transaction};
 use outbox_mysql::{MySqlConfig, MySqlStorage, OutboxTable};
 use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
-use outbox_tests::{test_worker_config, unique_name};
+use outbox_tests::{
+    Relay, assert_key_order, by_key, over_keys, payloads, test_worker_config, unique_name,
+    wait_until_drained,
+};
 use uuid::Uuid;
 
 use outbox_tests::mysql_url;
@@ -66,33 +68,8 @@ impl TestOutbox {
         tx.commit().await.expect("commit");
     }
 
-    fn relay(
-        &self,
-        config: WorkerConfig,
-        sink: Arc<dyn Sink>,
-    ) -> (CancellationToken, tokio::task::JoinHandle<()>) {
-        let worker = Worker::new(config, self.storage.clone(), sink).expect("worker");
-        let stop = CancellationToken::new();
-        let handle = tokio::spawn({
-            let stop = stop.clone();
-            async move { worker.run(stop).await }
-        });
-        (stop, handle)
-    }
-
-    async fn wait_until_drained(&self, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let stats = self.storage.stats().await.expect("stats");
-            if stats.pending == 0 && stats.in_flight == 0 {
-                return;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "outbox not drained after {timeout:?}: {stats:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+    fn relay(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
+        Relay::start(config, self.storage.clone(), sink)
     }
 }
 
@@ -297,19 +274,12 @@ mod positions_reserved {
     });
 }
 
-fn text(payload: &[u8]) -> String {
-    String::from_utf8(payload.to_vec()).expect("UTF-8 payload")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_deliver_20000_messages_over_200_keys_once_in_key_order() {
     let outbox = TestOutbox::with_config(|_| {}).await;
     let (keys, total) = (200, 20_000);
-    let messages: Vec<NewMessage> = (0..total)
-        .map(|i| NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)))
-        .collect();
-    for chunk in messages.chunks(2000) {
-        outbox.enqueue(chunk).await;
+    for batch in over_keys(total, keys).chunks(2000) {
+        outbox.enqueue(batch).await;
     }
     let sink = Arc::new(MemorySink::new());
     let relays: Vec<_> = (0..4)
@@ -323,10 +293,9 @@ async fn four_relays_deliver_20000_messages_over_200_keys_once_in_key_order() {
             )
         })
         .collect();
-    outbox.wait_until_drained(Duration::from_secs(120)).await;
-    for (stop, handle) in relays {
-        stop.cancel();
-        handle.await.expect("relay");
+    wait_until_drained(&*outbox.storage, Duration::from_secs(120)).await;
+    for relay in relays {
+        relay.stop().await;
     }
     let published = sink.published();
     let mut seen = HashMap::new();
@@ -335,53 +304,7 @@ async fn four_relays_deliver_20000_messages_over_200_keys_once_in_key_order() {
     }
     assert_eq!(seen.len(), total, "every message delivered");
     assert_eq!(published.len(), total, "every message exactly once");
-    let mut by_key: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for m in &published {
-        by_key
-            .entry(m.key.clone().unwrap_or_default())
-            .or_default()
-            .push(text(&m.payload));
-    }
-    let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
-    for (key, payloads) in by_key {
-        assert_eq!(payloads, expected, "order broken for key {key}");
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sink_outage_charges_no_attempt() {
-    let outbox = TestOutbox::with_config(|_| {}).await;
-    let sink = Arc::new(MemorySink::new());
-    sink.set_up(false);
-    let messages: Vec<NewMessage> = (0..50)
-        .map(|i| NewMessage::new("t", format!("{i}")).key(format!("k{}", i % 5)))
-        .collect();
-    outbox.enqueue(&messages).await;
-    let (stop, handle) = outbox.relay(test_worker_config("outage"), sink.clone());
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(
-        sink.published().is_empty(),
-        "nothing goes out while the sink is down"
-    );
-    let attempts: Vec<i64> = sqlx::query_scalar(&format!(
-        "SELECT CAST(attempts AS SIGNED) FROM {}",
-        outbox.table.qualified("")
-    ))
-    .fetch_all(&outbox.pool)
-    .await
-    .expect("attempts");
-    assert_eq!(attempts.len(), 50);
-    assert!(
-        attempts.iter().all(|&a| a == 0),
-        "an outage charges no attempt: {attempts:?}"
-    );
-    sink.set_up(true);
-    outbox.wait_until_drained(Duration::from_secs(20)).await;
-    stop.cancel();
-    handle.await.expect("relay");
-    let stats = outbox.storage.stats().await.expect("stats");
-    assert_eq!(stats.dead_lettered, 0);
-    assert_eq!(sink.published().len(), 50, "everything arrives once");
+    assert_key_order(&by_key(&published), total, keys);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -758,7 +681,7 @@ async fn the_operators_repairs() {
         .collect();
     assert_eq!(pending, [("audit", 1), ("orders", 2)]);
     let claim = storage.claim("w", 10, lease).await.expect("claim");
-    let texts: Vec<String> = claim.messages.iter().map(|m| text(&m.payload)).collect();
+    let texts = payloads(&claim.messages);
     assert_eq!(texts, ["a1", "a2", "b1"]);
     let (a1, a2, b1) = (
         claim.messages[0].clone(),
@@ -847,7 +770,7 @@ async fn the_operators_repairs() {
         "replay unparks"
     );
     let again = storage.claim("w", 10, lease).await.expect("claim");
-    let texts: Vec<String> = again.messages.iter().map(|m| text(&m.payload)).collect();
+    let texts = payloads(&again.messages);
     assert_eq!(texts, ["a1", "a2"], "the replayed head goes first");
     assert_eq!(again.messages[0].attempts, 0, "a replay resets attempts");
 
@@ -889,7 +812,7 @@ async fn the_operators_repairs() {
             .expect("release again")
     );
     let last = storage.claim("w", 10, lease).await.expect("claim");
-    let texts: Vec<String> = last.messages.iter().map(|m| text(&m.payload)).collect();
+    let texts = payloads(&last.messages);
     assert_eq!(texts, ["a2"]);
 }
 
@@ -1231,12 +1154,4 @@ async fn keys_and_topics_over_their_limits_are_refused_as_permanent() {
     }];
     s.ack(&c.token, &delivered).await.expect("ack");
     assert_a_good_enqueue_goes_through(s).await;
-}
-
-/// The payloads of `messages`, as text.
-fn payloads(messages: &[outbox_core::Message]) -> Vec<String> {
-    messages
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect()
 }

@@ -11,39 +11,20 @@ use outbox_core::{
     WorkerConfig,
 };
 use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
-use outbox_tests::{TestOutbox, postgres_url, test_worker_config};
-
-fn text(payload: &[u8]) -> String {
-    String::from_utf8(payload.to_vec()).unwrap()
-}
-
-/// Per key, the payloads in the order the sink saw them.
-fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
-    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for m in sink.published() {
-        keys.entry(m.key.clone().unwrap_or_default())
-            .or_default()
-            .push(text(&m.payload));
-    }
-    keys
-}
+use outbox_tests::{
+    TestOutbox, assert_key_order, by_key, over_keys, postgres_url, test_worker_config, text,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rolled_back_messages_are_never_delivered_committed_ones_are() {
     let outbox = TestOutbox::new().await;
-    let mut tx = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut tx, &NewMessage::new("orders", "rolled back"))
-        .await
-        .unwrap();
+    let tx = outbox
+        .begin_with(&NewMessage::new("orders", "rolled back"))
+        .await;
     tx.rollback().await.unwrap();
-    let mut tx = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut tx, &NewMessage::new("orders", "committed"))
-        .await
-        .unwrap();
+    let tx = outbox
+        .begin_with(&NewMessage::new("orders", "committed"))
+        .await;
     tx.commit().await.unwrap();
 
     let sink = Arc::new(MemorySink::new());
@@ -99,15 +80,9 @@ fn serde_like() -> BTreeMap<&'static str, u32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_deliver_every_message_once_in_key_order() {
     let outbox = TestOutbox::new().await;
-    let keys = 200;
-    let total = 20_000;
-    let mut batch = Vec::new();
-    for i in 0..total {
-        batch.push(NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)));
-        if batch.len() == 1000 {
-            outbox.enqueue(&batch).await;
-            batch.clear();
-        }
+    let (keys, total) = (200, 20_000);
+    for batch in over_keys(total, keys).chunks(1000) {
+        outbox.enqueue(batch).await;
     }
     let sink = Arc::new(MemorySink::new());
     let relays: Vec<_> = (0..4)
@@ -135,10 +110,7 @@ async fn four_relays_deliver_every_message_once_in_key_order() {
         seen.values().all(|&n| n == 1),
         "a message was delivered twice"
     );
-    for (key, payloads) in by_key(&sink) {
-        let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
-        assert_eq!(payloads, expected, "order broken for key {key}");
-    }
+    assert_key_order(&by_key(&published), total, keys);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -167,18 +139,8 @@ async fn writers_committing_out_of_order_lose_nothing() {
     let sink = Arc::new(MemorySink::new());
     let relay = outbox.relay("w", sink.clone());
     // The first writer takes the lower sequence number but commits last.
-    let mut early = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut early, &NewMessage::new("t", "early-seq"))
-        .await
-        .unwrap();
-    let mut late = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut late, &NewMessage::new("t", "late-seq"))
-        .await
-        .unwrap();
+    let early = outbox.begin_with(&NewMessage::new("t", "early-seq")).await;
+    let late = outbox.begin_with(&NewMessage::new("t", "late-seq")).await;
     late.commit().await.unwrap();
     outbox.wait_until_drained(Duration::from_secs(10)).await;
     assert_eq!(sink.published().len(), 1);
@@ -711,12 +673,7 @@ async fn a_late_commit_and_one_refusal_keep_key_order_through_a_relay() {
         (m.payload == b"b" && !seen.swap(true, std::sync::atomic::Ordering::SeqCst))
             .then(|| Error::temporary("queue full"))
     });
-    let mut a = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut a, &NewMessage::new("t", "a").key("k"))
-        .await
-        .unwrap();
+    let a = outbox.begin_with(&NewMessage::new("t", "a").key("k")).await;
     outbox.enqueue(&[NewMessage::new("t", "b").key("k")]).await;
     let mut config = test_worker_config("late-commit");
     config.backoff.initial = Duration::from_millis(800);
@@ -735,7 +692,7 @@ async fn a_late_commit_and_one_refusal_keep_key_order_through_a_relay() {
     a.commit().await.unwrap();
     outbox.wait_until_drained(Duration::from_secs(20)).await;
     relay.stop().await;
-    let order = by_key(&sink).remove("k").unwrap_or_default();
+    let order = by_key(&sink.published()).remove("k").unwrap_or_default();
     let at = |p: &str| order.iter().position(|x| x == p);
     assert!(
         at("b").is_some() && at("b") < at("c") && at("a").is_some(),

@@ -16,13 +16,12 @@ use outbox_core::{
 };
 use outbox_postgres::{LogStart, PgStorage, PostgresConfig, StorageMode};
 use outbox_test_support::through;
-use outbox_tests::{LogOutbox, Proxy, Relay, host_port, test_worker_config};
+use outbox_tests::{
+    LogOutbox, Proxy, Relay, assert_key_order, by_key, host_port, over_keys, test_worker_config,
+    text,
+};
 
 const LEASE: Duration = Duration::from_secs(30);
-
-fn text(payload: &[u8]) -> String {
-    String::from_utf8_lossy(payload).into_owned()
-}
 
 fn payloads(claim: &Claim) -> Vec<String> {
     claim.messages.iter().map(|m| text(&m.payload)).collect()
@@ -37,17 +36,6 @@ fn deliveries(claim: &Claim) -> Vec<Delivery> {
             receipt: Receipt::new("r"),
         })
         .collect()
-}
-
-/// Per key, the payloads in the order the sink saw them.
-fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
-    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for m in sink.published() {
-        keys.entry(m.key.clone().unwrap_or_default())
-            .or_default()
-            .push(text(&m.payload));
-    }
-    keys
 }
 
 async fn log_outbox(shards: u32) -> LogOutbox {
@@ -80,24 +68,16 @@ async fn a_late_commit_behind_the_cursor_is_delivered_a_rollback_never_is() {
         .execute(&mut *early)
         .await
         .unwrap();
-    let mut late = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut late, &NewMessage::new("t", "late"))
-        .await
-        .unwrap();
+    let mut late = outbox.begin_with(&NewMessage::new("t", "late")).await;
     outbox
         .table
         .enqueue(&mut early, &NewMessage::new("t", "early"))
         .await
         .unwrap();
     early.commit().await.unwrap();
-    let mut rolled_back = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut rolled_back, &NewMessage::new("t", "rolled back"))
-        .await
-        .unwrap();
+    let rolled_back = outbox
+        .begin_with(&NewMessage::new("t", "rolled back"))
+        .await;
 
     let first = claim_some(&outbox.storage, Duration::from_secs(10)).await;
     assert_eq!(
@@ -158,12 +138,9 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
     outbox
         .enqueue(&[NewMessage::new("t", "before").key("k")])
         .await;
-    let mut open = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut open, &NewMessage::new("t", "held").key("k"))
-        .await
-        .unwrap();
+    let mut open = outbox
+        .begin_with(&NewMessage::new("t", "held").key("k"))
+        .await;
     for i in 0..5 {
         outbox
             .enqueue(&[NewMessage::new("t", format!("after-{i}")).key("k")])
@@ -211,7 +188,7 @@ async fn a_transaction_held_open_delays_delivery_and_loses_nothing() {
     relay.stop().await;
     assert!(started.elapsed() >= hold);
     assert_eq!(
-        by_key(&sink)["k"],
+        by_key(&sink.published())["k"],
         [
             "before", "held", "after-0", "after-1", "after-2", "after-3", "after-4"
         ],
@@ -254,15 +231,9 @@ async fn shards(outbox: &LogOutbox) -> Vec<(i32, Option<String>, i64, i64)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn four_relays_one_killed_one_started_lose_nothing_and_keep_key_order() {
     let outbox = log_outbox(16).await;
-    let keys = 200;
-    let total = 20_000;
-    let mut batch = Vec::new();
-    for i in 0..total {
-        batch.push(NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)));
-        if batch.len() == 2000 {
-            outbox.enqueue(&batch).await;
-            batch.clear();
-        }
+    let (keys, total) = (200, 20_000);
+    for batch in over_keys(total, keys).chunks(2000) {
+        outbox.enqueue(batch).await;
     }
     let sink = Arc::new(MemorySink::new());
     let config = |name: &str| WorkerConfig {
@@ -350,10 +321,7 @@ async fn four_relays_one_killed_one_started_lose_nothing_and_keep_key_order() {
     let (by_key, deliveries) = first_deliveries(&sink);
     let firsts: usize = by_key.values().map(Vec::len).sum();
     assert_eq!(firsts, total, "every message delivered");
-    for (key, payloads) in &by_key {
-        let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
-        assert_eq!(payloads, &expected, "order broken for key {key}");
-    }
+    assert_key_order(&by_key, total, keys);
     // Redeliveries come only from the killed relay's unsettled batches.
     assert!(
         deliveries - total <= 16 * 1000,
@@ -703,7 +671,7 @@ async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
         Some(0)
     );
     relay.stop().await;
-    assert_eq!(by_key(&sink)["k"], ["k-1", "k-2"]);
+    assert_eq!(by_key(&sink.published())["k"], ["k-1", "k-2"]);
     assert_eq!(outbox.dead_letters().await.len(), 1);
 }
 
@@ -1122,12 +1090,9 @@ async fn starting_from_now_skips_what_ended_before_and_keeps_what_was_running() 
             NewMessage::new("t", "old-2").key("j"),
         ])
         .await;
-    let mut running = outbox.pool.begin().await.unwrap();
-    outbox
-        .table
-        .enqueue(&mut running, &NewMessage::new("t", "running").key("k"))
-        .await
-        .unwrap();
+    let running = outbox
+        .begin_with(&NewMessage::new("t", "running").key("k"))
+        .await;
     let sink = Arc::new(MemorySink::new());
     let relay = outbox.relay("w", sink.clone());
     // Both shards taken (their cursors set) before anything else commits.
@@ -1143,7 +1108,7 @@ async fn starting_from_now_skips_what_ended_before_and_keeps_what_was_running() 
     outbox.wait_until_delivered(Duration::from_secs(20)).await;
     relay.stop().await;
     assert_eq!(
-        by_key(&sink),
+        by_key(&sink.published()),
         BTreeMap::from([("k".to_string(), vec!["running".to_string(), "new-1".into()])]),
         "rows that ended before the start are skipped; the running one is not"
     );
@@ -1159,7 +1124,7 @@ async fn starting_from_now_skips_what_ended_before_and_keeps_what_was_running() 
     );
     outbox.wait_until_delivered(Duration::from_secs(20)).await;
     relay.stop().await;
-    assert_eq!(by_key(&sink)["j"], ["later"]);
+    assert_eq!(by_key(&sink.published())["j"], ["later"]);
     assert_eq!(sink.published().len(), 3);
 }
 
@@ -1193,7 +1158,7 @@ async fn a_relay_started_while_the_database_is_unreachable_waits_then_delivers()
     proxy.restore();
     outbox.wait_until_delivered(Duration::from_secs(30)).await;
     relay.stop().await;
-    assert_eq!(by_key(&sink)["k"], ["a", "b"]);
+    assert_eq!(by_key(&sink.published())["k"], ["a", "b"]);
 }
 
 /// The count behind a key looks in the key's own shard (the generated column's hash).
@@ -1268,7 +1233,7 @@ async fn an_xid_written_by_the_application_is_refused() {
     let relay = outbox.relay("w", sink.clone());
     outbox.wait_until_delivered(Duration::from_secs(20)).await;
     relay.stop().await;
-    assert_eq!(by_key(&sink)["k"], ["a1", "a2"]);
+    assert_eq!(by_key(&sink.published())["k"], ["a1", "a2"]);
     assert_eq!(outbox.log_rows().await, 2, "no row with a foreign xid");
 }
 
@@ -1656,12 +1621,8 @@ impl outbox_core::Sink for Paced {
 async fn relays_joining_under_load_take_shards_over_without_redelivering() {
     let db = log_outbox(8).await;
     let (keys, total) = (80, 8000);
-    for chunk in (0..total).collect::<Vec<_>>().chunks(2000) {
-        let batch: Vec<NewMessage> = chunk
-            .iter()
-            .map(|i| NewMessage::new("t", format!("{:05}", i / keys)).key(format!("k{}", i % keys)))
-            .collect();
-        db.storage.enqueue(&batch).await.expect("enqueue");
+    for batch in over_keys(total, keys).chunks(2000) {
+        db.storage.enqueue(batch).await.expect("enqueue");
     }
     let sink = Arc::new(Paced(MemorySink::new()));
     let config = |name: &str| WorkerConfig {
@@ -1717,10 +1678,8 @@ async fn relays_joining_under_load_take_shards_over_without_redelivering() {
         relay.stop().await;
     }
     let published = sink.0.published();
-    let expected: Vec<String> = (0..total / keys).map(|i| format!("{i:05}")).collect();
-    for (key, got) in &by_key(&sink.0) {
-        assert_eq!(got, &expected, "key {key}: duplicates or order broken");
-    }
+    // A duplicate breaks a key's order too.
+    assert_key_order(&by_key(&published), total, keys);
     assert_eq!(published.len(), total, "each message exactly once");
     assert!(
         joined_at < total * 3 / 4,

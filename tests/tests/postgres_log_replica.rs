@@ -6,13 +6,12 @@
 //! Only `replay_paused_on_the_replica_delays_but_loses_nothing` pauses the replica's replay;
 //! the other tests wait long enough to ride out such a pause.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::NewMessage;
 use outbox_core::memory::MemorySink;
-use outbox_tests::{LogOutbox, unique_name, with_database};
+use outbox_tests::{LogOutbox, by_key, unique_name, with_database};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 use tokio::time::Instant;
@@ -53,21 +52,6 @@ async fn replica_admin() -> PgPool {
         outbox_core::redact_url(&url)
     );
     pool
-}
-
-fn text(payload: &[u8]) -> String {
-    String::from_utf8_lossy(payload).into_owned()
-}
-
-/// Per key, the payloads in the order the sink saw them.
-fn by_key(sink: &MemorySink) -> BTreeMap<String, Vec<String>> {
-    let mut keys: BTreeMap<String, Vec<String>> = BTreeMap::new();
-    for m in sink.published() {
-        keys.entry(m.key.clone().unwrap_or_default())
-            .or_default()
-            .push(text(&m.payload));
-    }
-    keys
 }
 
 /// A log-mode outbox ([`LogOutbox`]) in a database of its own whose relay reads from the
@@ -209,7 +193,7 @@ fn batch(prefix: &str, count: usize, keys: usize) -> Vec<NewMessage> {
 
 /// Every key's payloads are in increasing order, none twice.
 fn assert_in_order(sink: &MemorySink) {
-    for (key, payloads) in by_key(sink) {
+    for (key, payloads) in by_key(&sink.published()) {
         let mut sorted = payloads.clone();
         sorted.sort();
         sorted.dedup();
@@ -319,7 +303,7 @@ async fn a_late_committing_transaction_is_delivered_from_the_replica() {
     assert!(
         sink.published().is_empty(),
         "rows above a running transaction were delivered: {:?}",
-        by_key(&sink)
+        by_key(&sink.published())
     );
 
     outbox
@@ -329,7 +313,7 @@ async fn a_late_committing_transaction_is_delivered_from_the_replica() {
         .expect("enqueue in the late transaction");
     late.commit().await.expect("commit the late transaction");
     outbox.wait_until_published(&sink, 11).await;
-    let keys = by_key(&sink);
+    let keys = by_key(&sink.published());
     assert_eq!(
         keys["k"],
         [

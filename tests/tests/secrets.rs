@@ -42,6 +42,31 @@ fn report(leaks: Vec<String>, backend: &str) {
 /// At most this long for a call against a closed port ("never blocks forever").
 const CALL: Duration = Duration::from_secs(30);
 
+/// Notes where a backend that connects lazily shows the secret of `url`: in the `Debug` of
+/// its `config`, or in the error of `build` or, built, of its `health` against the closed
+/// port (which must fail, and within [`CALL`]).
+async fn check_lazy<C: std::fmt::Debug, B, F>(
+    leaks: &mut Vec<String>,
+    url: &str,
+    config: C,
+    build: impl FnOnce(C) -> outbox_core::Result<B>,
+    health: impl FnOnce(B) -> F,
+) where
+    F: std::future::Future<Output = outbox_core::Result<()>>,
+{
+    assert_hidden(leaks, url, "Debug of the config", &format!("{config:?}"));
+    let error = match build(config) {
+        Err(e) => e,
+        Ok(built) => match tokio::time::timeout(CALL, health(built)).await {
+            Err(_) => panic!("{url}: health did not return within {CALL:?}"),
+            Ok(Ok(())) => panic!("{url}: a closed port answered"),
+            Ok(Err(e)) => e,
+        },
+    };
+    assert_hidden(leaks, url, "the error", &error.to_string());
+    assert_hidden(leaks, url, "Debug of the error", &format!("{error:?}"));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_passwords_never_appear_in_errors_or_debug() {
     use outbox_postgres::{PgStorage, PostgresConfig};
@@ -56,22 +81,8 @@ async fn postgres_passwords_never_appear_in_errors_or_debug() {
     let mut leaks = Vec::new();
     for url in &urls {
         let config = PostgresConfig::new(url).table(unique_name("t"), "outbox");
-        assert_hidden(
-            &mut leaks,
-            url,
-            "Debug of the config",
-            &format!("{config:?}"),
-        );
-        let error = match PgStorage::new(config) {
-            Err(e) => e,
-            Ok(storage) => match tokio::time::timeout(CALL, storage.health()).await {
-                Err(_) => panic!("{url}: health did not return within {CALL:?}"),
-                Ok(Ok(())) => panic!("{url}: a closed port answered"),
-                Ok(Err(e)) => e,
-            },
-        };
-        assert_hidden(&mut leaks, url, "the error", &error.to_string());
-        assert_hidden(&mut leaks, url, "Debug of the error", &format!("{error:?}"));
+        let health = |s: PgStorage| async move { s.health().await };
+        check_lazy(&mut leaks, url, config, PgStorage::new, health).await;
     }
     report(leaks, "PostgreSQL");
 }
@@ -89,22 +100,8 @@ async fn mysql_passwords_never_appear_in_errors_or_debug() {
     let mut leaks = Vec::new();
     for url in &urls {
         let config = MySqlConfig::new(url).table(unique_name("t"));
-        assert_hidden(
-            &mut leaks,
-            url,
-            "Debug of the config",
-            &format!("{config:?}"),
-        );
-        let error = match MySqlStorage::new(config) {
-            Err(e) => e,
-            Ok(storage) => match tokio::time::timeout(CALL, storage.health()).await {
-                Err(_) => panic!("{url}: health did not return within {CALL:?}"),
-                Ok(Ok(())) => panic!("{url}: a closed port answered"),
-                Ok(Err(e)) => e,
-            },
-        };
-        assert_hidden(&mut leaks, url, "the error", &error.to_string());
-        assert_hidden(&mut leaks, url, "Debug of the error", &format!("{error:?}"));
+        let health = |s: MySqlStorage| async move { s.health().await };
+        check_lazy(&mut leaks, url, config, MySqlStorage::new, health).await;
     }
     report(leaks, "MySQL");
 }
@@ -168,22 +165,8 @@ async fn amqp_passwords_never_appear_in_errors_or_debug() {
     for url in &urls {
         let exchange = Template::new("events").expect("a template");
         let config = AmqpConfig::new(url, exchange).publish_timeout(Duration::from_secs(2));
-        assert_hidden(
-            &mut leaks,
-            url,
-            "Debug of the config",
-            &format!("{config:?}"),
-        );
-        let error = match AmqpSink::lazy(config) {
-            Err(e) => e,
-            Ok(sink) => match tokio::time::timeout(CALL, sink.health()).await {
-                Err(_) => panic!("{url}: health did not return within {CALL:?}"),
-                Ok(Ok(())) => panic!("{url}: a closed port answered"),
-                Ok(Err(e)) => e,
-            },
-        };
-        assert_hidden(&mut leaks, url, "the error", &error.to_string());
-        assert_hidden(&mut leaks, url, "Debug of the error", &format!("{error:?}"));
+        let health = |s: AmqpSink| async move { s.health().await };
+        check_lazy(&mut leaks, url, config, AmqpSink::lazy, health).await;
     }
     report(leaks, "AMQP");
 }

@@ -1,5 +1,5 @@
 //! A relay over PostgreSQL for tests (feature `relay`): a fresh, migrated outbox schema per
-//! test ([`TestOutbox`]), relays running in the background ([`Relay`]), and the end-to-end
+//! test ([`TestOutbox`], a [`PgOutbox`]), relays running in the background ([`Relay`]), and the end-to-end
 //! scripts every broker runs over a small [`Fixture`](end_to_end::Fixture) of its own
 //! ([`end_to_end`]). Sink crates run those scripts from their own tests; nothing here
 //! depends on a sink crate.
@@ -14,8 +14,9 @@ use outbox_core::{
     Backoff, CancellationToken, NewMessage, QueueStats, Sink, Storage, StorageAdmin, Worker,
     WorkerConfig,
 };
-use outbox_postgres::sqlx::PgPool;
-use outbox_postgres::sqlx::{self, Connection, PgConnection, postgres::PgPoolOptions};
+use outbox_postgres::sqlx::{
+    self, Connection, PgConnection, PgPool, Postgres, Transaction, postgres::PgPoolOptions,
+};
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig};
 
 use crate::{Service, clean_up, postgres_url, unique_name};
@@ -35,14 +36,84 @@ pub fn test_worker_config(worker_id: &str) -> WorkerConfig {
     }
 }
 
-/// An outbox in a schema of its own, migrated, dropped again when the value is dropped.
-pub struct TestOutbox {
+/// What the application and the relay see of a PostgreSQL outbox: its table, a pool on its
+/// database and its storage. [`TestOutbox`] and the log-mode outbox of the `outbox-tests`
+/// crate dereference to it, so their tests enqueue and start relays the same way.
+pub struct PgOutbox {
     /// The table names and enqueue statements.
     pub table: OutboxTable,
     /// A pool for the application side (enqueueing, inspecting).
     pub pool: PgPool,
     /// The relay side.
     pub storage: Arc<PgStorage>,
+}
+
+impl PgOutbox {
+    /// The outbox of `storage` (migrated), with a pool of 20 connections to `url`; a server
+    /// that does not answer fails the test with its address.
+    pub async fn connect(storage: PgStorage, url: &str) -> PgOutbox {
+        let pool = PgPoolOptions::new()
+            .max_connections(20)
+            .connect(url)
+            .await
+            .unwrap_or_else(|e| Service::Postgres.missing(e));
+        PgOutbox {
+            table: storage.table().clone(),
+            pool,
+            storage: Arc::new(storage),
+        }
+    }
+
+    /// Enqueues `messages` in one committed transaction.
+    pub async fn enqueue(&self, messages: &[NewMessage]) {
+        let mut tx = self.pool.begin().await.expect("begin");
+        self.table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        tx.commit().await.expect("commit");
+    }
+
+    /// Begins a transaction and enqueues `message` in it, leaving it open for the test to
+    /// commit or roll back when it chooses.
+    pub async fn begin_with(&self, message: &NewMessage) -> Transaction<'static, Postgres> {
+        let mut tx = self.pool.begin().await.expect("begin");
+        self.table.enqueue(&mut tx, message).await.expect("enqueue");
+        tx
+    }
+
+    /// Starts a relay with [`test_worker_config`].
+    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
+        self.relay_with(test_worker_config(worker_id), sink)
+    }
+
+    /// Starts a relay with the given settings.
+    pub fn relay_with(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
+        Relay::start(config, self.storage.clone(), sink)
+    }
+
+    /// Queue figures, as this outbox's storage sees them.
+    pub async fn stats(&self) -> QueueStats {
+        outbox_core::Storage::stats(&*self.storage)
+            .await
+            .expect("queue figures")
+    }
+
+    /// Dead letters as (id, last error), oldest first.
+    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
+        dead_letters_of(&*self.storage).await
+    }
+}
+
+/// An outbox in a schema of its own, migrated, dropped again when the value is dropped.
+pub struct TestOutbox(PgOutbox);
+
+impl std::ops::Deref for TestOutbox {
+    type Target = PgOutbox;
+
+    fn deref(&self) -> &PgOutbox {
+        &self.0
+    }
 }
 
 impl TestOutbox {
@@ -60,58 +131,12 @@ impl TestOutbox {
         if let Err(error) = storage.migrate().await {
             Service::Postgres.missing(error);
         }
-        let pool = PgPoolOptions::new()
-            .max_connections(20)
-            .connect(&url)
-            .await
-            .unwrap_or_else(|e| Service::Postgres.missing(e));
-        TestOutbox {
-            table: storage.table().clone(),
-            pool,
-            storage: Arc::new(storage),
-        }
+        TestOutbox(PgOutbox::connect(storage, &url).await)
     }
 
-    /// Enqueues `messages` in one committed transaction.
-    pub async fn enqueue(&self, messages: &[NewMessage]) {
-        let mut tx = self.pool.begin().await.expect("begin");
-        self.table
-            .enqueue_many(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        tx.commit().await.expect("commit");
-    }
-
-    /// Starts a relay with [`test_worker_config`].
-    pub fn relay(&self, worker_id: &str, sink: Arc<dyn Sink>) -> Relay {
-        self.relay_with(test_worker_config(worker_id), sink)
-    }
-
-    /// Starts a relay with the given settings.
-    pub fn relay_with(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
-        Relay::start(config, self.storage.clone(), sink)
-    }
-
-    /// Queue figures.
-    pub async fn stats(&self) -> QueueStats {
-        outbox_core::Storage::stats(&*self.storage)
-            .await
-            .expect("queue figures")
-    }
-
-    /// Waits until nothing is pending or in flight; panics with the figures on time-out.
+    /// Waits until nothing is pending or in flight ([`wait_until_drained`]).
     pub async fn wait_until_drained(&self, timeout: Duration) {
-        let deadline = tokio::time::Instant::now() + timeout;
-        loop {
-            let stats = self.stats().await;
-            if stats.pending == 0 && stats.in_flight == 0 {
-                return;
-            }
-            if tokio::time::Instant::now() >= deadline {
-                panic!("outbox not drained after {timeout:?}: {stats:?}");
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        wait_until_drained(&*self.storage, timeout).await
     }
 
     /// Waits until nothing is pending or in flight; panics at once, with the reasons, if
@@ -174,10 +199,21 @@ impl TestOutbox {
         .await
         .expect("read attempts")
     }
+}
 
-    /// Dead letters as (id, last error), oldest first.
-    pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
-        dead_letters_of(&*self.storage).await
+/// Waits until nothing is pending or in flight in `storage`; panics with the figures on
+/// time-out.
+pub async fn wait_until_drained(storage: &dyn Storage, timeout: Duration) {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let stats = storage.stats().await.expect("queue figures");
+        if stats.pending == 0 && stats.in_flight == 0 {
+            return;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("outbox not drained after {timeout:?}: {stats:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
 
