@@ -149,14 +149,8 @@ impl StorageAdmin for MySqlStorage {
         rows.iter()
             .map(|row| {
                 let key: Vec<u8> = row.try_get(0).map_err(|e| self.error(what, e))?;
-                let key = String::from_utf8_lossy(&key).into_owned();
                 let id = rows::text(row, "dead_letter_id").map_err(|e| self.error(what, e))?;
-                let dead_letter = Uuid::parse_str(&id).map_err(|e| {
-                    outbox_core::Error::permanent(format!(
-                        "mysql: parked key `{key}` names the dead letter `{id}`, which is not a UUID: {e}"
-                    ))
-                })?;
-                Ok(ParkedKey { key, dead_letter })
+                outbox_sql::rows::parked_key("mysql", &key, &id)
             })
             .collect()
     }

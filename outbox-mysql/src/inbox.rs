@@ -163,10 +163,7 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        inbox::check_consumer(consumer)?;
-        if !conn.is_in_transaction() {
-            return Err(inbox::outside_transaction());
-        }
+        inbox::check_process(consumer, conn.is_in_transaction())?;
         let id = message_id.hyphenated().to_string();
         match conn
             .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
@@ -220,9 +217,9 @@ impl Inbox {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{inbox}", &self.qualified(""))
-            .replace("{table}", &self.table)
+        migrate::fill_names(template, &self.table, "inbox", &[], |suffix| {
+            self.qualified(suffix)
+        })
     }
 }
 
@@ -274,15 +271,13 @@ mod tests {
     #[test]
     fn migrations_fill_every_placeholder_and_the_lock_name_fits() {
         let inbox = Inbox::new("app", "inbox").unwrap();
-        for steps in MIGRATIONS {
-            for step in *steps {
-                let sql = inbox.render(step);
-                assert!(
-                    !sql.contains("{inbox}") && !sql.contains("{table}"),
-                    "{sql}"
-                );
-            }
-        }
+        // No placeholder is left, and the table is the inbox's, quoted.
+        let sql: Vec<String> = MIGRATIONS
+            .iter()
+            .flat_map(|steps| steps.iter().map(|step| inbox.render(step)))
+            .collect();
+        assert!(sql.iter().all(|sql| !sql.contains('{')), "{sql:?}");
+        assert!(sql[0].contains("`app`.`inbox`"), "{sql:?}");
         assert!(inbox.lock_name().len() <= 64);
         assert_ne!(
             inbox.lock_name(),

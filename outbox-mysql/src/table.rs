@@ -186,16 +186,18 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{outbox}", &self.qualified(""))
-            .replace("{dead_letters}", &self.qualified("_dead_letters"))
-            .replace("{parked_keys}", &self.qualified("_parked_keys"))
-            .replace("{delivered}", &self.qualified("_delivered"))
-            .replace("{claim_lock}", &self.qualified("_claim_lock"))
-            .replace("{claim_cursor}", &self.qualified("_claim_cursor"))
-            .replace("{stats}", &self.qualified("_stats"))
-            .replace("{table}", &self.table)
-            .replace("{unclaimed}", crate::sql::UNCLAIMED)
+        let companions = [
+            "dead_letters",
+            "parked_keys",
+            "delivered",
+            "claim_lock",
+            "claim_cursor",
+            "stats",
+        ];
+        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+            self.qualified(suffix)
+        })
+        .replace("{unclaimed}", crate::sql::UNCLAIMED)
     }
 }
 

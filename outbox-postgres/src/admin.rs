@@ -75,12 +75,10 @@ impl StorageAdmin for PgStorage {
     }
 
     async fn purge_dead_letters(&self, ids: &[Uuid]) -> Result<u64> {
-        let done = sqlx::query(&self.shared.sql.purge_dead_letters)
-            .bind(ids)
-            .execute(self.pool())
+        let query = sqlx::query(&self.shared.sql.purge_dead_letters).bind(ids);
+        self.shared
+            .execute("cannot purge dead letters", query)
             .await
-            .map_err(|e| db_error("cannot purge dead letters", e))?;
-        Ok(done.rows_affected())
     }
 
     async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {

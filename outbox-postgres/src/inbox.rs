@@ -12,6 +12,7 @@ use outbox_sql::{fnv1a, migrate};
 
 use crate::OutboxTable;
 use crate::error::db_error;
+use crate::table::{applied_version, create_schema_in, schema_exists};
 
 /// A consumer's inbox: the message ids it has processed, per consumer name, in the table
 /// `schema.table` (and its versions in `<table>_migrations`). Inside the transaction that
@@ -92,26 +93,14 @@ impl Inbox {
     /// transaction. Refuses a table of that name that is not an inbox (the outbox table,
     /// say). Run it on a connection of its own, not inside a transaction.
     pub async fn migrate(&self, conn: &mut PgConnection) -> Result<()> {
-        // An existing schema needs no lock, nor the CREATE privilege on the database.
-        let schema_exists: bool = conn
-            .fetch_one(
-                sqlx::query("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
-                    .bind(&self.schema),
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
+        let schema_exists = schema_exists(conn, &self.schema).await.map_err(fail)?;
         let mut tx = conn.begin().await.map_err(fail)?;
         if !schema_exists {
-            // The outbox's lock on the schema's name (the key of `OutboxTable`'s schema
-            // lock): two migrators, of an outbox or an inbox, never both create it.
-            tx.execute(
-                sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(schema_key(&self.schema)),
-            )
-            .await
-            .map_err(fail)?;
-            let create = format!(r#"CREATE SCHEMA IF NOT EXISTS "{}""#, self.schema);
-            tx.execute(create.as_str()).await.map_err(fail)?;
+            // The outbox's lock on the schema's name: two migrators, of an outbox or an
+            // inbox, never both create it.
+            create_schema_in(&mut tx, &self.schema)
+                .await
+                .map_err(fail)?;
         }
         // A transaction-level lock, waited for in the server: released by the commit or the
         // rollback, whatever happens to this future.
@@ -167,10 +156,7 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        inbox::check_consumer(consumer)?;
-        if !conn.is_in_transaction() {
-            return Err(inbox::outside_transaction());
-        }
+        inbox::check_process(consumer, conn.is_in_transaction())?;
         let done = conn
             .execute(sqlx::query(&self.insert).bind(consumer).bind(message_id))
             .await
@@ -224,16 +210,10 @@ impl Inbox {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{inbox}", &self.qualified(""))
-            .replace("{table}", &self.table)
+        migrate::fill_names(template, &self.table, "inbox", &[], |suffix| {
+            self.qualified(suffix)
+        })
     }
-}
-
-/// The key of the advisory lock that serialises `CREATE SCHEMA`: the same as
-/// `OutboxTable`'s, so outbox and inbox migrators take turns on a new schema.
-fn schema_key(schema: &str) -> i64 {
-    fnv1a(&format!("outbox-schema:{schema}")) as i64
 }
 
 /// Classifies an error of a migration statement.
@@ -257,16 +237,7 @@ impl migrate::Dialect for Versions<'_> {
 
     async fn applied(&mut self) -> Result<i64> {
         let versions = self.inbox.qualified("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        );
-        self.conn.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i32 = self
-            .conn
-            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
+        let applied = applied_version(self.conn, &versions).await.map_err(fail)?;
         Ok(i64::from(applied))
     }
 
@@ -323,13 +294,12 @@ mod tests {
     #[test]
     fn migrations_fill_every_placeholder() {
         let inbox = Inbox::new("app", "inbox").unwrap();
-        for template in MIGRATIONS {
-            let sql = inbox.render(template);
+        // No placeholder is left, and the table is the inbox's, quoted.
+        for sql in MIGRATIONS.iter().map(|template| inbox.render(template)) {
             assert!(
-                !sql.contains("{inbox}") && !sql.contains("{table}"),
+                !sql.contains('{') && sql.contains(r#""app"."inbox""#),
                 "{sql}"
             );
-            assert!(sql.contains(r#""app"."inbox""#), "{sql}");
         }
     }
 

@@ -8,7 +8,6 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::{Claim, ClaimToken, QueueStats, Result, Settlement, TopicStats};
 use outbox_sql::saturating_millis;
-use sqlx::Row;
 use sqlx::postgres::PgConnection;
 use uuid::Uuid;
 
@@ -29,20 +28,6 @@ impl LeaseEngine {
             cursor: std::sync::Mutex::new(String::new()),
         }
     }
-}
-
-/// Runs a statement that returns a count.
-async fn count(
-    s: &Shared,
-    what: &str,
-    query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
-) -> Result<u64> {
-    let row = query
-        .fetch_one(&s.pool)
-        .await
-        .map_err(|e| db_error(what, e))?;
-    let n: i64 = row.try_get(0).map_err(|e| db_error(what, e))?;
-    Ok(n as u64)
 }
 
 #[async_trait]
@@ -127,7 +112,7 @@ impl Mode for LeaseEngine {
                     .collect::<Vec<_>>(),
             )
             .bind(st.released.clone());
-        count(s, "settling a batch failed", query).await
+        s.count("settling a batch failed", query).await
     }
 
     async fn extend_lease(
@@ -141,7 +126,7 @@ impl Mode for LeaseEngine {
             .bind(ids.to_vec())
             .bind(token.0)
             .bind(saturating_millis(lease));
-        count(s, "renewing a lease failed", query).await
+        s.count("renewing a lease failed", query).await
     }
 
     async fn stats(&self, s: &Shared) -> Result<QueueStats> {
@@ -178,22 +163,15 @@ impl Mode for LeaseEngine {
     }
 
     async fn replay(&self, s: &Shared, ids: &[Uuid]) -> Result<u64> {
-        let n: i64 = sqlx::query_scalar(&s.sql.replay_dead_letters)
+        let query = sqlx::query(&s.sql.replay_dead_letters)
             .bind(ids)
-            .bind(s.table.lock_key())
-            .fetch_one(&s.pool)
-            .await
-            .map_err(|e| db_error("cannot replay dead letters", e))?;
-        Ok(n.max(0) as u64)
+            .bind(s.table.lock_key());
+        s.count("cannot replay dead letters", query).await
     }
 
     async fn release(&self, s: &Shared, key: &str) -> Result<bool> {
-        let done = sqlx::query(&s.sql.release_parked_key)
-            .bind(key)
-            .execute(&s.pool)
-            .await
-            .map_err(|e| db_error("cannot release parked key", e))?;
-        Ok(done.rows_affected() > 0)
+        let query = sqlx::query(&s.sql.release_parked_key).bind(key);
+        Ok(s.execute("cannot release parked key", query).await? > 0)
     }
 
     async fn waiting_behind(&self, s: &Shared, key: &str) -> Result<u64> {
@@ -201,11 +179,8 @@ impl Mode for LeaseEngine {
             "SELECT count(*) FROM {} WHERE partition_key = $1",
             s.table.qualified("")
         );
-        let n: i64 = sqlx::query_scalar(&sql)
-            .bind(key)
-            .fetch_one(&s.pool)
+        let query = sqlx::query(&sql).bind(key);
+        s.count("cannot count the messages behind a parked key", query)
             .await
-            .map_err(|e| db_error("cannot count the messages behind a parked key", e))?;
-        Ok(n.max(0) as u64)
     }
 }

@@ -47,6 +47,32 @@ pub(crate) struct Shared {
     pub(crate) sql: Statements,
 }
 
+/// A statement with its parameters bound.
+pub(crate) type PgQuery<'q> = sqlx::query::Query<'q, sqlx::Postgres, sqlx::postgres::PgArguments>;
+
+impl Shared {
+    /// Runs `query` on the pool, a statement whose one row is a count (of rows settled,
+    /// replayed, waiting, ...); `what` failed if it fails.
+    pub(crate) async fn count(&self, what: &str, query: PgQuery<'_>) -> Result<u64> {
+        let row = query
+            .fetch_one(&self.pool)
+            .await
+            .map_err(|e| db_error(what, e))?;
+        let n: i64 = row.try_get(0).map_err(|e| db_error(what, e))?;
+        Ok(n.max(0) as u64)
+    }
+
+    /// Runs `query` on the pool and returns how many rows it changed; `what` failed if it
+    /// fails.
+    pub(crate) async fn execute(&self, what: &str, query: PgQuery<'_>) -> Result<u64> {
+        let done = query
+            .execute(&self.pool)
+            .await
+            .map_err(|e| db_error(what, e))?;
+        Ok(done.rows_affected())
+    }
+}
+
 /// The mode's engine.
 enum Engine {
     Lease(LeaseEngine),

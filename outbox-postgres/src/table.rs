@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use outbox_core::{Error, NewMessage, Result};
 use outbox_sql::columns::{INSERT_COLUMNS, check_topic, trace_columns};
-use outbox_sql::{fnv1a, names};
+use outbox_sql::{fnv1a, migrate, names};
 use sqlx::{Connection, Executor, PgConnection, Row};
 
 use crate::StorageMode;
@@ -88,12 +88,6 @@ impl OutboxTable {
     /// it is held across `CREATE INDEX CONCURRENTLY`, which must not stall claims.
     fn migration_key(&self) -> i64 {
         fnv1a(&format!("outbox-migrate:{}.{}", self.schema, self.table)) as i64
-    }
-
-    /// The advisory lock key that serialises `CREATE SCHEMA` of migrators of any table in
-    /// this schema.
-    fn schema_key(&self) -> i64 {
-        fnv1a(&format!("outbox-schema:{}", self.schema)) as i64
     }
 
     /// Enqueues `message` on `conn`, normally the caller's open transaction
@@ -183,19 +177,14 @@ impl OutboxTable {
             let steps: Vec<(i32, String)> = (LOG_FIRST_VERSION..)
                 .zip(LOG_MIGRATIONS)
                 .map(|(version, template)| {
-                    let sql = self.render(template).replace("{shard_count}", &shards.to_string());
+                    let sql = self
+                        .render(template)
+                        .replace("{shard_count}", &shards.to_string());
                     (version, sql)
                 })
                 .collect();
-            let versions = self.qualified("_migrations");
-            let create = format!(
-                "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-            );
-            conn.execute(create.as_str()).await.map_err(fail)?;
-            let applied: i32 = conn
-                .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+            let applied = applied_version(conn, &self.qualified("_migrations"))
                 .await
-                .and_then(|row| row.try_get(0))
                 .map_err(fail)?;
             let todo: Vec<(i32, String)> =
                 steps.into_iter().filter(|(v, _)| *v > applied).collect();
@@ -203,11 +192,7 @@ impl OutboxTable {
             self.rebase_moved_log(conn).await
         }
         .await;
-        let unlocked = conn
-            .execute(sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.migration_key()))
-            .await;
-        result?;
-        unlocked.map_err(fail)?;
+        self.unlock_migrations(conn, result).await?;
         Ok(())
     }
 
@@ -414,39 +399,20 @@ impl OutboxTable {
             Ok(()) => self.apply(conn, target.min(MIGRATIONS.len())).await,
             Err(e) => Err(e),
         };
-        // A session lock outlives the call: release it even after a failure, since the
-        // connection usually goes back to a pool. (If this future is dropped midway, the lock
-        // lasts until the pool closes that connection.)
-        let unlocked = conn
-            .execute(sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.migration_key()))
-            .await;
-        result?;
-        unlocked.map_err(fail)?;
-        Ok(())
+        self.unlock_migrations(conn, result).await
     }
 
     /// Creates the schema if it is missing. Two migrators (of different tables) creating it
     /// at once would both pass `IF NOT EXISTS`, and one would fail on a unique violation, so
     /// creation is serialised by a lock on the schema's name.
     async fn create_schema(&self, conn: &mut PgConnection) -> Result<()> {
-        // An existing schema needs no lock, nor the CREATE privilege on the database.
-        let exists: bool = conn
-            .fetch_one(
-                sqlx::query("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)")
-                    .bind(&self.schema),
-            )
-            .await
-            .and_then(|row| row.try_get(0))
-            .map_err(fail)?;
-        if exists {
+        if schema_exists(conn, &self.schema).await.map_err(fail)? {
             return Ok(());
         }
         let mut tx = conn.begin().await.map_err(fail)?;
-        tx.execute(sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(self.schema_key()))
+        create_schema_in(&mut tx, &self.schema)
             .await
             .map_err(fail)?;
-        let create = format!(r#"CREATE SCHEMA IF NOT EXISTS "{}""#, self.schema);
-        tx.execute(create.as_str()).await.map_err(fail)?;
         tx.commit().await.map_err(fail)
     }
 
@@ -475,19 +441,26 @@ impl OutboxTable {
         }
     }
 
+    /// Releases the migration lock of [`lock_migrations`](Self::lock_migrations) after a
+    /// migration that ended with `result`, whose error wins over the unlock's. A session
+    /// lock outlives the call: release it even after a failure, since the connection
+    /// usually goes back to a pool. (If the future is dropped midway, the lock lasts until
+    /// the pool closes that connection.)
+    async fn unlock_migrations<T>(&self, conn: &mut PgConnection, result: Result<T>) -> Result<T> {
+        let unlocked = conn
+            .execute(sqlx::query("SELECT pg_advisory_unlock($1)").bind(self.migration_key()))
+            .await;
+        let value = result?;
+        unlocked.map_err(fail)?;
+        Ok(value)
+    }
+
     /// Applies the migrations after the recorded version up to `target`, holding the
     /// migration lock. Consecutive steps share one transaction; an index on an outbox table
     /// that existed before this run is built concurrently between transactions.
     async fn apply(&self, conn: &mut PgConnection, target: usize) -> Result<()> {
-        let versions = self.qualified("_migrations");
-        let create = format!(
-            "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
-        );
-        conn.execute(create.as_str()).await.map_err(fail)?;
-        let applied: i32 = conn
-            .fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+        let applied = applied_version(conn, &self.qualified("_migrations"))
             .await
-            .and_then(|row| row.try_get(0))
             .map_err(fail)?;
         // Migration 1 creates the outbox table: if it runs now, the table is new, empty and
         // invisible to writers until the commit, and a plain CREATE INDEX in the same
@@ -591,20 +564,66 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{outbox}", &self.qualified(""))
-            .replace("{dead_letters}", &self.qualified("_dead_letters"))
-            .replace("{parked_keys}", &self.qualified("_parked_keys"))
-            .replace("{delivered}", &self.qualified("_delivered"))
-            .replace("{wakeup}", &self.qualified("_wakeup"))
-            .replace("{shards}", &self.qualified("_shards"))
-            .replace("{relays}", &self.qualified("_relays"))
-            .replace("{held}", &self.qualified("_held"))
-            .replace("{stats}", &self.qualified("_stats"))
-            .replace("{notify_fn}", &self.qualified("_notify"))
-            .replace("{channel}", &self.channel())
-            .replace("{table}", &self.table)
+        let companions = [
+            "dead_letters",
+            "parked_keys",
+            "delivered",
+            "wakeup",
+            "shards",
+            "relays",
+            "held",
+            "stats",
+        ];
+        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+            self.qualified(suffix)
+        })
+        .replace("{notify_fn}", &self.qualified("_notify"))
+        .replace("{channel}", &self.channel())
     }
+}
+
+/// Whether `schema` exists. An existing schema needs no lock, nor the CREATE privilege on
+/// the database.
+pub(crate) async fn schema_exists(
+    conn: &mut PgConnection,
+    schema: &str,
+) -> std::result::Result<bool, sqlx::Error> {
+    conn.fetch_one(
+        sqlx::query("SELECT EXISTS (SELECT FROM pg_namespace WHERE nspname = $1)").bind(schema),
+    )
+    .await
+    .and_then(|row| row.try_get(0))
+}
+
+/// Creates `schema` if it is missing, in the transaction `tx`, under the transaction-level
+/// advisory lock on the schema's name that every migrator (of an outbox or an inbox) takes:
+/// two creating it at once would both pass `IF NOT EXISTS`, and one would fail on a unique
+/// violation.
+pub(crate) async fn create_schema_in(
+    tx: &mut PgConnection,
+    schema: &str,
+) -> std::result::Result<(), sqlx::Error> {
+    let key = fnv1a(&format!("outbox-schema:{schema}")) as i64;
+    tx.execute(sqlx::query("SELECT pg_advisory_xact_lock($1)").bind(key))
+        .await?;
+    let create = format!(r#"CREATE SCHEMA IF NOT EXISTS "{schema}""#);
+    tx.execute(create.as_str()).await?;
+    Ok(())
+}
+
+/// Creates the versions table `versions` (validated, quoted and qualified) if it is missing,
+/// and returns the highest version it records (0 for none). The outbox's and the inbox's.
+pub(crate) async fn applied_version(
+    conn: &mut PgConnection,
+    versions: &str,
+) -> std::result::Result<i32, sqlx::Error> {
+    let create = format!(
+        "CREATE TABLE IF NOT EXISTS {versions} (version integer PRIMARY KEY, applied_at timestamptz NOT NULL DEFAULT now())"
+    );
+    conn.execute(create.as_str()).await?;
+    conn.fetch_one(format!("SELECT coalesce(max(version), 0) FROM {versions}").as_str())
+        .await
+        .and_then(|row| row.try_get(0))
 }
 
 /// Classifies an error of a migration statement.

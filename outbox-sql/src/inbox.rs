@@ -27,6 +27,16 @@ pub fn check_consumer(consumer: &str) -> Result<()> {
     Ok(())
 }
 
+/// The checks of `Inbox::process` before it records anything: [`check_consumer`], then
+/// that it runs inside a transaction (`in_transaction`), else [`outside_transaction`].
+pub fn check_process(consumer: &str, in_transaction: bool) -> Result<()> {
+    check_consumer(consumer)?;
+    if !in_transaction {
+        return Err(outside_transaction());
+    }
+    Ok(())
+}
+
 /// The `Config` error of `Inbox::process` outside a transaction, where the record would
 /// commit at once, before the handler.
 pub fn outside_transaction() -> Error {
@@ -107,6 +117,12 @@ mod tests {
             err.message()
                 .starts_with("inbox: process() must run inside")
         );
+        assert!(check_process("billing", true).is_ok());
+        let err = check_process("billing", false).unwrap_err();
+        assert_eq!(err.message(), outside_transaction().message());
+        // The name is checked first, in a transaction or not.
+        let err = check_process("", false).unwrap_err();
+        assert!(err.to_string().contains("1 to 255 bytes"), "{err}");
     }
 
     #[test]

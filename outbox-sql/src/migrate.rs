@@ -57,6 +57,26 @@ pub fn pending<S>(applied: i64, steps: &[S], target: usize) -> impl Iterator<Ite
         .filter(move |(version, _)| *version > applied)
 }
 
+/// A migration template with its table names filled in: `{<main>}` is the table itself
+/// (`{outbox}`, `{inbox}`), `{<name>}` for each of `companions` its companion table
+/// `<table>_<name>` (`{dead_letters}` is `<table>_dead_letters`), each as `quote` writes a
+/// table name from its suffix (`""` for the table: validated, quoted, qualified if need
+/// be), and `{table}` the bare table name, for index and constraint names. The storage
+/// fills its own other placeholders after.
+pub fn fill_names(
+    template: &str,
+    table: &str,
+    main: &str,
+    companions: &[&str],
+    quote: impl Fn(&str) -> String,
+) -> String {
+    let mut sql = template.replace(&format!("{{{main}}}"), &quote(""));
+    for name in companions {
+        sql = sql.replace(&format!("{{{name}}}"), &quote(&format!("_{name}")));
+    }
+    sql.replace("{table}", table)
+}
+
 /// Migrates up to version `target` (`steps.len()` for all): [`lock`](Dialect::lock),
 /// [`check`](Dialect::check), read the [`applied`](Dialect::applied) version,
 /// [`apply`](Dialect::apply) each [`pending`] step in order, and
@@ -86,6 +106,25 @@ async fn apply_pending<D: Dialect>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_fill_their_placeholders() {
+        let quote = |suffix: &str| format!(r#""app"."t{suffix}""#);
+        assert_eq!(
+            fill_names(
+                "CREATE TABLE {outbox}; DROP TABLE {stats}; CREATE INDEX {table}_k ON {dead_letters}; {other}",
+                "t",
+                "outbox",
+                &["dead_letters", "stats"],
+                quote,
+            ),
+            r#"CREATE TABLE "app"."t"; DROP TABLE "app"."t_stats"; CREATE INDEX t_k ON "app"."t_dead_letters"; {other}"#
+        );
+        assert_eq!(
+            fill_names("{inbox} {table}", "i", "inbox", &[], quote),
+            r#""app"."t" i"#
+        );
+    }
     use outbox_core::Error;
 
     /// A database in memory: the versions recorded and what happened, in order.

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use outbox_core::{Error, ParkedKey, Result};
 use serde_json::Value;
 use uuid::Uuid;
 
@@ -29,6 +30,19 @@ pub fn headers_from_value(id: Uuid, value: Value) -> BTreeMap<String, String> {
         Value::Null => BTreeMap::new(),
         other => not_an_object(id, other.to_string()),
     }
+}
+
+/// A parked key from its two columns as MySQL and SQLite store them: the key's bytes (a
+/// key that is not valid UTF-8 is listed, lossily) and the dead letter's id as text. An id
+/// that is not a UUID is a `Permanent` error naming the key; `storage` prefixes it.
+pub fn parked_key(storage: &str, key: &[u8], id: &str) -> Result<ParkedKey> {
+    let key = String::from_utf8_lossy(key).into_owned();
+    let dead_letter = Uuid::parse_str(id).map_err(|e| {
+        Error::permanent(format!(
+            "{storage}: parked key `{key}` names the dead letter `{id}`, which is not a UUID: {e}"
+        ))
+    })?;
+    Ok(ParkedKey { key, dead_letter })
 }
 
 fn object(map: serde_json::Map<String, Value>) -> BTreeMap<String, String> {
@@ -73,6 +87,24 @@ mod tests {
         assert_eq!(
             headers_from_json(id, "not json"),
             map(&[("headers", "not json")])
+        );
+    }
+
+    #[test]
+    fn parked_keys_need_a_dead_letter_uuid() {
+        let id = Uuid::now_v7();
+        let parked = parked_key("mysql", b"k-\xff", &id.to_string()).unwrap();
+        assert_eq!(
+            (parked.key.as_str(), parked.dead_letter),
+            ("k-\u{fffd}", id)
+        );
+        let err = parked_key("sqlite", b"k", "nope").unwrap_err();
+        assert_eq!(err.kind(), outbox_core::ErrorKind::Permanent);
+        assert!(
+            err.message().starts_with(
+                "sqlite: parked key `k` names the dead letter `nope`, which is not a UUID: "
+            ),
+            "{err}"
         );
     }
 

@@ -128,14 +128,9 @@ impl StorageAdmin for SqliteStorage {
             return Ok(0);
         }
         let what = "cannot purge dead letters";
-        let mut write = self.write(what).await?;
-        let done = sqlx::query(&self.sql.purge_dead_letters)
-            .bind(json_ids(ids.iter()))
-            .execute(&mut *write.tx)
-            .await
-            .map(|done| done.rows_affected())
-            .map_err(|e| self.error(what, e));
-        self.finish(what, write, done).await
+        let write = self.write(what).await?;
+        let query = sqlx::query(&self.sql.purge_dead_letters).bind(json_ids(ids.iter()));
+        self.execute_in(what, write, query).await
     }
 
     async fn parked_keys(&self) -> Result<Vec<ParkedKey>> {
@@ -146,28 +141,15 @@ impl StorageAdmin for SqliteStorage {
             .await
             .map_err(|e| self.error(what, e))?;
         rows.into_iter()
-            .map(|(key, id)| {
-                let key = String::from_utf8_lossy(&key).into_owned();
-                let dead_letter = Uuid::parse_str(&id).map_err(|e| {
-                    outbox_core::Error::permanent(format!(
-                        "sqlite: parked key `{key}` names the dead letter `{id}`, which is not a UUID: {e}"
-                    ))
-                })?;
-                Ok(ParkedKey { key, dead_letter })
-            })
+            .map(|(key, id)| outbox_sql::rows::parked_key("sqlite", &key, &id))
             .collect()
     }
 
     async fn release_parked_key(&self, key: &str) -> Result<bool> {
         let what = "cannot release parked key";
-        let mut write = self.write(what).await?;
-        let done = sqlx::query(&self.sql.release_parked_key)
-            .bind(key)
-            .execute(&mut *write.tx)
-            .await
-            .map(|done| done.rows_affected() > 0)
-            .map_err(|e| self.error(what, e));
-        self.finish(what, write, done).await
+        let write = self.write(what).await?;
+        let query = sqlx::query(&self.sql.release_parked_key).bind(key);
+        Ok(self.execute_in(what, write, query).await? > 0)
     }
 
     async fn waiting_behind(&self, key: &str) -> Result<Option<u64>> {

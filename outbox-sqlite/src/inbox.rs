@@ -136,10 +136,7 @@ impl Inbox {
         consumer: &str,
         message_id: Uuid,
     ) -> Result<bool> {
-        inbox::check_consumer(consumer)?;
-        if !conn.is_in_transaction() {
-            return Err(inbox::outside_transaction());
-        }
+        inbox::check_process(consumer, conn.is_in_transaction())?;
         let id = message_id.hyphenated().to_string();
         let done = conn
             .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
@@ -180,10 +177,10 @@ impl Inbox {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{inbox}", &self.quoted(""))
-            .replace("{table}", &self.table)
-            .replace("{now_ms}", NOW_MS)
+        migrate::fill_names(template, &self.table, "inbox", &[], |suffix| {
+            self.quoted(suffix)
+        })
+        .replace("{now_ms}", NOW_MS)
     }
 }
 
@@ -223,11 +220,9 @@ mod tests {
     #[test]
     fn migrations_fill_every_placeholder() {
         let inbox = Inbox::new("inbox").unwrap();
-        for template in MIGRATIONS {
-            let sql = inbox.render(template);
-            for placeholder in ["{inbox}", "{table}", "{now_ms}"] {
-                assert!(!sql.contains(placeholder), "{sql}");
-            }
+        // No placeholder is left ({now_ms} included), and the table is the inbox's, quoted.
+        for sql in MIGRATIONS.iter().map(|template| inbox.render(template)) {
+            assert!(!sql.contains('{') && sql.contains(r#""inbox""#), "{sql}");
         }
     }
 

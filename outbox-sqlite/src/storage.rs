@@ -210,6 +210,22 @@ impl SqliteStorage {
         }
     }
 
+    /// Runs `query` in `write`, then ends the write ([`finish`](Self::finish)); returns how
+    /// many rows the statement changed.
+    pub(crate) async fn execute_in<'q>(
+        &self,
+        what: &str,
+        mut write: Write<'_>,
+        query: sqlx::query::Query<'q, Sqlite, sqlx::sqlite::SqliteArguments<'q>>,
+    ) -> Result<u64> {
+        let done = query
+            .execute(&mut *write.tx)
+            .await
+            .map(|done| done.rows_affected())
+            .map_err(|e| self.error(what, e));
+        self.finish(what, write, done).await
+    }
+
     /// Ends a write: commits it when `result` is `Ok`, rolls it back (and waits for that, so
     /// the next writer finds the lock free) when it is an error.
     pub(crate) async fn finish<T>(
@@ -420,16 +436,12 @@ impl Storage for SqliteStorage {
             Ok(seqs) => seqs,
             Err(e) => return self.finish(what, write, Err(e)).await,
         };
-        let done = sqlx::query(&self.sql.extend_lease)
+        let query = sqlx::query(&self.sql.extend_lease)
             .bind(json_seqs(ids.iter().filter_map(|id| seqs.get(id))))
             .bind(token.0.hyphenated().to_string())
             .bind(write.now)
-            .bind(millis(lease))
-            .execute(&mut *write.tx)
-            .await
-            .map(|done| done.rows_affected())
-            .map_err(|e| self.error(what, e));
-        self.finish(what, write, done).await
+            .bind(millis(lease));
+        self.execute_in(what, write, query).await
     }
 
     async fn health(&self) -> Result<()> {
@@ -465,15 +477,11 @@ impl Storage for SqliteStorage {
             return Ok(());
         };
         let what = "cannot purge delivered rows";
-        let mut write = self.write(what).await?;
-        let done = sqlx::query(&self.sql.purge_delivered)
+        let write = self.write(what).await?;
+        let query = sqlx::query(&self.sql.purge_delivered)
             .bind(write.now)
-            .bind(millis(retention))
-            .execute(&mut *write.tx)
-            .await
-            .map(|done| done.rows_affected())
-            .map_err(|e| self.error(what, e));
-        let purged = self.finish(what, write, done).await?;
+            .bind(millis(retention));
+        let purged = self.execute_in(what, write, query).await?;
         if purged > 0 {
             tracing::debug!(rows = purged, "purged delivered rows past retention");
         }

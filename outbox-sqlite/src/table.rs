@@ -167,16 +167,14 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        template
-            .replace("{outbox}", &self.quoted(""))
-            .replace("{dead_letters}", &self.quoted("_dead_letters"))
-            .replace("{parked_keys}", &self.quoted("_parked_keys"))
-            .replace("{delivered}", &self.quoted("_delivered"))
-            .replace("{table}", &self.table)
-            .replace("{uuid_glob}", &uuid_glob())
-            .replace("{new_uuid}", NEW_UUID)
-            .replace("{now_ms}", NOW_MS)
-            .replace("{now_us}", NOW_US)
+        let companions = ["dead_letters", "parked_keys", "delivered"];
+        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+            self.quoted(suffix)
+        })
+        .replace("{uuid_glob}", &uuid_glob())
+        .replace("{new_uuid}", NEW_UUID)
+        .replace("{now_ms}", NOW_MS)
+        .replace("{now_us}", NOW_US)
     }
 }
 

@@ -121,6 +121,23 @@ pub(super) struct Inner {
 }
 
 impl Inner {
+    /// Puts the entry at `pos` of `shard` in flight under `token` until `until`; returns
+    /// it, or `None` when it is no longer in memory.
+    pub(super) fn lease_entry(
+        &mut self,
+        shard: i32,
+        pos: Pos,
+        token: &ClaimToken,
+        until: Instant,
+    ) -> Option<&Entry> {
+        let e = self.shards.get_mut(&shard)?.entries.get_mut(&pos)?;
+        e.state = State::InFlight {
+            token: token.0,
+            until,
+        };
+        Some(e)
+    }
+
     pub(super) fn drop_shard(&mut self, shard: i32) {
         self.aside.retain(|_, a| a.shard != shard);
         self.parked.retain(|_, p| p.shard != shard);

@@ -255,15 +255,7 @@ impl LogEngine {
         let mut leaving: HashMap<i32, usize> = HashMap::new();
         for (pos, shard) in picked {
             *leaving.entry(shard).or_default() += 1;
-            if let Some(e) = inner
-                .shards
-                .get_mut(&shard)
-                .and_then(|s| s.entries.get_mut(&pos))
-            {
-                e.state = State::InFlight {
-                    token: token.0,
-                    until,
-                };
+            if let Some(e) = inner.lease_entry(shard, pos, &token, until) {
                 messages.push(e.message.clone());
             }
         }
@@ -312,15 +304,10 @@ impl LogEngine {
             if !kept.contains(&shard) {
                 continue;
             }
-            if let Some(e) = inner
-                .shards
-                .get_mut(&shard)
-                .and_then(|s| s.entries.get_mut(&pos))
+            if inner
+                .lease_entry(shard, pos, token, asked_at + lease)
+                .is_some()
             {
-                e.state = State::InFlight {
-                    token: token.0,
-                    until: asked_at + lease,
-                };
                 n += 1;
             }
         }
@@ -423,23 +410,16 @@ impl Mode for LogEngine {
     }
 
     async fn replay(&self, s: &Shared, ids: &[Uuid]) -> Result<u64> {
-        let n: i64 = sqlx::query_scalar(&self.sql.replay)
+        let query = sqlx::query(&self.sql.replay)
             .bind(ids)
-            .bind(s.config.per_key_order)
-            .fetch_one(&s.pool)
-            .await
-            .map_err(|e| db_error("cannot replay dead letters", e))?;
-        Ok(n.max(0) as u64)
+            .bind(s.config.per_key_order);
+        s.count("cannot replay dead letters", query).await
     }
 
     async fn release(&self, s: &Shared, key: &str) -> Result<bool> {
         // The owner delivers the key's held rows, then unparks it.
-        let done = sqlx::query(&self.sql.release)
-            .bind(key)
-            .execute(&s.pool)
-            .await
-            .map_err(|e| db_error("cannot release parked key", e))?;
-        Ok(done.rows_affected() > 0)
+        let query = sqlx::query(&self.sql.release).bind(key);
+        Ok(s.execute("cannot release parked key", query).await? > 0)
     }
 
     async fn waiting_behind(&self, s: &Shared, key: &str) -> Result<u64> {
