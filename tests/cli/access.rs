@@ -14,6 +14,7 @@ use std::time::{Duration, Instant};
 
 use outbox_tests::{mysql_url, postgres_url, unique_name};
 
+use super::mysql::Tables;
 use super::{ConfigFile, EXIT_CONFIG, text};
 
 #[path = "../tests/mounts/mod.rs"]
@@ -27,9 +28,7 @@ const AT_ONCE: Duration = Duration::from_secs(15);
 /// everything it printed (standard output, then standard error).
 fn exits(config: &Path, args: &[&str]) -> (Option<i32>, String) {
     let started = Instant::now();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(config)
+    let mut child = super::outbox_command(config)
         .args(args)
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())
@@ -181,9 +180,7 @@ struct Logging {
 
 impl Logging {
     fn start(config: &Path) -> Logging {
-        let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .arg("--config")
-            .arg(config)
+        let mut child = super::outbox_command(config)
             .arg("relay")
             .env_remove("RUST_LOG")
             .stdout(Stdio::null())
@@ -407,20 +404,6 @@ fn mysql_config(url: &str, table: &str, extra: &str) -> ConfigFile {
     ConfigFile::new(&format!(
         "[storage]\ntype = \"mysql\"\nurl = \"{url}\"\ntable = \"{table}\"\n{extra}\n{STDOUT}"
     ))
-}
-
-/// Drops a MySQL outbox table's tables when dropped.
-struct Tables(String);
-
-impl Drop for Tables {
-    fn drop(&mut self) {
-        let list = outbox::mysql::TABLE_SUFFIXES
-            .iter()
-            .map(|suffix| format!("`{}{suffix}`", self.0))
-            .collect::<Vec<_>>()
-            .join(", ");
-        admin(false, &[format!("DROP TABLE IF EXISTS {list}")], false);
-    }
 }
 
 #[test]

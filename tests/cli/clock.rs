@@ -348,59 +348,63 @@ impl Outbox {
         format!(r#""{}".outbox{suffix}"#, self.schema)
     }
 
+    /// The rows of `sql`, its `$1` bound to `bind` when there is one; `what` they are
+    /// names a failure.
+    async fn rows<T>(&self, sql: &str, bind: Option<String>, what: &str) -> Vec<T>
+    where
+        T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        let query = sqlx::query_as(sql);
+        let query = match bind {
+            Some(value) => query.bind(value),
+            None => query,
+        };
+        query.fetch_all(&self.pool).await.expect(what)
+    }
+
     /// Log mode: the owners of shards now, with how many each owns.
     async fn owners(&self) -> HashMap<String, i64> {
-        sqlx::query_as(&format!(
+        let sql = format!(
             "SELECT owner, count(*) FROM {} WHERE owner IS NOT NULL AND expires_at > now() GROUP BY owner",
             self.table("_shards")
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .expect("the shards' owners")
-        .into_iter()
-        .collect()
+        );
+        let owners: Vec<(String, i64)> = self.rows(&sql, None, "the shards' owners").await;
+        owners.into_iter().collect()
     }
 
     /// Lease mode: the relays (by their process ids) holding live claims now.
     async fn claimers(&self) -> HashSet<String> {
-        sqlx::query_scalar(&format!(
+        let sql = format!(
             "SELECT DISTINCT claimed_by FROM {} WHERE claim_token IS NOT NULL AND available_at > now()",
             self.table("")
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .expect("the claimers")
-        .into_iter()
-        .collect()
+        );
+        let claimers: Vec<(String,)> = self.rows(&sql, None, "the claimers").await;
+        claimers.into_iter().map(|(claimer,)| claimer).collect()
     }
 
     /// What `victim` (its claims name `:pid`; log mode: its owner name) holds with a live
     /// lease: per key, when the lease ends.
     async fn held_by(&self, victim: &str) -> Held {
         let rows: Vec<(String, f64)> = if self.log_mode {
-            sqlx::query_as(&format!(
+            let sql = format!(
                 "SELECT DISTINCT o.partition_key, extract(epoch FROM s.expires_at)::float8
                  FROM {s} s JOIN {o} o ON o.shard = s.shard
                  WHERE s.owner = $1 AND s.expires_at > clock_timestamp()",
                 s = self.table("_shards"),
                 o = self.table(""),
-            ))
-            .bind(victim)
-            .fetch_all(&self.pool)
-            .await
-            .expect("the dead relay's shards")
+            );
+            let owner = Some(victim.to_string());
+            self.rows(&sql, owner, "the dead relay's shards").await
         } else {
-            sqlx::query_as(&format!(
+            let sql = format!(
                 "SELECT partition_key, min(extract(epoch FROM available_at))::float8 FROM {}
                  WHERE claim_token IS NOT NULL AND claimed_by LIKE $1
                    AND available_at > clock_timestamp()
                  GROUP BY partition_key",
                 self.table("")
-            ))
-            .bind(format!("%:{victim}"))
-            .fetch_all(&self.pool)
-            .await
-            .expect("the dead relay's claims")
+            );
+            let claimed_by = Some(format!("%:{victim}"));
+            self.rows(&sql, claimed_by, "the dead relay's claims").await
         };
         rows.into_iter().collect()
     }

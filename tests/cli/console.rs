@@ -9,50 +9,6 @@ use super::*;
 #[path = "console_browser.rs"]
 mod browser;
 
-/// An HTTP answer: status, header block (lower-cased names), body.
-struct Reply {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-/// One plain HTTP/1.1 request; `Host` is `addr` unless `extra` gives one.
-fn request(addr: &str, method: &str, path: &str, extra: &[(&str, &str)], body: &str) -> Reply {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
-    let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
-    if !extra
-        .iter()
-        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
-    {
-        head.push_str(&format!("Host: {addr}\r\n"));
-    }
-    for (name, value) in extra {
-        head.push_str(&format!("{name}: {value}\r\n"));
-    }
-    if method == "POST" {
-        head.push_str(&format!(
-            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
-            body.len()
-        ));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).expect("send");
-    stream.write_all(body.as_bytes()).expect("send the body");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
-    Reply {
-        status: headers
-            .split_whitespace()
-            .nth(1)
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0),
-        headers: headers.to_ascii_lowercase(),
-        body: body.to_string(),
-    }
-}
-
 fn get(addr: &str, path: &str, extra: &[(&str, &str)]) -> Reply {
     request(addr, "GET", path, extra, "")
 }
@@ -110,8 +66,18 @@ fn console_config(schema: &str, name: &str, addr: &str) -> ConfigFile {
 }
 
 /// Makes key `a`'s head a dead letter (Redis refuses it as too large), with `a2` and `a3`
-/// parked behind it and `b1` delivered. Returns the dead letter's id.
-async fn poisoned(pool: &PgPool, schema: &str, name: &str) -> String {
+/// parked behind it and `b1` delivered, in a fresh schema `cli_<what>_…` with Redis streams
+/// prefixed `<what>_…:`. Returns the pool, the schema, the prefix and the dead letter's id.
+async fn poisoned(what: &str) -> (PgPool, String, String, String) {
+    let pool = pool().await;
+    let schema = unique_name(&format!("cli_{what}"));
+    let name = unique_name(what);
+    let id = poison_key_a(&pool, &schema, &name).await;
+    (pool, schema, name, id)
+}
+
+/// The dead letter of [`poisoned`] in `schema`; returns its id.
+async fn poison_key_a(pool: &PgPool, schema: &str, name: &str) -> String {
     let strict = ConfigFile::new(&format!(
         "{}{FAST_RELAY}{}",
         storage_section(schema),
@@ -178,10 +144,7 @@ async fn dead_and_parked(pool: &PgPool, schema: &str) -> (i64, i64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console");
-    let name = unique_name("console");
-    let id = poisoned(&pool, &schema, &name).await;
+    let (pool, schema, name, id) = poisoned("console").await;
 
     // The operator raised the limit; the console on loopback needs no token.
     let addr = format!("127.0.0.1:{}", free_port());
@@ -348,10 +311,7 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console_auth");
-    let name = unique_name("console_auth");
-    let id = poisoned(&pool, &schema, &name).await;
+    let (pool, schema, name, id) = poisoned("console_auth").await;
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let token = "c0ns0le-t0ken-for-the-test-0123456789";
@@ -495,10 +455,7 @@ async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() 
 /// never the password.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_basic_auth_guards_its_data_and_logs_who_acted() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console_basic");
-    let name = unique_name("console_basic");
-    let id = poisoned(&pool, &schema, &name).await;
+    let (pool, schema, name, id) = poisoned("console_basic").await;
     let port = free_port();
     let addr = format!("127.0.0.1:{port}");
     let password = "pa55word-0123456";
@@ -509,9 +466,7 @@ async fn console_basic_auth_guards_its_data_and_logs_who_acted() {
     ));
     let log = config.dir.join("relay.log");
     let relay = RelayProcess(
-        Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .arg("--config")
-            .arg(&config.path)
+        outbox_command(&config.path)
             .arg("relay")
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("the relay's log"))

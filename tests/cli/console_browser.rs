@@ -114,10 +114,7 @@ async fn click(client: &Client, locator: Locator<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_replays_it() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console_browser");
-    let name = unique_name("console_browser");
-    let id = poisoned(&pool, &schema, &name).await;
+    let (pool, schema, name, id) = poisoned("console_browser").await;
     let addr = format!("127.0.0.1:{}", free_port());
     let config = console_config(&schema, &name, &addr);
     let relay = RelayProcess::start(&config.path);

@@ -4,7 +4,6 @@
 //! recipes give the relay are checked by the binary's own configuration parsing.
 
 use std::path::Path;
-use std::process::Command;
 
 use super::{ConfigFile, text};
 
@@ -67,9 +66,7 @@ fn the_compose_file_and_the_service_unit_give_settings_the_relay_takes() {
     // The compose file's configuration with its environment, parsed by the binary: `check`
     // gets past the configuration and fails only on reaching hosts named `postgres`.
     let config = ConfigFile::new(&repo_file("examples/redis.toml"));
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let out = super::outbox_command(&config.path)
         .arg("check")
         .envs(variables.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .env("OUTBOX_STORAGE__CONNECT_TIMEOUT", "1s")
@@ -100,9 +97,7 @@ fn the_compose_file_and_the_service_unit_give_settings_the_relay_takes() {
     let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_credentials"));
     std::fs::create_dir_all(&dir).expect("temp dir");
     std::fs::write(dir.join("db_url"), "postgres://postgres@127.0.0.1:1/test\n").expect("write");
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let out = super::outbox_command(&config.path)
         .arg("check")
         .env("OUTBOX_STORAGE__URL__FILE", dir.join("db_url"))
         .env("OUTBOX_STORAGE__CONNECT_TIMEOUT", "1s")

@@ -19,6 +19,8 @@ mod clock;
 mod console;
 #[cfg(feature = "redis")]
 mod deployment;
+#[cfg(all(feature = "file", any(feature = "mysql", feature = "sqlite")))]
+mod drain;
 #[cfg(feature = "file")]
 mod listener;
 #[cfg(all(feature = "mysql", feature = "file"))]
@@ -30,10 +32,15 @@ mod secrets;
 #[cfg(all(feature = "sqlite", feature = "file"))]
 mod sqlite;
 
+/// The binary with `--config config`.
+fn outbox_command(config: &Path) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_outbox"));
+    command.arg("--config").arg(config);
+    command
+}
+
 fn outbox(config: &Path, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(config)
+    outbox_command(config)
         .args(args)
         .env_remove("RUST_LOG")
         .output()
@@ -42,9 +49,7 @@ fn outbox(config: &Path, args: &[&str]) -> Output {
 
 fn outbox_with_stdin(config: &Path, args: &[&str], input: &str) -> Output {
     use std::io::Write;
-    let mut child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(config)
+    let mut child = outbox_command(config)
         .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -62,6 +67,51 @@ fn outbox_with_stdin(config: &Path, args: &[&str], input: &str) -> Output {
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// Runs `check` on each (configuration, expected text): it must exit with the configuration
+/// code, say the expected text, and never print the password `hunter2`.
+fn assert_config_errors(cases: &[(String, &str)]) {
+    for (contents, expected) in cases {
+        let config = ConfigFile::new(contents);
+        let out = outbox(&config.path, &["check"]);
+        let stderr = text(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(EXIT_CONFIG),
+            "config:\n{contents}\nstderr: {stderr}"
+        );
+        assert!(
+            stderr.contains(expected),
+            "expected `{expected}` in: {stderr}"
+        );
+        assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
+    }
+}
+
+/// After the script of `migrate --print-sql` was applied by hand, as a DBA would: the
+/// command prints nothing more to do, `migrate` finds no work left, and `status` reads the
+/// tables. `what` names the case in a failure.
+fn assert_migrated_by_hand(config: &Path, what: &str) {
+    let again = text(&outbox(config, &["migrate", "--print-sql"]).stdout);
+    assert!(again.contains("is up to date"), "{what}: {again}");
+    let migrated = outbox(config, &["migrate"]);
+    assert!(
+        migrated.status.success(),
+        "{what}: {}",
+        text(&migrated.stderr)
+    );
+    assert!(
+        !text(&migrated.stderr).contains("applying outbox migration"),
+        "{what}: migrate found work left: {}",
+        text(&migrated.stderr)
+    );
+    let status = outbox(config, &["status"]);
+    assert!(
+        text(&status.stdout).contains("pending 0"),
+        "{what}: {}",
+        text(&status.stderr)
+    );
 }
 
 /// A configuration file in a temporary directory, removed on drop.
@@ -116,9 +166,7 @@ struct RelayProcess(std::process::Child);
 
 impl RelayProcess {
     fn start(config: &Path) -> Self {
-        let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-            .arg("--config")
-            .arg(config)
+        let child = outbox_command(config)
             .arg("relay")
             .stdout(Stdio::null())
             .stderr(Stdio::inherit())
@@ -198,21 +246,7 @@ fn bad_configurations_exit_with_the_configuration_code_and_name_the_key() {
         #[cfg(feature = "file")]
         (format!("{storage}[sink]\ntype = \"file\"\npath = \"/nonexistent/outbox/out.jsonl\"\n"), "sink.path"),
     ];
-    for (contents, expected) in cases {
-        let config = ConfigFile::new(&contents);
-        let out = outbox(&config.path, &["check"]);
-        let stderr = text(&out.stderr);
-        assert_eq!(
-            out.status.code(),
-            Some(EXIT_CONFIG),
-            "config:\n{contents}\nstderr: {stderr}"
-        );
-        assert!(
-            stderr.contains(expected),
-            "expected `{expected}` in: {stderr}"
-        );
-        assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
-    }
+    assert_config_errors(&cases);
     let missing = outbox(Path::new("/nonexistent/outbox.toml"), &["check"]);
     assert_eq!(missing.status.code(), Some(EXIT_CONFIG));
     assert!(text(&missing.stderr).contains("/nonexistent/outbox.toml"));
@@ -668,6 +702,50 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
     drop_schema(&pool, &schema).await;
 }
 
+/// An HTTP answer: status, header block (lower-cased names), body.
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+/// One plain HTTP/1.1 request; `Host` is `addr` unless `extra` gives one.
+fn request(addr: &str, method: &str, path: &str, extra: &[(&str, &str)], body: &str) -> Reply {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
+    let mut head = format!("{method} {path} HTTP/1.1\r\nConnection: close\r\n");
+    if !extra
+        .iter()
+        .any(|(name, _)| name.eq_ignore_ascii_case("host"))
+    {
+        head.push_str(&format!("Host: {addr}\r\n"));
+    }
+    for (name, value) in extra {
+        head.push_str(&format!("{name}: {value}\r\n"));
+    }
+    if method == "POST" {
+        head.push_str(&format!(
+            "Content-Type: application/x-www-form-urlencoded\r\nContent-Length: {}\r\n",
+            body.len()
+        ));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).expect("send");
+    stream.write_all(body.as_bytes()).expect("send the body");
+    let mut response = String::new();
+    stream.read_to_string(&mut response).expect("read");
+    let (headers, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    Reply {
+        status: headers
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        headers: headers.to_ascii_lowercase(),
+        body: body.to_string(),
+    }
+}
+
 /// A plain HTTP/1.1 GET: (status code, body).
 fn http_get(addr: &str, path: &str) -> (u16, String) {
     http_get_as(addr, path, addr)
@@ -675,25 +753,8 @@ fn http_get(addr: &str, path: &str) -> (u16, String) {
 
 /// [`http_get`] with `host` in the `Host` header.
 fn http_get_as(addr: &str, path: &str, host: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).expect("connect to the relay's listener");
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("send");
-    let mut response = String::new();
-    stream.read_to_string(&mut response).expect("read");
-    let status = response
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_string())
-        .unwrap_or_default();
-    (status, body)
+    let reply = request(addr, "GET", path, &[("Host", host)], "");
+    (reply.status, reply.body)
 }
 
 /// `/health/ready` once the relays are built and checked (it says `starting` before).
@@ -1108,21 +1169,7 @@ async fn migrate_print_sql_gives_the_script_a_dba_applies_with_psql() {
         );
         assert_eq!(count(&pool, &versions).await, i64::from(upgrade), "{mode}");
         apply(&script);
-        let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
-        assert!(again.contains("is up to date"), "{mode}: {again}");
-        let migrated = outbox(&config.path, &["migrate"]);
-        assert!(migrated.status.success(), "{}", text(&migrated.stderr));
-        assert!(
-            !text(&migrated.stderr).contains("applying outbox migration"),
-            "{mode}: migrate found work left: {}",
-            text(&migrated.stderr)
-        );
-        let status = outbox(&config.path, &["status"]);
-        assert!(
-            text(&status.stdout).contains("pending 0"),
-            "{}",
-            text(&status.stderr)
-        );
+        assert_migrated_by_hand(&config.path, mode);
         drop_schema(&pool, &schema).await;
     }
 }
@@ -1157,9 +1204,7 @@ async fn two_relay_processes_export_the_same_label_sets() {
     let relays: Vec<RelayProcess> = addrs
         .iter()
         .map(|addr| {
-            let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-                .arg("--config")
-                .arg(&config.path)
+            let child = outbox_command(&config.path)
                 .arg("relay")
                 .env("OUTBOX_OBSERVABILITY__LISTEN", addr)
                 .stdout(Stdio::null())

@@ -3,21 +3,25 @@
 //! nothing and keeps per-key order, and bad `[storage]` settings exit with the
 //! configuration code naming the setting.
 
-use std::collections::{HashMap, HashSet};
 use std::io::Write;
-use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use outbox_tests::mysql_url;
 
-use super::{ConfigFile, EXIT_CONFIG, RelayProcess, outbox, text};
+use super::drain::{
+    assert_key_order, delivered, numbered_lines, wait_for_deliveries, wait_for_every_message,
+};
+use super::{
+    ConfigFile, RelayProcess, assert_config_errors, assert_migrated_by_hand, outbox,
+    outbox_with_stdin, text,
+};
 
 const KEYS: usize = 50;
 const PER_KEY: usize = 60;
 
-/// Drops the tables of outbox table `table` when dropped.
-struct Tables(String);
+/// Drops the tables of outbox table `table` when dropped (errors ignored: a clean-up).
+pub(super) struct Tables(pub(super) String);
 
 impl Drop for Tables {
     fn drop(&mut self) {
@@ -35,30 +39,6 @@ impl Drop for Tables {
                 .ok()
         });
     }
-}
-
-/// The delivered lines of the file sink: (key, number, id) in file order, read by the names
-/// of its wire module.
-fn delivered(path: &Path) -> Vec<(String, usize, String)> {
-    use outbox::file::wire::{ID, KEY, PAYLOAD};
-    let Ok(contents) = std::fs::read_to_string(path) else {
-        return Vec::new();
-    };
-    contents
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .map(|m| {
-            (
-                m[KEY].as_str().unwrap_or_default().to_string(),
-                m[PAYLOAD]
-                    .as_str()
-                    .unwrap_or_default()
-                    .parse()
-                    .unwrap_or(usize::MAX),
-                m[ID].as_str().unwrap_or_default().to_string(),
-            )
-        })
-        .collect()
 }
 
 #[test]
@@ -83,27 +63,8 @@ fn a_relay_killed_mid_drain_on_mysql_loses_nothing_and_keeps_key_order() {
         mysql_url(),
         text(&migrated.stderr)
     );
-    let mut lines = String::new();
-    for n in 0..PER_KEY {
-        for k in 0..KEYS {
-            lines.push_str(&format!(
-                "{{\"topic\":\"orders\",\"key\":\"k{k}\",\"payload\":\"{n}\"}}\n"
-            ));
-        }
-    }
-    let mut writer = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
-        .args(["enqueue", "--stdin"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the writer");
-    let mut stdin = writer.stdin.take().expect("stdin");
-    stdin.write_all(lines.as_bytes()).expect("writer input");
-    drop(stdin);
-    let written = writer.wait_with_output().expect("writer");
+    let lines = numbered_lines(KEYS, PER_KEY);
+    let written = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines);
     assert!(
         written.status.success(),
         "writer: {}",
@@ -113,13 +74,7 @@ fn a_relay_killed_mid_drain_on_mysql_loses_nothing_and_keeps_key_order() {
     let total = KEYS * PER_KEY;
     let first = RelayProcess::start(&config.path);
     let deadline = Instant::now() + Duration::from_secs(60);
-    while delivered(&sink).len() < total / 4 {
-        assert!(
-            Instant::now() < deadline,
-            "the first relay delivered too little"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_for_deliveries(&sink, total / 4, deadline);
     // Kill it while it holds a claim: rows under its lease must be taken over when the lease
     // runs out, not lost.
     let in_flight = format!(
@@ -161,33 +116,9 @@ fn a_relay_killed_mid_drain_on_mysql_loses_nothing_and_keeps_key_order() {
     }
     // Its leases (3 s) run out before the second relay can take its rows.
     let second = RelayProcess::start(&config.path);
-    let all = loop {
-        let all = delivered(&sink);
-        let ids: HashSet<&str> = all.iter().map(|(_, _, id)| id.as_str()).collect();
-        if ids.len() == total {
-            break all;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {total} messages delivered within 60 s",
-            ids.len()
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let all = wait_for_every_message(&sink, total, deadline);
     assert_eq!(second.terminate().0, Some(0));
-    // Per key: every delivery of a message (a redelivery after the kill included) comes
-    // after a delivery of the one before it, and first deliveries are in order.
-    let mut seen: HashMap<&str, Vec<usize>> = HashMap::new();
-    for (key, n, _) in &all {
-        let numbers = seen.entry(key.as_str()).or_default();
-        assert!(
-            *n == 0 || numbers.contains(&(n - 1)),
-            "key {key}: message {n} delivered before message {}: {numbers:?}",
-            n - 1
-        );
-        numbers.push(*n);
-    }
-    assert_eq!(seen.len(), KEYS);
+    assert_key_order(&all, KEYS, PER_KEY);
     let status = outbox(&config.path, &["status"]);
     assert!(
         text(&status.stdout).contains("pending 0 "),
@@ -220,22 +151,9 @@ fn bad_mysql_settings_exit_with_the_configuration_code_and_name_the_setting() {
             "storage.table `Bad-Name` is not allowed",
         ),
     ];
-    for (storage, expected) in cases {
-        let contents = format!("{storage}[sink]\ntype = \"stdout\"\n");
-        let config = ConfigFile::new(&contents);
-        let out = outbox(&config.path, &["check"]);
-        let stderr = text(&out.stderr);
-        assert_eq!(
-            out.status.code(),
-            Some(EXIT_CONFIG),
-            "config:\n{contents}\nstderr: {stderr}"
-        );
-        assert!(
-            stderr.contains(expected),
-            "expected `{expected}` in: {stderr}"
-        );
-        assert!(!stderr.contains("hunter2"), "password printed: {stderr}");
-    }
+    let cases = cases
+        .map(|(storage, expected)| (format!("{storage}[sink]\ntype = \"stdout\"\n"), expected));
+    assert_config_errors(&cases);
 }
 
 /// `migrate --print-sql` on MariaDB prints the steps the database lacks without running them;
@@ -276,20 +194,7 @@ fn migrate_print_sql_gives_the_script_a_dba_applies() {
         text(&applied.stderr)
     );
 
-    let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
-    assert!(again.contains("is up to date"), "{again}");
-    let migrated = outbox(&config.path, &["migrate"]);
-    assert!(
-        !text(&migrated.stderr).contains("applying outbox migration"),
-        "migrate found work left: {}",
-        text(&migrated.stderr)
-    );
-    let status = outbox(&config.path, &["status"]);
-    assert!(
-        text(&status.stdout).contains("pending 0"),
-        "{}",
-        text(&status.stderr)
-    );
+    assert_migrated_by_hand(&config.path, "mariadb");
 }
 
 /// The `mariadb` client's arguments for the server, user, password and database of `url`

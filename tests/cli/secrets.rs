@@ -14,9 +14,7 @@ const REDIS_PASSWORD: &str = "r3dis-pw-refused";
 
 /// Runs `outbox <args>` with debug logs; returns what it printed, both streams.
 fn printed(config: &ConfigFile, args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let out = super::outbox_command(&config.path)
         .args(args)
         .env("RUST_LOG", "debug")
         .output()
@@ -26,9 +24,7 @@ fn printed(config: &ConfigFile, args: &[&str]) -> String {
 
 /// Runs the relay for a while with debug logs, stops it, returns what it printed.
 fn relay_printed(config: &ConfigFile, run_for: Duration) -> String {
-    let child = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let child = super::outbox_command(&config.path)
         .arg("relay")
         .env("RUST_LOG", "debug")
         .stdout(Stdio::piped())

@@ -2,12 +2,12 @@
 //! written, and a relay process and a writer process sharing one SQLite file through a
 //! kill -9 of the relay.
 
-use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use super::drain::{assert_key_order, numbered_lines, wait_for_deliveries, wait_for_every_message};
 use super::{ConfigFile, RelayProcess, outbox, text};
 
 /// The commands of the README's quick start: the `sh` block under its first heading that
@@ -152,41 +152,6 @@ fn stop(mut child: Child) {
 const KEYS: usize = 100;
 const PER_KEY: usize = 100;
 
-/// The messages the writer enqueues: `KEYS` keys, `PER_KEY` each, numbered per key.
-fn writer_lines() -> String {
-    let mut lines = String::new();
-    for n in 0..PER_KEY {
-        for k in 0..KEYS {
-            lines.push_str(&format!(
-                "{{\"topic\":\"orders\",\"key\":\"k{k}\",\"payload\":\"{n}\"}}\n"
-            ));
-        }
-    }
-    lines
-}
-
-/// The delivered lines of the file sink: (key, number, id) in file order.
-fn delivered(path: &Path) -> Vec<(String, usize, String)> {
-    let Ok(contents) = std::fs::read_to_string(path) else {
-        return Vec::new();
-    };
-    contents
-        .lines()
-        .filter_map(|line| serde_json::from_str::<serde_json::Value>(line).ok())
-        .map(|m| {
-            (
-                m["outbox-key"].as_str().unwrap_or_default().to_string(),
-                m["payload"]
-                    .as_str()
-                    .unwrap_or_default()
-                    .parse()
-                    .unwrap_or(usize::MAX),
-                m["outbox-id"].as_str().unwrap_or_default().to_string(),
-            )
-        })
-        .collect()
-}
-
 #[test]
 fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
     let dir = std::env::temp_dir().join(outbox_tests::unique_name("outbox_sqlite"));
@@ -204,28 +169,20 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
     assert!(migrated.status.success(), "{}", text(&migrated.stderr));
 
     let first = RelayProcess::start(&config.path);
-    let mut writer = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let mut writer = super::outbox_command(&config.path)
         .args(["enqueue", "--stdin"])
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .expect("start the writer");
-    let input = writer_lines();
+    let input = numbered_lines(KEYS, PER_KEY);
     let mut stdin = writer.stdin.take().expect("stdin");
     let feeding = std::thread::spawn(move || stdin.write_all(input.as_bytes()));
 
     // Kill the relay without warning once it is well into the drain.
     let deadline = Instant::now() + Duration::from_secs(120);
-    while delivered(&sink).len() < KEYS * PER_KEY / 5 {
-        assert!(
-            Instant::now() < deadline,
-            "the first relay delivered too little"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    wait_for_deliveries(&sink, KEYS * PER_KEY / 5, deadline);
     let mut first = first;
     first.0.kill().expect("kill -9 the relay");
     let _ = first.0.wait();
@@ -242,44 +199,9 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
         text(&written.stderr)
     );
 
-    let all = loop {
-        let all = delivered(&sink);
-        let ids: HashSet<&str> = all.iter().map(|(_, _, id)| id.as_str()).collect();
-        if ids.len() == KEYS * PER_KEY {
-            break all;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {} messages delivered within 120 s",
-            ids.len(),
-            KEYS * PER_KEY
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let all = wait_for_every_message(&sink, KEYS * PER_KEY, deadline);
     assert_eq!(second.terminate().0, Some(0));
-
-    // Per key: the first deliveries come in enqueue order, and every delivery of a message
-    // (a redelivery after the kill included) comes after a delivery of the one before it.
-    let mut seen: HashMap<&str, Vec<usize>> = HashMap::new();
-    for (key, n, _) in &all {
-        let numbers = seen.entry(key.as_str()).or_default();
-        assert!(
-            *n == 0 || numbers.contains(&(n - 1)),
-            "key {key}: message {n} delivered before message {}: {numbers:?}",
-            n - 1
-        );
-        numbers.push(*n);
-    }
-    assert_eq!(seen.len(), KEYS);
-    for (key, numbers) in &seen {
-        let mut first_seen = Vec::new();
-        for n in numbers {
-            if !first_seen.contains(n) {
-                first_seen.push(*n);
-            }
-        }
-        assert_eq!(first_seen, (0..PER_KEY).collect::<Vec<_>>(), "key {key}");
-    }
+    assert_key_order(&all, KEYS, PER_KEY);
     let status = outbox(&config.path, &["status"]);
     assert!(
         text(&status.stdout).contains("pending 0 "),
@@ -287,6 +209,22 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
         text(&status.stdout)
     );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits up to 30 s until `status` on `config` says `wanted`.
+async fn wait_for_status(config: &Path, wanted: &str) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let said = text(&outbox(config, &["status"]).stdout);
+        if said.contains(wanted) {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "`status` never said `{wanted}`: {said}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// The id of the first dead letter `dead-letters list` printed (the line after the header).
@@ -330,15 +268,7 @@ async fn dead_letter_commands_work_on_sqlite() {
     let enqueued = super::outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines);
     assert!(enqueued.status.success(), "{}", text(&enqueued.stderr));
     let relay = RelayProcess::start(&strict.path);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !status(&strict).contains("dead-lettered 2 ") {
-        assert!(
-            Instant::now() < deadline,
-            "never dead-lettered: {}",
-            status(&strict)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_status(&strict.path, "dead-lettered 2 ").await;
     assert_eq!(relay.terminate().0, Some(0));
     let now = status(&strict);
     assert!(
@@ -431,15 +361,7 @@ async fn dead_letter_commands_work_on_sqlite() {
         text(&replayed.stderr)
     );
     let relay = RelayProcess::start(&relaxed.path);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !status(&relaxed).contains("pending 0 ") {
-        assert!(
-            Instant::now() < deadline,
-            "not drained: {}",
-            status(&relaxed)
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_status(&relaxed.path, "pending 0 ").await;
     assert_eq!(relay.terminate().0, Some(0));
     let keys = super::by_key(&super::redis_stream(&format!("{name}:t")).await);
     assert_eq!(keys["a"], vec![big.into_bytes(), b"a2".to_vec()]);
@@ -555,20 +477,7 @@ async fn migrate_print_sql_gives_the_script_a_dba_applies() {
         .execute(storage.pool())
         .await
         .expect("the printed script applies as it is");
-    let again = text(&outbox(&config.path, &["migrate", "--print-sql"]).stdout);
-    assert!(again.contains("is up to date"), "{again}");
-    let migrated = outbox(&config.path, &["migrate"]);
-    assert!(
-        !text(&migrated.stderr).contains("applying outbox migration"),
-        "migrate found work left: {}",
-        text(&migrated.stderr)
-    );
-    let status = outbox(&config.path, &["status"]);
-    assert!(
-        text(&status.stdout).contains("pending 0"),
-        "{}",
-        text(&status.stderr)
-    );
+    super::assert_migrated_by_hand(&config.path, "sqlite");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -598,9 +507,7 @@ async fn message_text_cannot_forge_log_lines_or_drive_the_terminal() {
     let enqueued = super::outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &line);
     assert!(enqueued.status.success(), "{}", text(&enqueued.stderr));
 
-    let relay = Command::new(env!("CARGO_BIN_EXE_outbox"))
-        .arg("--config")
-        .arg(&config.path)
+    let relay = super::outbox_command(&config.path)
         .arg("relay")
         .env("NO_COLOR", "1")
         .stdout(Stdio::null())
@@ -608,15 +515,7 @@ async fn message_text_cannot_forge_log_lines_or_drive_the_terminal() {
         .spawn()
         .expect("start the relay");
     let status = || text(&outbox(&config.path, &["status"]).stdout);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !status().contains("dead-lettered 1 ") {
-        assert!(
-            Instant::now() < deadline,
-            "never dead-lettered: {}",
-            status()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_for_status(&config.path, "dead-lettered 1 ").await;
     let _ = Command::new("kill")
         .args(["-TERM", &relay.id().to_string()])
         .status();
