@@ -19,23 +19,35 @@ pub async fn bare_delete(scale: Scale) -> Result<f64, String> {
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING *"
     );
     let mut conn = outbox.pool.acquire().await.map_err(text)?;
-    let started = Instant::now();
-    let mut total = 0u64;
-    loop {
+    let rate = rows_per_second(async || {
         let rows = sqlx::query(&sql)
             .bind(BATCH as i64)
             .fetch_all(&mut *conn)
             .await
             .map_err(text)?;
-        if rows.is_empty() {
-            break;
-        }
-        total += rows.len() as u64;
-    }
-    let rate = total as f64 / started.elapsed().as_secs_f64();
+        Ok(rows.len())
+    })
+    .await?;
     drop(conn);
     outbox.drop_schema().await?;
     Ok(rate)
+}
+
+/// The rate of a storage's bare-delete ceiling: runs `batch` (which removes up to a batch
+/// of rows and says how many) until it removes none; returns the rows removed per second.
+pub async fn rows_per_second(
+    mut batch: impl AsyncFnMut() -> Result<usize, String>,
+) -> Result<f64, String> {
+    let started = Instant::now();
+    let mut total = 0u64;
+    loop {
+        let removed = batch().await?;
+        if removed == 0 {
+            break;
+        }
+        total += removed as u64;
+    }
+    Ok(total as f64 / started.elapsed().as_secs_f64())
 }
 
 /// The loop most outbox workers are written as: claim a batch in a transaction, publish

@@ -95,6 +95,54 @@ pub async fn produce(
     Ok(sent)
 }
 
+/// What [`offer`] measured.
+pub struct Timed {
+    /// The messages committed per second.
+    pub achieved: f64,
+    /// How many messages were committed.
+    pub sent: usize,
+    /// The latency of each message that arrived, commit to arrival, in milliseconds, sorted.
+    pub latencies: Vec<f64>,
+}
+
+/// Offers `rate` messages of `topic` per second for `duration` to `outbox` ([`produce`]),
+/// then waits up to 30 s for them to arrive in `arrivals`.
+pub async fn offer(
+    outbox: &BenchOutbox,
+    topic: &'static str,
+    rate: u64,
+    duration: Duration,
+    arrivals: &Arrivals,
+) -> Result<Timed, String> {
+    let started = Instant::now();
+    let sent = produce(
+        outbox.pool.clone(),
+        outbox.table.clone(),
+        topic,
+        rate,
+        duration,
+    )
+    .await?;
+    let achieved = sent.len() as f64 / started.elapsed().as_secs_f64();
+    arrivals.wait_for(sent.len(), Duration::from_secs(30)).await;
+    let arrived = arrivals.snapshot();
+    let mut latencies: Vec<f64> = sent
+        .iter()
+        .filter_map(|(id, at)| {
+            arrived
+                .get(id)
+                .map(|got| got.saturating_duration_since(*at))
+        })
+        .map(|latency| latency.as_secs_f64() * 1000.0)
+        .collect();
+    latencies.sort_by(f64::total_cmp);
+    Ok(Timed {
+        achieved,
+        sent: sent.len(),
+        latencies,
+    })
+}
+
 /// Reads `stream` until shut down, recording each message id's arrival.
 pub async fn consume_redis(
     stream: String,
@@ -420,38 +468,18 @@ impl Binary {
         tokio::time::sleep(Duration::from_secs(2)).await;
         let result = async {
             relay.check()?;
-            let started = Instant::now();
-            let sent = produce(
-                outbox.pool.clone(),
-                outbox.table.clone(),
-                "bench",
-                rate,
-                duration,
-            )
-            .await?;
-            let achieved = sent.len() as f64 / started.elapsed().as_secs_f64();
-            arrivals.wait_for(sent.len(), Duration::from_secs(30)).await;
+            let timed = offer(&outbox, "bench", rate, duration, &arrivals).await?;
             relay.check()?;
-            let arrived = arrivals.snapshot();
-            let mut latencies: Vec<f64> = sent
-                .iter()
-                .filter_map(|(id, at)| {
-                    arrived
-                        .get(id)
-                        .map(|got| got.saturating_duration_since(*at).as_secs_f64() * 1000.0)
-                })
-                .collect();
-            if latencies.len() != sent.len() {
+            if timed.latencies.len() != timed.sent {
                 let log = std::fs::read_to_string(&relay.log).unwrap_or_default();
                 return Err(format!(
                     "the binary's latency run to {} lost messages: sent {}, arrived {}; the relay's log:\n{log}",
                     kind.name(),
-                    sent.len(),
-                    latencies.len()
+                    timed.sent,
+                    timed.latencies.len()
                 ));
             }
-            latencies.sort_by(f64::total_cmp);
-            Ok((achieved, latencies))
+            Ok((timed.achieved, timed.latencies))
         }
         .await;
         shutdown.cancel();

@@ -154,21 +154,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         })
         .await?,
     );
-    let relay_counts: &[usize] = if scale.quick { &[1, 4] } else { &[1, 2, 4] };
-    for kind in [
-        SinkKind::Null,
-        SinkKind::Redis,
-        SinkKind::Amqp,
-        SinkKind::Nats,
-        SinkKind::Kafka,
-    ] {
-        // The database ceiling and Redis are the headline figures: the median of every run.
-        // The other brokers get one run each, to keep the whole benchmark within minutes.
-        let runs = if matches!(kind, SinkKind::Null | SinkKind::Redis) {
-            scale.runs
-        } else {
-            1
-        };
+    for (kind, runs) in sinks(scale) {
         let ceiling = match kind {
             SinkKind::Null => None,
             SinkKind::Redis => Some(redis_ceiling),
@@ -187,7 +173,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
             );
         }
         for per_key_order in [true, false] {
-            for &relays in relay_counts {
+            for &relays in relay_counts(scale) {
                 let mut rates = Vec::new();
                 for _ in 0..runs {
                     let drained =
@@ -265,6 +251,25 @@ pub async fn backlog(scale: Scale, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
+/// The relay counts a drain section compares: 1, 2 and 4 (1 and 4 in a quick run).
+pub fn relay_counts(scale: Scale) -> &'static [usize] {
+    if scale.quick { &[1, 4] } else { &[1, 2, 4] }
+}
+
+/// Every sink a drain section runs against, with its number of runs: the database ceiling
+/// (the null sink) and Redis are the headline figures, the median of every run; the other
+/// brokers get one run each, to keep the whole benchmark within minutes.
+pub fn sinks(scale: Scale) -> [(SinkKind, usize); 5] {
+    [
+        (SinkKind::Null, scale.runs),
+        (SinkKind::Redis, scale.runs),
+        (SinkKind::Amqp, 1),
+        (SinkKind::Nats, 1),
+        (SinkKind::Kafka, 1),
+    ]
+}
+
+/// The figures of `runs` runs of `f`, in order (take their [`median`](crate::median)).
 pub async fn repeat<F, Fut>(runs: usize, f: F) -> Result<Vec<f64>, String>
 where
     F: Fn() -> Fut,

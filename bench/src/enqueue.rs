@@ -5,13 +5,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::{CancellationToken, NewMessage, Worker, WorkerConfig};
+use outbox_core::{NewMessage, WorkerConfig};
 
 use crate::report::Report;
-use crate::setup::{BenchOutbox, NullSink, text};
-use crate::{Scale, median};
+use crate::setup::{BenchOutbox, NullSink, spawn_relay, text};
+use crate::{Scale, drain, median};
 
-const WRITERS: usize = 16;
+/// The writers of every enqueue measurement.
+pub const WRITERS: usize = 16;
 
 /// How the wake-up is set while the writers commit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -39,10 +40,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
     ];
     let mut rates = Vec::new();
     for mode in modes {
-        let mut runs = Vec::new();
-        for _ in 0..scale.runs {
-            runs.push(enqueue_run(mode, scale.enqueue_duration).await?);
-        }
+        let runs = drain::repeat(scale.runs, || enqueue_run(mode, scale.enqueue_duration)).await?;
         rates.push((mode, median(runs)));
     }
     let baseline = rates[0].1;
@@ -79,7 +77,6 @@ async fn enqueue_run(mode: Mode, duration: Duration) -> Result<f64, String> {
         }
         _ => {}
     }
-    let shutdown = CancellationToken::new();
     let relay = if matches!(mode, Mode::RelayPolling | Mode::RelayWakeup) {
         let mut config = outbox_postgres::PostgresConfig::new(crate::setup::postgres_url())
             .table(&outbox.schema, "outbox");
@@ -87,20 +84,26 @@ async fn enqueue_run(mode: Mode, duration: Duration) -> Result<f64, String> {
         // No writer here prepares its transactions (see `setup::Outbox::config`).
         config.wakeup_with_prepared_transactions = true;
         let storage = Arc::new(outbox_postgres::PgStorage::new(config).map_err(text)?);
-        let worker = Worker::new(
-            WorkerConfig {
-                batch_size: 500,
-                ..WorkerConfig::new("bench")
-            },
-            storage,
-            Arc::new(NullSink),
-        )
-        .map_err(text)?;
-        let shutdown = shutdown.clone();
-        Some(tokio::spawn(async move { worker.run(shutdown).await }))
+        let config = WorkerConfig {
+            batch_size: 500,
+            ..WorkerConfig::new("bench")
+        };
+        Some(spawn_relay(config, storage, Arc::new(NullSink))?)
     } else {
         None
     };
+    let rate = commits_per_second(&outbox, duration).await?;
+    if let Some((relay, shutdown)) = relay {
+        shutdown.cancel();
+        relay.await.map_err(text)?;
+    }
+    outbox.drop_schema().await?;
+    Ok(rate)
+}
+
+/// Commits per second of `WRITERS` writers, each committing single-message transactions
+/// into `outbox` in a loop for `duration` (keys spread over 1000).
+pub async fn commits_per_second(outbox: &BenchOutbox, duration: Duration) -> Result<f64, String> {
     let commits = Arc::new(AtomicU64::new(0));
     let deadline = Instant::now() + duration;
     let mut tasks = Vec::new();
@@ -126,10 +129,5 @@ async fn enqueue_run(mode: Mode, duration: Duration) -> Result<f64, String> {
         task.await.map_err(text)??;
     }
     let rate = commits.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
-    shutdown.cancel();
-    if let Some(relay) = relay {
-        relay.await.map_err(text)?;
-    }
-    outbox.drop_schema().await?;
     Ok(rate)
 }

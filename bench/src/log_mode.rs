@@ -9,15 +9,16 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::{CancellationToken, NewMessage, Storage, Worker, WorkerConfig};
+use outbox_core::{Storage, WorkerConfig};
 use outbox_postgres::{PgStorage, StorageMode};
 
 use crate::baselines;
 use crate::binary::{self, Binary};
 use crate::drain::{self, BATCH, repeat};
+use crate::enqueue;
 use crate::latency;
 use crate::report::Report;
-use crate::setup::{BenchOutbox, CountingSink, NullSink, SinkKind, text};
+use crate::setup::{BenchOutbox, CountingSink, NullSink, SinkKind, spawn_relay, text};
 use crate::{Scale, median};
 
 /// Which parts of the log section to run: `log` runs them all, `log-drain` etc. one each.
@@ -70,21 +71,7 @@ async fn drains(scale: Scale, report: &mut Report) -> Result<(), String> {
         "rows/s",
         None,
     );
-    let relay_counts: &[usize] = if scale.quick { &[1, 4] } else { &[1, 2, 4] };
-    for kind in [
-        SinkKind::Null,
-        SinkKind::Redis,
-        SinkKind::Amqp,
-        SinkKind::Nats,
-        SinkKind::Kafka,
-    ] {
-        // As in the main drain section: the median of every run for the database ceiling
-        // and Redis, one run for the other brokers.
-        let runs = if matches!(kind, SinkKind::Null | SinkKind::Redis) {
-            scale.runs
-        } else {
-            1
-        };
+    for (kind, runs) in drain::sinks(scale) {
         let ceiling = if kind == SinkKind::Null {
             None
         } else {
@@ -98,7 +85,7 @@ async fn drains(scale: Scale, report: &mut Report) -> Result<(), String> {
             );
             Some(c)
         };
-        for &relays in relay_counts {
+        for &relays in drain::relay_counts(scale) {
             // Log and lease alternate, so drift on the shared machine hits both alike.
             let (mut log, mut lease) = (Vec::new(), Vec::new());
             for _ in 0..runs {
@@ -218,7 +205,8 @@ async fn drain_with_cleanup(
         inner: Arc::new(NullSink),
         delivered: delivered.clone(),
     });
-    let worker = Worker::new(
+    let started = Instant::now();
+    let (handle, shutdown) = spawn_relay(
         WorkerConfig {
             batch_size: BATCH,
             poll_interval: Duration::from_millis(50),
@@ -226,14 +214,7 @@ async fn drain_with_cleanup(
         },
         storage.clone(),
         sink,
-    )
-    .map_err(text)?;
-    let shutdown = CancellationToken::new();
-    let started = Instant::now();
-    let handle = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    )?;
     let deadline = started + Duration::from_secs(600);
     while delivered.load(Ordering::Relaxed) < n {
         if Instant::now() > deadline {
@@ -535,35 +516,9 @@ async fn enqueue(scale: Scale, report: &mut Report) -> Result<(), String> {
     Ok(())
 }
 
-const WRITERS: usize = 16;
-
 async fn enqueue_run(mode: StorageMode, duration: Duration) -> Result<f64, String> {
     let outbox = BenchOutbox::new_in(mode).await?;
-    let commits = Arc::new(AtomicU64::new(0));
-    let deadline = Instant::now() + duration;
-    let mut tasks = Vec::new();
-    for w in 0..WRITERS {
-        let (pool, table, commits) = (outbox.pool.clone(), outbox.table.clone(), commits.clone());
-        tasks.push(tokio::spawn(async move {
-            let payload = vec![b'x'; 200];
-            let mut i = 0u64;
-            while Instant::now() < deadline {
-                let mut tx = pool.begin().await.map_err(text)?;
-                let message = NewMessage::new("bench", payload.clone())
-                    .key(format!("k{}", (w as u64 * 7919 + i) % 1000));
-                table.enqueue(&mut tx, &message).await.map_err(text)?;
-                tx.commit().await.map_err(text)?;
-                commits.fetch_add(1, Ordering::Relaxed);
-                i += 1;
-            }
-            Ok::<(), String>(())
-        }));
-    }
-    let started = Instant::now();
-    for task in tasks {
-        task.await.map_err(text)??;
-    }
-    let rate = commits.load(Ordering::Relaxed) as f64 / started.elapsed().as_secs_f64();
+    let rate = enqueue::commits_per_second(&outbox, duration).await?;
     outbox.drop_schema().await?;
     Ok(rate)
 }
@@ -606,17 +561,11 @@ async fn open_transaction(scale: Scale, report: &mut Report) -> Result<(), Strin
     let outbox = BenchOutbox::new_in(StorageMode::Log).await?;
     let run = outbox.schema.clone();
     let storage = outbox.storage(true)?;
-    let worker = Worker::new(
+    let (relay, shutdown) = spawn_relay(
         WorkerConfig::new("bench-open-txn"),
         storage.clone(),
         SinkKind::Redis.build(&run)?,
-    )
-    .map_err(text)?;
-    let shutdown = CancellationToken::new();
-    let relay = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    )?;
     let blocker_table = format!(r#""{run}".blocker"#);
     sqlx::query(&format!("CREATE TABLE {blocker_table} (n int)"))
         .execute(&outbox.pool)
@@ -794,13 +743,7 @@ async fn binary_relay(scale: Scale, report: &mut Report) -> Result<(), String> {
     };
     for kind in [SinkKind::Redis, SinkKind::Kafka] {
         for &batch in batches {
-            let rates = {
-                let mut rates = Vec::new();
-                for _ in 0..scale.runs {
-                    rates.push(bin.drain(kind, batch, backlog, scale.keys).await?);
-                }
-                rates
-            };
+            let rates = repeat(scale.runs, || bin.drain(kind, batch, backlog, scale.keys)).await?;
             report.add(
                 "log binary",
                 &format!("→ {}, batch_size {batch}: {backlog} backlog", kind.name()),

@@ -6,12 +6,13 @@
 
 use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use outbox_core::{NewMessage, Worker, WorkerConfig};
 use outbox_mysql::sqlx::{self, MySqlPool, Row};
 use outbox_mysql::{MySqlConfig, MySqlStorage, OutboxTable};
 
+use crate::baselines;
 use crate::drain::{self, BATCH};
 use crate::report::Report;
 use crate::setup::{CountingSink, SinkKind, text};
@@ -110,9 +111,7 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
         .execute(&mut *conn)
         .await
         .map_err(text)?;
-    let started = Instant::now();
-    let mut total = 0u64;
-    loop {
+    let rate = baselines::rows_per_second(async || {
         let mut tx = sqlx::Connection::begin(&mut *conn).await.map_err(text)?;
         let rows = sqlx::query(&select)
             .bind(BATCH as i64)
@@ -120,7 +119,7 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
             .await
             .map_err(text)?;
         if rows.is_empty() {
-            break;
+            return Ok(0);
         }
         let seqs: Vec<i64> = rows
             .iter()
@@ -137,9 +136,9 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
         }
         query.execute(&mut *tx).await.map_err(text)?;
         tx.commit().await.map_err(text)?;
-        total += seqs.len() as u64;
-    }
-    let rate = total as f64 / started.elapsed().as_secs_f64();
+        Ok(seqs.len())
+    })
+    .await?;
     drop(conn);
     table.drop_tables().await;
     Ok(rate)
@@ -200,10 +199,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         "\n== mysql ({version}): {n} messages of 200 bytes over {} keys, batches of {BATCH} ==",
         scale.keys
     );
-    let mut bares = Vec::new();
-    for _ in 0..scale.runs {
-        bares.push(bare_delete(scale).await?);
-    }
+    let bares = drain::repeat(scale.runs, || bare_delete(scale)).await?;
     let bare = median(bares);
     report.add(
         "mysql",
@@ -221,10 +217,9 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
                     kind.name(),
                     if per_key_order { "on" } else { "off" }
                 );
-                let mut rates = Vec::new();
-                for _ in 0..scale.runs {
-                    rates.push(one_drain(scale, kind, relays, per_key_order).await?);
-                }
+                let rates =
+                    drain::repeat(scale.runs, || one_drain(scale, kind, relays, per_key_order))
+                        .await?;
                 report.add(
                     "mysql",
                     &name,

@@ -4,10 +4,14 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use async_trait::async_trait;
-use outbox_core::{Message, Outcome, Receipt, Result as OutboxResult, Sink, SinkCapabilities};
+use outbox_core::{
+    CancellationToken, Message, Outcome, Receipt, Result as OutboxResult, Sink, SinkCapabilities,
+    Storage, Worker, WorkerConfig,
+};
 use outbox_postgres::{OutboxTable, PgStorage, PostgresConfig, StorageMode};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
+use tokio::task::JoinHandle;
 
 pub fn postgres_url() -> String {
     std::env::var("OUTBOX_BENCH_POSTGRES_URL")
@@ -20,6 +24,22 @@ pub fn redis_url() -> String {
 
 pub fn text<E: std::fmt::Display>(e: E) -> String {
     e.to_string()
+}
+
+/// Starts a library relay of `config` from `storage` into `sink`; it runs until the
+/// returned token is cancelled, and the returned task ends once it has stopped.
+pub fn spawn_relay(
+    config: WorkerConfig,
+    storage: Arc<dyn Storage>,
+    sink: Arc<dyn Sink>,
+) -> Result<(JoinHandle<()>, CancellationToken), String> {
+    let worker = Worker::new(config, storage, sink).map_err(text)?;
+    let shutdown = CancellationToken::new();
+    let relay = tokio::spawn({
+        let shutdown = shutdown.clone();
+        async move { worker.run(shutdown).await }
+    });
+    Ok((relay, shutdown))
 }
 
 /// An outbox table in a schema of its own, dropped by [`BenchOutbox::drop_schema`].

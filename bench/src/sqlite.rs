@@ -293,20 +293,15 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT ?1) RETURNING *"
     );
     let mut conn = file.storage.pool().acquire().await.map_err(text)?;
-    let started = Instant::now();
-    let mut total = 0u64;
-    loop {
+    baselines::rows_per_second(async || {
         let rows = sqlx::query(&sql)
             .bind(BATCH as i64)
             .fetch_all(&mut *conn)
             .await
             .map_err(text)?;
-        if rows.is_empty() {
-            break;
-        }
-        total += rows.len() as u64;
-    }
-    Ok(total as f64 / started.elapsed().as_secs_f64())
+        Ok(rows.len())
+    })
+    .await
 }
 
 /// The file sink's ceiling: the drain's messages written straight to it in batches of
@@ -441,10 +436,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         scale.keys,
         tmp.display()
     );
-    let mut bares = Vec::new();
-    for _ in 0..scale.runs {
-        bares.push(bare_delete(scale).await?);
-    }
+    let bares = drain::repeat(scale.runs, || bare_delete(scale)).await?;
     let bare = median(bares);
     report.add(
         "sqlite",
@@ -453,10 +445,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         "rows/s",
         None,
     );
-    let mut files = Vec::new();
-    for _ in 0..scale.runs {
-        files.push(file_ceiling(scale).await?);
-    }
+    let files = drain::repeat(scale.runs, || file_ceiling(scale)).await?;
     let file_ceiling = median(files);
     report.add(
         "sqlite",
@@ -490,10 +479,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
     }
     let mut baseline = None;
     for mode in [Insert::PlainTable, Insert::PlainOutbox, Insert::Enqueue] {
-        let mut rates = Vec::new();
-        for _ in 0..scale.runs {
-            rates.push(enqueue_run(mode, scale.enqueue_duration).await?);
-        }
+        let rates = drain::repeat(scale.runs, || enqueue_run(mode, scale.enqueue_duration)).await?;
         let rate = median(rates);
         let plain = *baseline.get_or_insert(rate);
         report.add(
