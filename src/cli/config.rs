@@ -278,11 +278,6 @@ pub enum LogFormat {
     Json,
 }
 
-/// The longest duration of a relay setting (`lease = "18446744073709551615s"` was accepted
-/// and its first claim panicked adding it to the clock); checked here too so the error names
-/// the setting as the file writes it.
-const MAX_RELAY_DURATION: Duration = WorkerConfig::MAX_DURATION;
-
 /// Keys that used to sit in `[relay]` and are settings of the storage now.
 const MOVED_TO_STORAGE: [&str; 4] = ["per_key_order", "max_per_key", "wakeup", "retention"];
 
@@ -670,22 +665,9 @@ fn relay_def(
     // Claims and logs name the process; metrics name the relay, the same on every replica.
     worker.worker_id = format!("{name}@{host}:{}", std::process::id());
     worker.relay = Some(name.to_string());
+    // Refuses, among others, a duration over a year (WorkerConfig::MAX_DURATION: a lease of
+    // u64::MAX seconds once panicked at the first claim), keyed as the file writes it.
     worker.validate().map_err(placed(&section.relay))?;
-    for (setting, duration) in [
-        ("poll_interval", worker.poll_interval),
-        ("lease", worker.lease),
-        ("shutdown_timeout", worker.shutdown_timeout),
-        ("backoff.initial", worker.backoff.initial),
-        ("backoff.max", worker.backoff.max),
-    ] {
-        if duration > MAX_RELAY_DURATION {
-            return Err(err(format!(
-                "{}.{setting} is {}; it must be at most 1 year",
-                section.relay,
-                humantime::format_duration(duration)
-            )));
-        }
-    }
 
     let types = backends.sink_types.join("\", \"");
     let Some(Value::Table(mut sink)) = sink else {
@@ -850,7 +832,7 @@ mod tests {
     /// retry) panicked.
     #[test]
     fn relay_durations_are_at_most_a_year() {
-        assert_eq!(humantime::parse_duration("1y").unwrap(), MAX_RELAY_DURATION);
+        assert_eq!(humantime::parse_duration("1y").unwrap(), WorkerConfig::MAX_DURATION);
         for (setting, text) in [
             ("lease", "lease = \"18446744073709551615s\""),
             ("poll_interval", "poll_interval = \"366d\""),
@@ -876,7 +858,7 @@ mod tests {
         let year = parse_str(&format!(
             "{MINIMAL}[relay]\nlease = \"1y\"\nbackoff = {{ max = \"365d 6h\" }}\n"
         ));
-        assert_eq!(year.unwrap().relays[0].worker.lease, MAX_RELAY_DURATION);
+        assert_eq!(year.unwrap().relays[0].worker.lease, WorkerConfig::MAX_DURATION);
     }
 
     #[test]

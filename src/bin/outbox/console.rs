@@ -25,7 +25,8 @@ use std::time::{Duration, Instant};
 
 use access::{Login, Sessions, Throttle};
 use axum::Router;
-use axum::extract::{ConnectInfo, RawQuery, State};
+use axum::extract::{ConnectInfo, FromRequestParts, RawQuery, State};
+use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
@@ -468,6 +469,30 @@ fn time(t: chrono::DateTime<chrono::Utc>) -> String {
     t.format("%Y-%m-%d %H:%M:%S%.3f UTC").to_string()
 }
 
+/// A request the console let in: who made it, with the console and the request's headers.
+/// Taking one runs [`Console::authorize`] before the handler, so no page can forget to.
+struct Authorized {
+    console: Console,
+    who: Who,
+    headers: HeaderMap,
+}
+
+impl FromRequestParts<Console> for Authorized {
+    type Rejection = Refused;
+
+    async fn from_request_parts(parts: &mut Parts, console: &Console) -> Result<Self, Refused> {
+        let ConnectInfo(peer) = ConnectInfo::<SocketAddr>::from_request_parts(parts, console)
+            .await
+            .map_err(|missing| Refused::from(missing.into_response()))?;
+        let who = console.authorize(&parts.headers, peer)?;
+        Ok(Authorized {
+            console: console.clone(),
+            who,
+            headers: parts.headers.clone(),
+        })
+    }
+}
+
 type Page = Result<Response, Refused>;
 
 /// A page that turns a request away (401, 403, 404, …), boxed: it is the rare path.
@@ -493,12 +518,7 @@ async fn css() -> Response {
     response
 }
 
-async fn overview(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Page {
-    c.authorize(&headers, peer)?;
+async fn overview(Authorized { console: c, .. }: Authorized) -> Page {
     let relays = c.relays()?;
     let mut body = String::new();
     for relay in relays.iter() {
@@ -586,12 +606,7 @@ fn charts(relay: &Relay) -> String {
     out
 }
 
-async fn relays(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Page {
-    c.authorize(&headers, peer)?;
+async fn relays(Authorized { console: c, .. }: Authorized) -> Page {
     let relays = c.relays()?;
     let checks = c.readiness.checks().unwrap_or_default();
     let mut body = String::from(
@@ -662,12 +677,7 @@ async fn relays(
     Ok(c.page(StatusCode::OK, "Relays", &body))
 }
 
-async fn parked(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-) -> Page {
-    c.authorize(&headers, peer)?;
+async fn parked(Authorized { console: c, .. }: Authorized) -> Page {
     let relays = c.relays()?;
     let mut body = String::from(
         "<p>A parked key's messages wait behind its dead letter, so the key keeps its order. \
@@ -747,12 +757,9 @@ fn chosen<'a>(relays: &'a [Relay], query: &[(String, String)]) -> Option<&'a Rel
 }
 
 async fn dead_letters(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
+    Authorized { console: c, .. }: Authorized,
     RawQuery(query): RawQuery,
 ) -> Page {
-    c.authorize(&headers, peer)?;
     let relays = c.relays()?;
     let query = page::pairs(query.as_deref().unwrap_or(""));
     let Some(relay) = chosen(&relays, &query) else {
@@ -896,13 +903,7 @@ fn chosen_view(asked: Option<&str>, text: bool, json: bool) -> View {
     }
 }
 
-async fn dead_letter(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    RawQuery(query): RawQuery,
-) -> Page {
-    c.authorize(&headers, peer)?;
+async fn dead_letter(Authorized { console: c, .. }: Authorized, RawQuery(query): RawQuery) -> Page {
     let relays = c.relays()?;
     let query = page::pairs(query.as_deref().unwrap_or(""));
     let not_found = |why: &str| {
@@ -1042,12 +1043,13 @@ fn consequence(action: &str) -> &'static str {
 }
 
 async fn action(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
+    Authorized {
+        console: c,
+        who,
+        headers,
+    }: Authorized,
     body: String,
 ) -> Page {
-    let who = c.authorize(&headers, peer)?;
     if c.read_only {
         return Err(c.page(
             StatusCode::FORBIDDEN,

@@ -34,6 +34,12 @@ pub enum Login {
     User(Arc<str>),
 }
 
+/// Locks a map of this module. A panic while one was held leaves it whole (every change is
+/// one insert, update or remove), so a poisoned lock is still usable.
+fn unpoisoned<T>(map: &Mutex<T>) -> MutexGuard<'_, T> {
+    map.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
 struct Session {
     login: Login,
     opened: Instant,
@@ -46,11 +52,7 @@ pub struct Sessions(Arc<Mutex<HashMap<String, Session>>>);
 
 impl Sessions {
     fn lock(&self) -> MutexGuard<'_, HashMap<String, Session>> {
-        // A panic while the map was held leaves it whole (every change is one insert or
-        // remove), so a poisoned lock is still usable.
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        unpoisoned(&self.0)
     }
 
     /// Opens a session under `id` (a fresh random value).
@@ -116,9 +118,7 @@ pub struct Throttle(Arc<Mutex<HashMap<IpAddr, Failures>>>);
 
 impl Throttle {
     fn lock(&self) -> MutexGuard<'_, HashMap<IpAddr, Failures>> {
-        self.0
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
+        unpoisoned(&self.0)
     }
 
     /// `Err(wait)` while `ip` must wait before its credentials are checked again.
