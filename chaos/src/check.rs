@@ -175,6 +175,16 @@ mod tests {
         }
     }
 
+    /// Three messages of key `k`, each written (begun and committed) after the one before.
+    fn one_after_another() -> [Written; 3] {
+        let t0 = Instant::now();
+        [
+            written(t0, "k", 0, 10),
+            written(t0, "k", 20, 30),
+            written(t0, "k", 40, 50),
+        ]
+    }
+
     fn payloads(messages: &[&Written]) -> Vec<Vec<u8>> {
         let payload = |w: &&Written| format!("{} {} w#1", w.id, w.key).into_bytes();
         messages.iter().map(payload).collect()
@@ -189,12 +199,7 @@ mod tests {
 
     #[test]
     fn sequential_messages_in_order_pass() {
-        let t0 = Instant::now();
-        let (a, b, c) = (
-            written(t0, "k", 0, 10),
-            written(t0, "k", 20, 30),
-            written(t0, "k", 40, 50),
-        );
+        let [a, b, c] = one_after_another();
         let verdict = check(
             &ledger(&[&a, &b, &c]),
             &payloads(&[&a, &b, &c]),
@@ -207,8 +212,7 @@ mod tests {
 
     #[test]
     fn a_later_message_first_is_a_violation_naming_both() {
-        let t0 = Instant::now();
-        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        let [a, b, _] = one_after_another();
         let verdict = check(&ledger(&[&a, &b]), &payloads(&[&b, &a]), &Waived::default());
         let [v] = &verdict.violations[..] else {
             panic!("one violation: {:?}", verdict.violations)
@@ -235,8 +239,7 @@ mod tests {
 
     #[test]
     fn first_arrivals_count_and_duplicates_are_counted() {
-        let t0 = Instant::now();
-        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        let [a, b, _] = one_after_another();
         // a, b, then a again (a redelivery): first arrivals are in order.
         let verdict = check(
             &ledger(&[&a, &b]),
@@ -267,12 +270,7 @@ mod tests {
 
     #[test]
     fn purged_messages_are_not_lost_and_must_not_arrive() {
-        let t0 = Instant::now();
-        let (a, b, c) = (
-            written(t0, "k", 0, 10),
-            written(t0, "k", 20, 30),
-            written(t0, "k", 40, 50),
-        );
+        let [a, b, c] = one_after_another();
         let purged = HashSet::from([a.id, c.id]);
         let waived = Waived {
             purged: Some(&purged),
@@ -286,12 +284,7 @@ mod tests {
 
     #[test]
     fn a_dead_letter_released_past_may_arrive_after_later_messages_of_its_key() {
-        let t0 = Instant::now();
-        let (a, b, c) = (
-            written(t0, "k", 0, 10),
-            written(t0, "k", 20, 30),
-            written(t0, "k", 40, 50),
-        );
+        let [a, b, c] = one_after_another();
         // a was a dead letter when k was released: b and c went on; a was replayed last.
         let arrivals = payloads(&[&b, &c, &a]);
         let released = HashSet::from([a.id]);
@@ -315,8 +308,7 @@ mod tests {
 
     #[test]
     fn lost_rolled_back_and_foreign_messages_are_reported() {
-        let t0 = Instant::now();
-        let (a, b) = (written(t0, "k", 0, 10), written(t0, "k", 20, 30));
+        let [a, b, _] = one_after_another();
         let rolled_back = Uuid::now_v7();
         let mut ledger = ledger(&[&a, &b]);
         ledger.rolled_back.push(rolled_back);

@@ -353,16 +353,11 @@ fn start_mariadb() -> Result {
     }
     std::fs::create_dir_all("/run/mysqld").ok();
     run(Command::new("chown").args(["mysql:mysql", "/run/mysqld"]))?;
-    let log = std::fs::File::create(std::env::temp_dir().join("outbox-mariadb.log"))
-        .map_err(|e| format!("cannot create the MariaDB log: {e}"))?;
-    Command::new("setsid")
-        .args(["mariadbd-safe", "--bind-address=127.0.0.1", "--port=3306"])
-        .stdin(Stdio::null())
-        .stdout(log.try_clone().map_err(|e| e.to_string())?)
-        .stderr(log)
-        .spawn()
-        .map_err(|e| format!("cannot start MariaDB: {e}"))?;
-    Ok(())
+    start_detached(
+        "MariaDB",
+        "mariadbd-safe".as_ref(),
+        &["--bind-address=127.0.0.1", "--port=3306"],
+    )
 }
 
 /// tansu, a Kafka-protocol broker from crates.io, cached in ~/.cargo/bin once built.
@@ -387,11 +382,10 @@ fn start_tansu() -> Result {
             "dynostore",
         ]))?;
     }
-    let log = std::fs::File::create(std::env::temp_dir().join("outbox-tansu.log"))
-        .map_err(|e| format!("cannot create the tansu log: {e}"))?;
-    Command::new("setsid")
-        .arg(&tansu)
-        .args([
+    start_detached(
+        "tansu",
+        tansu.as_os_str(),
+        &[
             "broker",
             "--listener-url",
             "tcp://127.0.0.1:9092",
@@ -399,12 +393,24 @@ fn start_tansu() -> Result {
             "tcp://127.0.0.1:9092",
             "--storage-engine",
             "memory://tansu/",
-        ])
+        ],
+    )
+}
+
+/// Starts `program` with `args` in a session of its own, so it outlives xtask, its output
+/// in `outbox-<what, lower case>.log` in the temporary directory; `what` names it in errors.
+fn start_detached(what: &str, program: &std::ffi::OsStr, args: &[&str]) -> Result {
+    let name = format!("outbox-{}.log", what.to_lowercase());
+    let log = std::fs::File::create(std::env::temp_dir().join(name))
+        .map_err(|e| format!("cannot create the {what} log: {e}"))?;
+    Command::new("setsid")
+        .arg(program)
+        .args(args)
         .stdin(Stdio::null())
         .stdout(log.try_clone().map_err(|e| e.to_string())?)
         .stderr(log)
         .spawn()
-        .map_err(|e| format!("cannot start tansu: {e}"))?;
+        .map_err(|e| format!("cannot start {what}: {e}"))?;
     Ok(())
 }
 
