@@ -217,7 +217,7 @@ impl Inbox {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        migrate::fill_names(template, &self.table, "inbox", &[], |suffix| {
+        migrate::fill_names(template, &self.table, "inbox", [], |suffix| {
             self.qualified(suffix)
         })
     }

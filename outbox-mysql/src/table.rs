@@ -186,15 +186,11 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        let companions = [
-            "dead_letters",
-            "parked_keys",
-            "delivered",
-            "claim_lock",
-            "claim_cursor",
-            "stats",
-        ];
-        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+        let companions =
+            migrate::OUTBOX_COMPANIONS
+                .into_iter()
+                .chain(["claim_lock", "claim_cursor", "stats"]);
+        migrate::fill_names(template, &self.table, "outbox", companions, |suffix| {
             self.qualified(suffix)
         })
         .replace("{unclaimed}", crate::sql::UNCLAIMED)
@@ -487,19 +483,7 @@ mod tests {
         for steps in MIGRATIONS {
             for step in *steps {
                 let sql = table.render(step);
-                for placeholder in [
-                    "{outbox}",
-                    "{dead_letters}",
-                    "{parked_keys}",
-                    "{delivered}",
-                    "{claim_lock}",
-                    "{claim_cursor}",
-                    "{stats}",
-                    "{table}",
-                    "{unclaimed}",
-                ] {
-                    assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");
-                }
+                assert_eq!(migrate::unfilled(&sql), None, "{sql}");
             }
         }
         let long = OutboxTable::new(&"d".repeat(40), &"t".repeat(40)).unwrap();

@@ -564,17 +564,10 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        let companions = [
-            "dead_letters",
-            "parked_keys",
-            "delivered",
-            "wakeup",
-            "shards",
-            "relays",
-            "held",
-            "stats",
-        ];
-        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+        let companions = migrate::OUTBOX_COMPANIONS
+            .into_iter()
+            .chain(["wakeup", "shards", "relays", "held", "stats"]);
+        migrate::fill_names(template, &self.table, "outbox", companions, |suffix| {
             self.qualified(suffix)
         })
         .replace("{notify_fn}", &self.qualified("_notify"))
@@ -967,25 +960,7 @@ mod tests {
         assert_ne!(a.lock_key(), b.lock_key());
         for step in MIGRATIONS {
             let sql = a.step_sql(step);
-            for placeholder in [
-                "{outbox}",
-                "{dead_letters}",
-                "{parked_keys}",
-                "{delivered}",
-                "{wakeup}",
-                "{notify_fn}",
-                "{channel}",
-                "{table}",
-                "{shards}",
-                "{relays}",
-                "{held}",
-                "{stats}",
-            ] {
-                assert!(
-                    !sql.contains(placeholder),
-                    "{placeholder} left in the migration"
-                );
-            }
+            assert_eq!(migrate::unfilled(&sql), None, "{sql}");
         }
     }
 
@@ -994,19 +969,7 @@ mod tests {
         let t = OutboxTable::new("app", "outbox").unwrap();
         for template in LOG_MIGRATIONS {
             let sql = t.render(template).replace("{shard_count}", "16");
-            for placeholder in [
-                "{outbox}",
-                "{shards}",
-                "{relays}",
-                "{held}",
-                "{stats}",
-                "{shard_count}",
-            ] {
-                assert!(
-                    !sql.contains(placeholder),
-                    "{placeholder} left in a log migration"
-                );
-            }
+            assert_eq!(migrate::unfilled(&sql), None, "{sql}");
         }
         assert!(
             t.render(LOG_MIGRATIONS[0])

@@ -57,17 +57,21 @@ pub fn pending<S>(applied: i64, steps: &[S], target: usize) -> impl Iterator<Ite
         .filter(move |(version, _)| *version > applied)
 }
 
+/// The companion tables of every SQL outbox table, as [`fill_names`] names them:
+/// `<table>_dead_letters`, `<table>_parked_keys` and `<table>_delivered`.
+pub const OUTBOX_COMPANIONS: [&str; 3] = ["dead_letters", "parked_keys", "delivered"];
+
 /// A migration template with its table names filled in: `{<main>}` is the table itself
 /// (`{outbox}`, `{inbox}`), `{<name>}` for each of `companions` its companion table
 /// `<table>_<name>` (`{dead_letters}` is `<table>_dead_letters`), each as `quote` writes a
 /// table name from its suffix (`""` for the table: validated, quoted, qualified if need
 /// be), and `{table}` the bare table name, for index and constraint names. The storage
 /// fills its own other placeholders after.
-pub fn fill_names(
+pub fn fill_names<'a>(
     template: &str,
     table: &str,
     main: &str,
-    companions: &[&str],
+    companions: impl IntoIterator<Item = &'a str>,
     quote: impl Fn(&str) -> String,
 ) -> String {
     let mut sql = template.replace(&format!("{{{main}}}"), &quote(""));
@@ -75,6 +79,24 @@ pub fn fill_names(
         sql = sql.replace(&format!("{{{name}}}"), &quote(&format!("_{name}")));
     }
     sql.replace("{table}", table)
+}
+
+/// The first placeholder left in rendered SQL, if any: `{name}`, a name of lower-case
+/// letters, digits and `_` that does not start with a digit. For the tests that check a
+/// storage fills every placeholder of its migrations; `{8}` (a count in a regex) and `{}`
+/// (an empty JSON object) are not placeholders.
+pub fn unfilled(sql: &str) -> Option<&str> {
+    sql.match_indices('{').find_map(|(start, _)| {
+        let name = &sql[start + 1..];
+        let end = name.find('}')?;
+        let name = &name[..end];
+        let first = name.chars().next()?;
+        let is_name = (first.is_ascii_lowercase() || first == '_')
+            && name
+                .chars()
+                .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+        is_name.then(|| &sql[start..start + end + 2])
+    })
 }
 
 /// Migrates up to version `target` (`steps.len()` for all): [`lock`](Dialect::lock),
@@ -108,6 +130,18 @@ mod tests {
     use super::*;
 
     #[test]
+    fn placeholders_left_are_found() {
+        assert_eq!(unfilled("SELECT 1"), None);
+        assert_eq!(
+            unfilled("x REGEXP '^[0-9a-f]{8}-' AND h = '{}'::jsonb"),
+            None
+        );
+        assert_eq!(unfilled("CREATE TABLE {outbox} ({x}"), Some("{outbox}"));
+        assert_eq!(unfilled("{} {8} {shard_count}"), Some("{shard_count}"));
+        assert_eq!(unfilled("{Outbox} {a b} {open"), None);
+    }
+
+    #[test]
     fn names_fill_their_placeholders() {
         let quote = |suffix: &str| format!(r#""app"."t{suffix}""#);
         assert_eq!(
@@ -115,13 +149,13 @@ mod tests {
                 "CREATE TABLE {outbox}; DROP TABLE {stats}; CREATE INDEX {table}_k ON {dead_letters}; {other}",
                 "t",
                 "outbox",
-                &["dead_letters", "stats"],
+                ["dead_letters", "stats"],
                 quote,
             ),
             r#"CREATE TABLE "app"."t"; DROP TABLE "app"."t_stats"; CREATE INDEX t_k ON "app"."t_dead_letters"; {other}"#
         );
         assert_eq!(
-            fill_names("{inbox} {table}", "i", "inbox", &[], quote),
+            fill_names("{inbox} {table}", "i", "inbox", [], quote),
             r#""app"."t" i"#
         );
     }

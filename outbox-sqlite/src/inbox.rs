@@ -177,7 +177,7 @@ impl Inbox {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        migrate::fill_names(template, &self.table, "inbox", &[], |suffix| {
+        migrate::fill_names(template, &self.table, "inbox", [], |suffix| {
             self.quoted(suffix)
         })
         .replace("{now_ms}", NOW_MS)

@@ -167,8 +167,8 @@ impl OutboxTable {
 
     /// Fills a migration template's placeholders with validated, quoted names.
     fn render(&self, template: &str) -> String {
-        let companions = ["dead_letters", "parked_keys", "delivered"];
-        migrate::fill_names(template, &self.table, "outbox", &companions, |suffix| {
+        let companions = migrate::OUTBOX_COMPANIONS;
+        migrate::fill_names(template, &self.table, "outbox", companions, |suffix| {
             self.quoted(suffix)
         })
         .replace("{uuid_glob}", &uuid_glob())
@@ -365,19 +365,7 @@ mod tests {
         let table = OutboxTable::new("events").unwrap();
         for step in MIGRATIONS {
             let sql = table.render(step);
-            for placeholder in [
-                "{outbox}",
-                "{dead_letters}",
-                "{parked_keys}",
-                "{delivered}",
-                "{table}",
-                "{uuid_glob}",
-                "{new_uuid}",
-                "{now_ms}",
-                "{now_us}",
-            ] {
-                assert!(!sql.contains(placeholder), "{placeholder} left in {sql}");
-            }
+            assert_eq!(migrate::unfilled(&sql), None, "{sql}");
             assert!(sql.contains(r#"CREATE UNIQUE INDEX "events_id" ON "events" (id)"#));
         }
         assert_eq!(uuid_glob().len(), 8 * 36 - 4 * 7);
