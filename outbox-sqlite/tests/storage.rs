@@ -15,26 +15,17 @@ use outbox_core::{
 };
 use outbox_sqlite::sqlx;
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
+use outbox_test_support::text;
 
 const LEASE: Duration = Duration::from_secs(30);
 
 fn payloads(claim: &Claim) -> Vec<String> {
-    claim
-        .messages
-        .iter()
-        .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
-        .collect()
+    outbox_test_support::payloads(&claim.messages)
 }
 
+/// Deliveries of `claim`'s messages with the receipt `receipt-<payload>`.
 fn deliveries(claim: &Claim) -> Vec<Delivery> {
-    claim
-        .messages
-        .iter()
-        .map(|m| Delivery {
-            id: m.id,
-            receipt: Receipt::new(format!("receipt-{}", String::from_utf8_lossy(&m.payload))),
-        })
-        .collect()
+    outbox_test_support::deliveries(&claim.messages, |m| format!("receipt-{}", text(&m.payload)))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,7 +3,7 @@
 //! proxy in front of a server ([`host_port`], [`through`]), a TCP [`Proxy`] that cuts,
 //! stalls, holds and counts, and the fixtures' plumbing: [`clean_up`] (async clean-up from a
 //! `Drop`), [`TempDir`], [`free_port`] and [`free_addr`], and how a test reads messages back
-//! ([`text`], [`payloads`], [`by_key`]).
+//! ([`text`], [`payloads`], [`by_key`]) and settles them ([`deliveries`]).
 //!
 //! Helpers for one broker are behind a feature of its name, each bringing that broker's
 //! client crate only: `redis`, `amqp`, `kafka`, `nats`. `relay` (feature `relay`, bringing
@@ -116,6 +116,18 @@ pub fn text(payload: &[u8]) -> String {
 /// The payloads of `messages` as text ([`text`]), in order.
 pub fn payloads(messages: &[outbox_core::Message]) -> Vec<String> {
     messages.iter().map(|m| text(&m.payload)).collect()
+}
+
+/// A sink's report that it published `messages`, each with the receipt `receipt` makes of it.
+pub fn deliveries(
+    messages: &[outbox_core::Message],
+    receipt: impl Fn(&outbox_core::Message) -> String,
+) -> Vec<outbox_core::Delivery> {
+    let delivery = |m: &outbox_core::Message| outbox_core::Delivery {
+        id: m.id,
+        receipt: outbox_core::Receipt::new(receipt(m)),
+    };
+    messages.iter().map(delivery).collect()
 }
 
 /// Per key (`""` for none), the payloads of `published` as text, in the order they came: what

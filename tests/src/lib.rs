@@ -16,7 +16,7 @@ pub use outbox_test_support::relay::{
     run_on_postgres, test_worker_config, wait_until_drained,
 };
 pub use outbox_test_support::{
-    Proxy, Service, TempDir, by_key, clean_up, free_addr, free_port, host_port, kafka, mysql_url,
+    Proxy, Service, TempDir, by_key, clean_up, deliveries, free_addr, free_port, host_port, kafka, mysql_url,
     payloads, postgres_url, text, unique_name,
 };
 
@@ -42,6 +42,34 @@ pub fn assert_key_order(
     for (key, payloads) in by_key {
         assert_eq!(payloads, &expected, "order broken for key {key}");
     }
+}
+
+/// Four relays over `storage`, which holds [`over_keys`]`(total, keys)`, in batches of 250
+/// until it is drained: every message is delivered exactly once, every key in order.
+pub async fn four_relays_deliver_once_in_key_order(
+    storage: std::sync::Arc<dyn outbox_core::Storage>,
+    total: usize,
+    keys: usize,
+) {
+    let sink = std::sync::Arc::new(outbox_core::memory::MemorySink::new());
+    let relays: Vec<Relay> = (0..4)
+        .map(|i| {
+            let config = outbox_core::WorkerConfig {
+                batch_size: 250,
+                ..test_worker_config(&format!("w{i}"))
+            };
+            Relay::start(config, storage.clone(), sink.clone())
+        })
+        .collect();
+    wait_until_drained(&*storage, std::time::Duration::from_secs(120)).await;
+    for relay in relays {
+        relay.stop().await;
+    }
+    let published = sink.published();
+    assert_eq!(published.len(), total, "every message exactly once");
+    let distinct: std::collections::HashSet<_> = published.iter().map(|m| m.id).collect();
+    assert_eq!(distinct.len(), total, "every message delivered, none twice");
+    assert_key_order(&by_key(&published), total, keys);
 }
 
 /// Drops a MySQL outbox's tables (every one its migrations make:

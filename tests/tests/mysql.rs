@@ -4,23 +4,16 @@
 //! uses tables of its own, so they run in parallel. A server that is not running fails the
 //! tests with its address.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use outbox_core::memory::MemorySink;
-use outbox_core::{
-    ErrorKind, NewMessage, Sink, Storage, StorageAdmin, StorageRegistry, WorkerConfig,
-};
+use outbox_core::{ErrorKind, NewMessage, Storage, StorageAdmin, StorageRegistry};
 use outbox_mysql::sqlx::mysql::{MySqlPool, MySqlPoolOptions};
 use outbox_mysql::sqlx::{self, MySql, Transaction};
 use outbox_mysql::{MySqlConfig, MySqlStorage, OutboxTable};
 use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
-use outbox_tests::{
-    Relay, assert_key_order, by_key, over_keys, payloads, test_worker_config, unique_name,
-    wait_until_drained,
-};
+use outbox_tests::{four_relays_deliver_once_in_key_order, over_keys, payloads, unique_name};
 use uuid::Uuid;
 
 use outbox_tests::mysql_url;
@@ -66,10 +59,6 @@ impl TestOutbox {
             .await
             .expect("enqueue");
         tx.commit().await.expect("commit");
-    }
-
-    fn relay(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
-        Relay::start(config, self.storage.clone(), sink)
     }
 }
 
@@ -281,30 +270,7 @@ async fn four_relays_deliver_20000_messages_over_200_keys_once_in_key_order() {
     for batch in over_keys(total, keys).chunks(2000) {
         outbox.enqueue(batch).await;
     }
-    let sink = Arc::new(MemorySink::new());
-    let relays: Vec<_> = (0..4)
-        .map(|i| {
-            outbox.relay(
-                WorkerConfig {
-                    batch_size: 250,
-                    ..test_worker_config(&format!("w{i}"))
-                },
-                sink.clone(),
-            )
-        })
-        .collect();
-    wait_until_drained(&*outbox.storage, Duration::from_secs(120)).await;
-    for relay in relays {
-        relay.stop().await;
-    }
-    let published = sink.published();
-    let mut seen = HashMap::new();
-    for m in &published {
-        *seen.entry(m.id).or_insert(0) += 1;
-    }
-    assert_eq!(seen.len(), total, "every message delivered");
-    assert_eq!(published.len(), total, "every message exactly once");
-    assert_key_order(&by_key(&published), total, keys);
+    four_relays_deliver_once_in_key_order(outbox.storage.clone(), total, keys).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -375,13 +341,7 @@ async fn any_language_enqueues_with_a_plain_insert() {
 
 /// Deliveries of `messages`, with made-up receipts.
 fn deliveries(messages: &[outbox_core::Message]) -> Vec<outbox_core::Delivery> {
-    messages
-        .iter()
-        .map(|m| outbox_core::Delivery {
-            id: m.id,
-            receipt: outbox_core::Receipt(format!("r-{}", m.id)),
-        })
-        .collect()
+    outbox_tests::deliveries(messages, |m| format!("r-{}", m.id))
 }
 
 /// The claim rewrites a row without growing it (a grown row splits its full page, which

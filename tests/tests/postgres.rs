@@ -1,7 +1,7 @@
 //! The PostgreSQL storage and the relay against the real PostgreSQL: each delivery guarantee
 //! of docs/guarantees.md has a test here that fails if it breaks.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,7 +12,8 @@ use outbox_core::{
 };
 use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{
-    TestOutbox, assert_key_order, by_key, over_keys, postgres_url, test_worker_config, text,
+    TestOutbox, by_key, four_relays_deliver_once_in_key_order, over_keys, postgres_url,
+    test_worker_config, text,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -84,33 +85,7 @@ async fn four_relays_deliver_every_message_once_in_key_order() {
     for batch in over_keys(total, keys).chunks(1000) {
         outbox.enqueue(batch).await;
     }
-    let sink = Arc::new(MemorySink::new());
-    let relays: Vec<_> = (0..4)
-        .map(|i| {
-            outbox.relay_with(
-                WorkerConfig {
-                    batch_size: 250,
-                    ..test_worker_config(&format!("w{i}"))
-                },
-                sink.clone(),
-            )
-        })
-        .collect();
-    outbox.wait_until_drained(Duration::from_secs(120)).await;
-    for relay in relays {
-        relay.stop().await;
-    }
-    let published = sink.published();
-    assert_eq!(published.len(), total, "every message exactly once");
-    let mut seen = HashMap::new();
-    for m in &published {
-        *seen.entry(m.id).or_insert(0) += 1;
-    }
-    assert!(
-        seen.values().all(|&n| n == 1),
-        "a message was delivered twice"
-    );
-    assert_key_order(&by_key(&published), total, keys);
+    four_relays_deliver_once_in_key_order(outbox.storage.clone(), total, keys).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -28,14 +28,7 @@ fn payloads(claim: &Claim) -> Vec<String> {
 }
 
 fn deliveries(claim: &Claim) -> Vec<Delivery> {
-    claim
-        .messages
-        .iter()
-        .map(|m| Delivery {
-            id: m.id,
-            receipt: Receipt::new("r"),
-        })
-        .collect()
+    outbox_tests::deliveries(&claim.messages, |_| "r".into())
 }
 
 async fn log_outbox(shards: u32) -> LogOutbox {
