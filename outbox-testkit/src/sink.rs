@@ -129,9 +129,67 @@ async fn publish_all(check: &str, sink: &dyn Sink, batch: &[Message]) {
     }
 }
 
+/// Publishes a batch in which some messages may fail, and returns the outcomes, checking
+/// that the call itself succeeded with one outcome per message.
+async fn publish_some(check: &str, sink: &dyn Sink, batch: &[Message]) -> Vec<Outcome> {
+    let outcomes = sink.publish(batch).await.unwrap_or_else(|e| {
+        panic!("{check}: one refused message failed the whole batch ({e}); it must fail alone")
+    });
+    assert_eq!(
+        outcomes.len(),
+        batch.len(),
+        "{check}: one outcome per message"
+    );
+    outcomes
+}
+
+/// Checks that `outcome`, of the message `what`, is a delivery.
+fn assert_delivered(check: &str, what: &str, outcome: &Outcome) {
+    assert!(
+        matches!(outcome, Outcome::Delivered(_)),
+        "{check}: {what}: {outcome:?}"
+    );
+}
+
+/// What the broker holds for `d`, checked to be `count` messages: `what` says which.
+async fn read_exactly(
+    check: &str,
+    h: &dyn SinkHarness,
+    d: &Destination,
+    count: usize,
+    what: &str,
+) -> Vec<Received> {
+    let got = h.read(d, count).await;
+    assert_eq!(got.len(), count, "{check}: the broker must hold {what}");
+    got
+}
+
 /// Checks that the broker holds exactly the messages of `sent` (no more), with their
 /// payload, headers and key.
 fn assert_same(check: &str, sent: &[Message], got: &[Received]) {
+    let name = |i: usize, _: &Message| format!("message {i}");
+    assert_pairs(check, sent.iter().collect(), got.iter().collect(), name);
+}
+
+/// Like [`assert_same`], for messages of several keys, whose relative order a partitioned
+/// broker does not keep: matches them by payload (unique in each check).
+fn assert_same_any_order(check: &str, sent: &[Message], got: &[Received]) {
+    let mut sent: Vec<&Message> = sent.iter().collect();
+    let mut got: Vec<&Received> = got.iter().collect();
+    sent.sort_by(|a, b| a.payload.cmp(&b.payload));
+    got.sort_by(|a, b| a.payload.cmp(&b.payload));
+    let name = |_: usize, m: &Message| format!("message {:?}", String::from_utf8_lossy(&m.payload));
+    assert_pairs(check, sent, got, name);
+}
+
+/// Checks that `got` holds as many messages as `sent`, each with the fields of the one
+/// sent at its place; `name` names a message in a failure.
+fn assert_pairs(
+    check: &str,
+    sent: Vec<&Message>,
+    got: Vec<&Received>,
+    name: impl Fn(usize, &Message) -> String,
+) {
     assert_eq!(
         got.len(),
         sent.len(),
@@ -139,8 +197,8 @@ fn assert_same(check: &str, sent: &[Message], got: &[Received]) {
         got.len(),
         sent.len()
     );
-    for (i, (sent, got)) in sent.iter().zip(got).enumerate() {
-        assert_fields(&format!("{check}, message {i}"), sent, got);
+    for (i, (sent, got)) in sent.into_iter().zip(got).enumerate() {
+        assert_fields(&format!("{check}, {}", name(i, sent)), sent, got);
     }
 }
 
@@ -164,43 +222,11 @@ fn assert_fields(check: &str, sent: &Message, got: &Received) {
     }
 }
 
-/// Like [`assert_same`], for messages of several keys, whose relative order a partitioned
-/// broker does not keep: matches them by payload (unique in each check).
-fn assert_same_any_order(check: &str, sent: &[Message], got: &[Received]) {
-    let mut sent: Vec<&Message> = sent.iter().collect();
-    let mut got: Vec<&Received> = got.iter().collect();
-    sent.sort_by(|a, b| a.payload.cmp(&b.payload));
-    got.sort_by(|a, b| a.payload.cmp(&b.payload));
-    assert_eq!(
-        got.len(),
-        sent.len(),
-        "{check}: the broker holds {} messages, {} were published",
-        got.len(),
-        sent.len()
-    );
-    for (sent, got) in sent.iter().zip(&got) {
-        let name = String::from_utf8_lossy(&sent.payload).into_owned();
-        assert_fields(&format!("{check}, message {name:?}"), sent, got);
-    }
-}
-
 /// Checks that, for each key, the broker holds its messages in the order they were sent
 /// (messages without a key only as a set: a partitioned broker spreads them).
 fn assert_key_order(check: &str, sent: &[Message], got: &[Received]) {
-    let mut sent_by_key: BTreeMap<Option<String>, Vec<&[u8]>> = BTreeMap::new();
-    for m in sent {
-        sent_by_key
-            .entry(m.key.clone())
-            .or_default()
-            .push(&m.payload);
-    }
-    let mut got_by_key: BTreeMap<Option<String>, Vec<&[u8]>> = BTreeMap::new();
-    for r in got {
-        got_by_key
-            .entry(r.key.clone())
-            .or_default()
-            .push(&r.payload);
-    }
+    let mut sent_by_key = by_key(sent.iter().map(|m| (&m.key, &m.payload[..])));
+    let got_by_key = by_key(got.iter().map(|r| (&r.key, &r.payload[..])));
     for (key, sent) in &mut sent_by_key {
         let mut got = got_by_key.get(key).cloned().unwrap_or_default();
         if key.is_none() {
@@ -219,6 +245,17 @@ fn assert_key_order(check: &str, sent: &[Message], got: &[Received]) {
                 .unwrap_or(sent.len().min(got.len()))
         );
     }
+}
+
+/// Payloads grouped by key, in the order given.
+fn by_key<'a>(
+    messages: impl Iterator<Item = (&'a Option<String>, &'a [u8])>,
+) -> BTreeMap<Option<String>, Vec<&'a [u8]>> {
+    let mut by_key: BTreeMap<Option<String>, Vec<&[u8]>> = BTreeMap::new();
+    for (key, payload) in messages {
+        by_key.entry(key.clone()).or_default().push(payload);
+    }
+    by_key
 }
 
 /// A free port with nothing listening on it.
@@ -394,12 +431,7 @@ pub async fn sink_one_outcome_per_message(h: &dyn SinkHarness) {
         })
         .collect();
     publish_all(check, &*d.sink, &batch).await;
-    let got = h.read(&d, batch.len()).await;
-    assert_eq!(
-        got.len(),
-        batch.len(),
-        "{check}: every message must arrive once"
-    );
+    let got = read_exactly(check, h, &d, batch.len(), "every message once").await;
     assert_key_order(check, &batch, &got);
 }
 
@@ -427,8 +459,7 @@ pub async fn sink_empty_batch_publishes_nothing(h: &dyn SinkHarness) {
 pub async fn sink_keeps_key_order_within_and_across_batches(h: &dyn SinkHarness) {
     let check = "key order";
     let d = h.destination().await;
-    if !d.sink.capabilities().keeps_order {
-        note(check, "skipped: the sink does not declare keeps_order");
+    if !declares(check, d.sink.capabilities().keeps_order, "keeps_order") {
         return;
     }
     let sent: Vec<Message> = (0..200)
@@ -437,12 +468,7 @@ pub async fn sink_keeps_key_order_within_and_across_batches(h: &dyn SinkHarness)
     for batch in sent.chunks(50) {
         publish_all(check, &*d.sink, batch).await;
     }
-    let got = h.read(&d, sent.len()).await;
-    assert_eq!(
-        got.len(),
-        sent.len(),
-        "{check}: every message must arrive once"
-    );
+    let got = read_exactly(check, h, &d, sent.len(), "every message once").await;
     assert_key_order(check, &sent, &got);
 }
 
@@ -469,12 +495,7 @@ pub async fn sink_large_batch(h: &dyn SinkHarness) {
             sent.len() as f64 / elapsed.as_secs_f64()
         ),
     );
-    let got = h.read(&d, sent.len()).await;
-    assert_eq!(
-        got.len(),
-        sent.len(),
-        "{check}: every message must arrive once"
-    );
+    let got = read_exactly(check, h, &d, sent.len(), "every message once").await;
     if d.sink.capabilities().keeps_order {
         assert_key_order(check, &sent, &got);
     }
@@ -536,11 +557,7 @@ pub async fn sink_health_times_out_on_a_silent_server(h: &dyn SinkHarness) {
 pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
     let check = "refused message";
     let d = h.destination().await;
-    let Some(refused) = h.refused(&d).await else {
-        note(
-            check,
-            "skipped: the harness has no message the broker refuses",
-        );
+    let Some(refused) = refused(check, h, &d).await else {
         return;
     };
     let batch = vec![
@@ -548,20 +565,9 @@ pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
         refused,
         keyed(&d.topic, "k", "after"),
     ];
-    let outcomes = d.sink.publish(&batch).await.unwrap_or_else(|e| {
-        panic!("{check}: one refused message failed the whole batch ({e}); it must fail alone")
-    });
-    assert_eq!(outcomes.len(), 3, "{check}: one outcome per message");
-    assert!(
-        matches!(outcomes[0], Outcome::Delivered(_)),
-        "{check}: first message: {:?}",
-        outcomes[0]
-    );
-    assert!(
-        matches!(outcomes[2], Outcome::Delivered(_)),
-        "{check}: last message: {:?}",
-        outcomes[2]
-    );
+    let outcomes = publish_some(check, &*d.sink, &batch).await;
+    assert_delivered(check, "first message", &outcomes[0]);
+    assert_delivered(check, "last message", &outcomes[2]);
     match &outcomes[1] {
         Outcome::Delivered(r) => panic!("{check}: the refused message was delivered: {r}"),
         Outcome::Failed(error) => assert!(
@@ -571,13 +577,30 @@ pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
         ),
     }
     let delivered = [batch[0].clone(), batch[2].clone()];
-    let got = h.read(&d, 2).await;
-    assert_eq!(
-        got.len(),
-        2,
-        "{check}: the broker must hold the two good messages only"
-    );
+    let got = read_exactly(check, h, &d, 2, "the two good messages only").await;
     assert_key_order(check, &delivered, &got);
+}
+
+/// Whether the sink declares the capability `name`; when it does not, notes that `check`
+/// is skipped.
+fn declares(check: &str, declared: bool, name: &str) -> bool {
+    if !declared {
+        note(check, format!("skipped: the sink does not declare {name}"));
+    }
+    declared
+}
+
+/// The harness's message the broker refuses at `d`; `None` (and a note that `check` is
+/// skipped) when it has none.
+async fn refused(check: &str, h: &dyn SinkHarness, d: &Destination) -> Option<Message> {
+    let refused = h.refused(d).await;
+    if refused.is_none() {
+        note(
+            check,
+            "skipped: the harness has no message the broker refuses",
+        );
+    }
+    refused
 }
 
 /// A sink that declares `ordered_key_runs` stops a key at its first failure within a call:
@@ -585,15 +608,14 @@ pub async fn sink_refused_message_is_a_message_failure(h: &dyn SinkHarness) {
 pub async fn sink_ordered_key_runs_stop_a_key_at_its_failure(h: &dyn SinkHarness) {
     let check = "ordered key runs";
     let d = h.destination().await;
-    if !d.sink.capabilities().ordered_key_runs {
-        note(check, "skipped: the sink does not declare ordered_key_runs");
+    if !declares(
+        check,
+        d.sink.capabilities().ordered_key_runs,
+        "ordered_key_runs",
+    ) {
         return;
     }
-    let Some(refused) = h.refused(&d).await else {
-        note(
-            check,
-            "skipped: the harness has no message the broker refuses",
-        );
+    let Some(refused) = refused(check, h, &d).await else {
         return;
     };
     let refused = Message {
@@ -606,9 +628,7 @@ pub async fn sink_ordered_key_runs_stop_a_key_at_its_failure(h: &dyn SinkHarness
         refused,
         keyed(&d.topic, "k", "after"),
     ];
-    let outcomes = (d.sink.publish(&batch).await)
-        .unwrap_or_else(|e| panic!("{check}: one refused message failed the whole batch ({e})"));
-    assert_eq!(outcomes.len(), 4, "{check}: one outcome per message");
+    let outcomes = publish_some(check, &*d.sink, &batch).await;
     for (i, delivered) in [(0, true), (1, true), (2, false), (3, false)] {
         assert_eq!(
             matches!(outcomes[i], Outcome::Delivered(_)),
@@ -617,12 +637,7 @@ pub async fn sink_ordered_key_runs_stop_a_key_at_its_failure(h: &dyn SinkHarness
             outcomes[i]
         );
     }
-    let got = h.read(&d, 2).await;
-    assert_eq!(
-        got.len(),
-        2,
-        "{check}: the broker must hold `before` and `other` only"
-    );
+    let got = read_exactly(check, h, &d, 2, "`before` and `other` only").await;
     assert_key_order(check, &batch[..2], &got);
 }
 
@@ -659,22 +674,10 @@ pub async fn sink_too_large_payload_is_permanent(h: &dyn SinkHarness) {
         // Another key: a sink with `ordered_key_runs` rightly holds back k's later messages.
         keyed(&d.topic, "k2", "after"),
     ];
-    let outcomes =
-        d.sink.publish(&batch).await.unwrap_or_else(|e| {
-            panic!("{check}: one oversized message failed the whole batch ({e})")
-        });
-    assert_eq!(outcomes.len(), 3, "{check}: one outcome per message");
-    assert!(
-        matches!(outcomes[0], Outcome::Delivered(_)),
-        "{check}: {} bytes (half of max_payload) must be delivered: {:?}",
-        max / 2,
-        outcomes[0]
-    );
-    assert!(
-        matches!(outcomes[2], Outcome::Delivered(_)),
-        "{check}: the message after: {:?}",
-        outcomes[2]
-    );
+    let outcomes = publish_some(check, &*d.sink, &batch).await;
+    let half = format!("{} bytes (half of max_payload)", max / 2);
+    assert_delivered(check, &half, &outcomes[0]);
+    assert_delivered(check, "the message after", &outcomes[2]);
     match &outcomes[1] {
         Outcome::Failed(error) => assert_eq!(
             error.kind(),
@@ -686,12 +689,7 @@ pub async fn sink_too_large_payload_is_permanent(h: &dyn SinkHarness) {
             max + 1
         ),
     }
-    let got = h.read(&d, 2).await;
-    assert_eq!(
-        got.len(),
-        2,
-        "{check}: the broker must hold the two good messages only"
-    );
+    let got = read_exactly(check, h, &d, 2, "the two good messages only").await;
     assert_eq!(
         got[0].payload.len(),
         max / 2,
@@ -704,8 +702,7 @@ pub async fn sink_too_large_payload_is_permanent(h: &dyn SinkHarness) {
 pub async fn sink_deduplicates_a_redelivered_message(h: &dyn SinkHarness) {
     let check = "de-duplication";
     let d = h.destination().await;
-    if !d.sink.capabilities().deduplicates {
-        note(check, "skipped: the sink does not declare deduplicates");
+    if !declares(check, d.sink.capabilities().deduplicates, "deduplicates") {
         return;
     }
     let first = vec![keyed(&d.topic, "k", "1"), keyed(&d.topic, "k", "2")];
