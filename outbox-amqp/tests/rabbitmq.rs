@@ -42,8 +42,9 @@ fn failure(outcome: &Outcome) -> (ErrorKind, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn properties_headers_and_payload_arrive_exactly() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Topic).await;
-    let queue = broker.queue(&exchange, "orders.#").await;
+    let (exchange, queue) = broker
+        .exchange_and_queue(ExchangeKind::Topic, "orders.#")
+        .await;
     let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
 
     let trace = TraceContext {
@@ -166,35 +167,49 @@ async fn routes_and_templates_pick_exchange_and_routing_key() {
     assert!(text.contains("empty routing key"), "{text}");
 }
 
+/// Publishes, in one call and all of `key`, `1` and `3` to topic `routed` (bound to `queue`
+/// on the sink's direct exchange) and `2` between them to `nowhere` (bound to no queue):
+/// checks that `1` and `3` are delivered and reach `queue`, and returns `2` and its outcome.
+async fn publish_around_a_returned_one(
+    broker: &Broker,
+    sink: &AmqpSink,
+    queue: &str,
+    key: Option<&str>,
+) -> (Message, Outcome) {
+    let batch: Vec<Message> = [("routed", "1"), ("nowhere", "2"), ("routed", "3")]
+        .into_iter()
+        .map(|(topic, body)| {
+            let mut message = Message::from(NewMessage::new(topic, body.as_bytes().to_vec()));
+            message.key = key.map(str::to_string);
+            message
+        })
+        .collect();
+    let mut outcomes = sink.publish(&batch).await.expect("publish");
+    receipt(&outcomes[0]);
+    receipt(&outcomes[2]);
+    let got = broker.take(queue, 2).await;
+    assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
+    (batch[1].clone(), outcomes.swap_remove(1))
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Direct).await;
-    let queue = broker.queue(&exchange, "routed").await;
+    let (exchange, queue) = broker
+        .exchange_and_queue(ExchangeKind::Direct, "routed")
+        .await;
     for (setting, expected) in [
         (Unroutable::Retry, ErrorKind::Temporary),
         (Unroutable::DeadLetter, ErrorKind::Permanent),
     ] {
         let sink = sink(AmqpConfig::new(url(), template(&exchange)).unroutable(setting)).await;
-        let batch: Vec<Message> = [
-            NewMessage::new("routed", b"1".to_vec()),
-            NewMessage::new("nowhere", b"2".to_vec()),
-            NewMessage::new("routed", b"3".to_vec()),
-        ]
-        .into_iter()
-        .map(Message::from)
-        .collect();
-        let outcomes = sink.publish(&batch).await.expect("publish");
-        receipt(&outcomes[0]);
-        let (kind, text) = failure(&outcomes[1]);
+        let (returned, outcome) = publish_around_a_returned_one(&broker, &sink, &queue, None).await;
+        let (kind, text) = failure(&outcome);
         assert_eq!(kind, expected, "{text}");
         assert!(
-            text.contains("NO_ROUTE") && text.contains(&batch[1].id.to_string()),
+            text.contains("NO_ROUTE") && text.contains(&returned.id.to_string()),
             "{text}"
         );
-        receipt(&outcomes[2]);
-        let got = broker.take(&queue, 2).await;
-        assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
         // The channel survives a return: the next batch goes through.
         let outcomes = sink
             .publish(&[NewMessage::new("routed", b"4".to_vec()).into()])
@@ -332,8 +347,7 @@ async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_messages_fail_for_good_without_harming_the_batch() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Fanout).await;
-    let queue = broker.queue(&exchange, "").await;
+    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
     let config = AmqpConfig {
         max_payload: 1024,
         ..AmqpConfig::new(url(), template(&exchange))
@@ -366,8 +380,7 @@ async fn oversized_messages_fail_for_good_without_harming_the_batch() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_connection_reports_unavailable_and_reconnects() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Fanout).await;
-    let queue = broker.queue(&exchange, "").await;
+    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
     let url = url();
     let proxy = Proxy::start(&host_port(&url)).await;
     let mut config = AmqpConfig::new(through(&url, &proxy.addr()), template(&exchange));
@@ -539,8 +552,7 @@ async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_builds_the_sink_from_the_configuration_table() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Fanout).await;
-    let queue = broker.queue(&exchange, "").await;
+    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
     let mut registry = outbox_core::SinkRegistry::new();
     outbox_amqp::register(&mut registry);
     assert_eq!(registry.names(), [outbox_amqp::TYPE]);
@@ -587,28 +599,18 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_returned_message_does_not_stop_the_next_one_so_key_runs_stay_off() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Direct).await;
-    let queue = broker.queue(&exchange, "routed").await;
+    let (exchange, queue) = broker
+        .exchange_and_queue(ExchangeKind::Direct, "routed")
+        .await;
     let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
     assert!(
         !sink.capabilities().ordered_key_runs,
         "the AMQP sink must not declare ordered_key_runs: see this test"
     );
-    let batch: Vec<Message> = [("routed", "1"), ("nowhere", "2"), ("routed", "3")]
-        .into_iter()
-        .map(|(topic, body)| {
-            NewMessage::new(topic, body.as_bytes().to_vec())
-                .key("k")
-                .into()
-        })
-        .collect();
-    let outcomes = sink.publish(&batch).await.expect("publish");
-    receipt(&outcomes[0]);
-    failure(&outcomes[1]);
-    // Published after the returned one on the same channel, and delivered all the same.
-    receipt(&outcomes[2]);
-    let got = broker.take(&queue, 2).await;
-    assert_eq!([&got[0].data[..], &got[1].data[..]], [b"1", b"3"]);
+    // `3` is published after the returned `2` of its key on the same channel, and
+    // delivered all the same.
+    let (_, outcome) = publish_around_a_returned_one(&broker, &sink, &queue, Some("k")).await;
+    failure(&outcome);
 }
 
 /// docs/sinks/amqp.md, `exchange_setup`: "`amq.*` exchanges are only ever checked". The broker

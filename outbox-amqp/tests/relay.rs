@@ -17,7 +17,7 @@ use outbox_amqp::lapin::types::FieldTable;
 use outbox_amqp::{AmqpConfig, AmqpSink, Unroutable, wire};
 use outbox_core::{Message, NewMessage, Sink, Template, WorkerConfig};
 use outbox_test_support::amqp::{Broker, headers, text, url};
-use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::envelope::{assert_envelope, publish_full_and_bare};
 use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_test_support::relay::{TestOutbox, test_worker_config};
 use outbox_test_support::{Proxy, Service, host_port, through, unique_name};
@@ -159,27 +159,9 @@ async fn round_trip_delivers_every_message_once_with_exact_properties() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn envelope_fields_are_read_by_their_documented_names() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Topic).await;
-    let queue = broker.queue(&exchange, "#").await;
+    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Topic, "#").await;
     let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
-    let full: Message = NewMessage::new("orders", "{}")
-        .key("o-1")
-        .header("content-type", "application/json")
-        .header("outbox-id", "forged")
-        .header("x-tenant", "acme")
-        .trace_context(outbox_core::TraceContext {
-            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
-            tracestate: Some("rojo=00f067aa0ba902b7".into()),
-        })
-        .into();
-    let mut bare: Message = NewMessage::new("orders", vec![0xff]).into();
-    bare.headers.clear();
-    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
-    assert!(
-        outcomes
-            .iter()
-            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
-    );
+    let [full, bare] = publish_full_and_bare(&*sink, "orders").await;
     let got = broker.take(&queue, 2).await;
     for (sent, delivery) in [&full, &bare].into_iter().zip(&got) {
         let headers = headers(delivery);
@@ -215,14 +197,21 @@ async fn an_outage_charges_no_attempts_and_delivery_resumes() {
     end_to_end::outage(&Amqp::new().await).await;
 }
 
+/// A topic exchange and a queue of it that takes topic `routed` only (their names), an
+/// outbox, and a sink to the exchange that handles an unroutable message as `setting` says.
+async fn routed_only(setting: Unroutable) -> (Broker, String, String, TestOutbox, Arc<AmqpSink>) {
+    let broker = Broker::connect().await;
+    let (exchange, queue) = broker
+        .exchange_and_queue(ExchangeKind::Topic, "routed")
+        .await;
+    let outbox = TestOutbox::new().await;
+    let sink = sink(AmqpConfig::new(url(), template(&exchange)).unroutable(setting)).await;
+    (broker, exchange, queue, outbox, sink)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_messages_are_dead_lettered_and_the_others_delivered() {
-    let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Topic).await;
-    let queue = broker.queue(&exchange, "routed").await;
-    let outbox = TestOutbox::new().await;
-    let sink =
-        sink(AmqpConfig::new(url(), template(&exchange)).unroutable(Unroutable::DeadLetter)).await;
+    let (broker, _, queue, outbox, sink) = routed_only(Unroutable::DeadLetter).await;
 
     let lost = NewMessage::new("nowhere", b"lost".to_vec());
     let messages = vec![
@@ -245,12 +234,7 @@ async fn unroutable_messages_are_dead_lettered_and_the_others_delivered() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_messages_are_retried_until_a_queue_takes_them() {
-    let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Topic).await;
-    let queue = broker.queue(&exchange, "routed").await;
-    let outbox = TestOutbox::new().await;
-    let sink =
-        sink(AmqpConfig::new(url(), template(&exchange)).unroutable(Unroutable::Retry)).await;
+    let (broker, exchange, queue, outbox, sink) = routed_only(Unroutable::Retry).await;
 
     let waiting = NewMessage::new("later", b"waiting".to_vec()).key("k");
     let behind = NewMessage::new("routed", b"behind".to_vec()).key("k");
@@ -298,8 +282,7 @@ async fn unroutable_messages_are_retried_until_a_queue_takes_them() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cut_in_the_middle_of_publishing_loses_nothing_and_keeps_key_order() {
     let broker = Broker::connect().await;
-    let exchange = broker.exchange(ExchangeKind::Topic).await;
-    let queue = broker.queue(&exchange, "#").await;
+    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Topic, "#").await;
     let outbox = TestOutbox::new().await;
     let proxy = Proxy::start(&host_port(&url())).await;
     let sink = proxied_sink(&proxy.addr(), &exchange).await;

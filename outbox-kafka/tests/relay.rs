@@ -14,7 +14,7 @@ use outbox_core::{Message, NewMessage, Sink, Template};
 use outbox_kafka::rdkafka::mocking::MockCluster;
 use outbox_kafka::rdkafka::types::{RDKafkaApiKey, RDKafkaRespErr};
 use outbox_kafka::{KafkaConfig, KafkaSink, wire};
-use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::envelope::{assert_envelope, publish_full_and_bare};
 use outbox_test_support::kafka::{
     Record, Tansu, consume, consume_until, create_topic, require_broker,
 };
@@ -163,26 +163,8 @@ async fn envelope_fields_are_read_by_their_documented_names() {
     let brokers = require_broker();
     let topic = unique_name("envelope");
     create_topic(&brokers, &topic, 1).await;
-    let full: Message = NewMessage::new(&topic, "{}")
-        .key("o-1")
-        .header("content-type", "application/json")
-        .header("outbox-id", "forged")
-        .header("x-tenant", "acme")
-        .trace_context(outbox_core::TraceContext {
-            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
-            tracestate: Some("rojo=00f067aa0ba902b7".into()),
-        })
-        .into();
-    let mut bare: Message = NewMessage::new(&topic, vec![0xff]).into();
-    // An hour ago: the timestamp is the created time, not the send time.
-    bare.created_at -= chrono::Duration::hours(1);
     let sink = sink(KafkaConfig::new(&brokers));
-    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
-    assert!(
-        outcomes
-            .iter()
-            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
-    );
+    let [full, bare] = publish_full_and_bare(&*sink, &topic).await;
     let records = consume(&brokers, &topic, 1, 2, Duration::from_secs(20)).await;
     assert_eq!(records.len(), 2, "{records:?}");
     for (sent, record) in [&full, &bare].into_iter().zip(&records) {
@@ -190,6 +172,7 @@ async fn envelope_fields_are_read_by_their_documented_names() {
             record.header(name).map(str::to_string)
         });
         assert_eq!(record.key, sent.key);
+        // `bare` was made an hour ago: the timestamp is the created time, not the send time.
         assert_eq!(record.timestamp, Some(sent.created_at.timestamp_millis()));
     }
     assert_eq!(records[0].header("x-tenant"), Some("acme"));

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, SinkRegistry, WorkerConfig};
 use outbox_nats::async_nats::jetstream::{self, stream};
 use outbox_nats::{NatsConfig, NatsSink, wire};
-use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::envelope::{assert_envelope, publish_full_and_bare};
 use outbox_test_support::nats::{connect, create_stream, headers, read, url};
 use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_test_support::relay::{TestOutbox, test_worker_config};
@@ -194,24 +194,12 @@ async fn envelope_fields_are_read_by_their_documented_names() {
     let nats = Nats::new().await;
     let topic = unique_name("envelope");
     nats.stream_for(&topic).await;
-    let full: Message = NewMessage::new(topic.as_str(), "{}")
-        .key("o-1")
-        .header("content-type", "application/json")
-        .header("outbox-id", "forged")
-        .header("x-tenant", "acme")
-        .trace_context(outbox_core::TraceContext {
-            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
-            tracestate: Some("rojo=00f067aa0ba902b7".into()),
-        })
-        .into();
-    let bare: Message = NewMessage::new(topic.as_str(), vec![0xff]).into();
     let sink = NatsSink::new(NatsConfig {
         key_header: Some("Outbox-Key".into()),
         ..config(&url(), PREFIX)
     })
     .expect("valid configuration");
-    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
-    assert!(outcomes.iter().all(|o| matches!(o, Outcome::Delivered(_))));
+    let [full, bare] = publish_full_and_bare(&sink, &topic).await;
     let got = read(&nats.js, &topic, 2, Duration::from_secs(10)).await;
     assert_eq!(got.len(), 2);
     for (sent, m) in [&full, &bare].into_iter().zip(&got) {

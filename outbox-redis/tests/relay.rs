@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use outbox_core::{Message, NewMessage, Sink};
 use outbox_redis::redis::{self, AsyncCommands};
 use outbox_redis::{RedisConfig, RedisSink, wire};
-use outbox_test_support::envelope::assert_envelope;
+use outbox_test_support::envelope::{assert_envelope, publish_full_and_bare};
 use outbox_test_support::redis::{Entry, client, delete_prefixed, text, xlen, xrange};
 use outbox_test_support::relay::TestOutbox;
 use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
@@ -172,23 +172,8 @@ async fn round_trip_through_postgres_and_the_relay() {
 async fn envelope_fields_are_read_by_their_documented_names() {
     let prefix = format!("{}:", unique_name("outbox_test"));
     let _ = client().await;
-    let full: Message = NewMessage::new("orders", "{}")
-        .key("o-1")
-        .header("content-type", "application/json")
-        .header("outbox-id", "forged")
-        .trace_context(outbox_core::TraceContext {
-            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
-            tracestate: Some("rojo=00f067aa0ba902b7".into()),
-        })
-        .into();
-    let bare: Message = NewMessage::new("orders", vec![0xff]).into();
     let sink = sink(RedisConfig::new(outbox_test_support::redis::url()).stream_prefix(&prefix));
-    let outcomes = sink.publish(&[full.clone(), bare.clone()]).await.unwrap();
-    assert!(
-        outcomes
-            .iter()
-            .all(|o| matches!(o, outbox_core::Outcome::Delivered(_)))
-    );
+    let [full, bare] = publish_full_and_bare(&*sink, "orders").await;
     let entries = xrange(&format!("{prefix}orders")).await;
     assert_eq!(entries.len(), 2);
     for (sent, (_, fields)) in [&full, &bare].into_iter().zip(&entries) {

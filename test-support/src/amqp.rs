@@ -147,6 +147,14 @@ impl Broker {
         name
     }
 
+    /// A fresh [`exchange`](Broker::exchange) of `kind` and a fresh [`queue`](Broker::queue)
+    /// bound to it with `binding`: the names of both.
+    pub async fn exchange_and_queue(&self, kind: ExchangeKind, binding: &str) -> (String, String) {
+        let exchange = self.exchange(kind).await;
+        let queue = self.queue(&exchange, binding).await;
+        (exchange, queue)
+    }
+
     /// Binds `queue` to `exchange` with `binding`.
     pub async fn bind(&self, queue: &str, exchange: &str, binding: &str) {
         self.channel

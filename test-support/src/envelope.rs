@@ -2,7 +2,7 @@
 //! documents, written out here rather than taken from `outbox_core::envelope`, so a renamed
 //! constant fails the tests instead of silently changing the wire.
 
-use outbox_core::Message;
+use outbox_core::{Message, NewMessage, Outcome, Sink, TraceContext};
 
 /// The documented names, in the documented order.
 pub const NAMES: [&str; 8] = [
@@ -84,4 +84,45 @@ pub fn assert_envelope(sent: &Message, what: &str, field: impl Fn(&str) -> Optio
             .filter(|s| !s.is_empty()),
         "tracestate of {what} {id}"
     );
+}
+
+/// A message of `topic` with every envelope field: a key, a JSON content type and a trace
+/// context with a trace state; with an application header of its own (`x-tenant: acme`) and
+/// one named like an envelope field (`outbox-id: forged`), which must not change the
+/// envelope.
+pub fn full(topic: &str) -> Message {
+    NewMessage::new(topic, "{}")
+        .key("o-1")
+        .header("content-type", "application/json")
+        .header("outbox-id", "forged")
+        .header("x-tenant", "acme")
+        .trace_context(TraceContext {
+            traceparent: "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into(),
+            tracestate: Some("rojo=00f067aa0ba902b7".into()),
+        })
+        .into()
+}
+
+/// A message of `topic` with none of the optional envelope fields (no key, no headers, no
+/// trace context), a payload that is not UTF-8, created an hour ago (so a timestamp taken
+/// from it cannot pass for the send time).
+pub fn bare(topic: &str) -> Message {
+    let mut bare: Message = NewMessage::new(topic, vec![0xff]).into();
+    bare.trace_context = None;
+    bare.created_at -= chrono::Duration::hours(1);
+    bare
+}
+
+/// Publishes [`full`] and [`bare`] of `topic` through `sink` in one call, checks that both
+/// were delivered, and returns them as sent, in that order.
+pub async fn publish_full_and_bare(sink: &dyn Sink, topic: &str) -> [Message; 2] {
+    let sent = [full(topic), bare(topic)];
+    let outcomes = sink.publish(&sent).await.expect("publish");
+    for (message, outcome) in sent.iter().zip(&outcomes) {
+        if let Outcome::Failed(error) = outcome {
+            panic!("message {} was not delivered: {error}", message.id);
+        }
+    }
+    assert_eq!(outcomes.len(), 2, "one outcome per message");
+    sent
 }
