@@ -15,9 +15,9 @@ use outbox_amqp::lapin::tcp::{OwnedIdentity, OwnedTLSConfig};
 use outbox_amqp::lapin::types::FieldTable;
 use outbox_amqp::lapin::{Connect, ConnectionProperties, runtime};
 use outbox_amqp::{AmqpConfig, AmqpSink};
-use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template};
+use outbox_core::{ErrorKind, Message, NewMessage, Template};
 use outbox_test_support::servers::{self, Server};
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::tls::{Pki, assert_delivers_over_tls, pki, two_authorities};
 use outbox_test_support::unique_name;
 
 /// A RabbitMQ node of the test's own (`servers::rabbitmq`: its own name, ports, data, logs,
@@ -70,10 +70,7 @@ fn config(port: u16, trust: &Pki, client: Option<&Pki>) -> AmqpConfig {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     let started = Instant::now();
-    let dir = std::env::temp_dir().join(unique_name("outbox_amqp_tls"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_amqp_tls");
     let mut node = tls_rabbit(&ours, &dir.join("node"));
     let took = node.start().await;
     eprintln!(
@@ -106,15 +103,10 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     let sink = AmqpSink::connect(config(node.port(), &ours, Some(&ours)))
         .await
         .expect("the sink connects over verified TLS");
-    sink.health().await.expect("healthy over TLS");
     let batch: Vec<Message> = (0..3)
         .map(|i| Message::from(NewMessage::new(queue, format!("paid {i}")).key("k")))
         .collect();
-    let outcomes = sink.publish(&batch).await.expect("publish over TLS");
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Delivered(_))),
-        "{outcomes:?}"
-    );
+    assert_delivers_over_tls(&sink, &batch).await;
     sink.close().await;
 
     let mut got = Vec::new();

@@ -25,7 +25,7 @@ use outbox_kafka::rdkafka::message::{Headers, Message as _};
 use outbox_kafka::rdkafka::{ClientConfig, Offset, TopicPartitionList};
 use outbox_kafka::{KafkaConfig, KafkaSink};
 use outbox_test_support::kafka::tansu_binary;
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::tls::{Pki, assert_delivers_over_tls, pki, two_authorities};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::pki_types::pem::PemObject;
@@ -319,9 +319,7 @@ fn temp_dir(name: &str) -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_go_over_verified_tls_and_a_wrong_ca_or_no_client_certificate_is_refused() {
-    let dir = temp_dir("outbox_kafka_tls");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_kafka_tls");
     let kafka = TlsKafka::start(&ours, &dir, false).await;
     let clients = client(&kafka.brokers, &ours);
     let topic = "tls-orders";
@@ -329,13 +327,8 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_or_no_client_certificate_i
 
     // Only the proxy's TLS address is given; the keys alone turn TLS on.
     let sink = KafkaSink::new(sink_config(&kafka.brokers, &ours, Some(&ours))).expect("sink");
-    sink.health().await.expect("a verified TLS connection");
     let messages = batch(topic);
-    let outcomes = sink.publish(&messages).await.expect("publish over TLS");
-    assert!(
-        outcomes.iter().all(|o| matches!(o, Outcome::Delivered(_))),
-        "{outcomes:?}"
-    );
+    assert_delivers_over_tls(&sink, &messages).await;
     let records = consume(&clients, topic, 3).await;
     let expected: Vec<(String, String, String)> = messages
         .iter()
@@ -416,9 +409,7 @@ async fn sasl_ssl_runs_scram_inside_verified_tls_and_a_refused_login_is_reported
 
 #[test]
 fn tls_files_librdkafka_cannot_load_are_refused_at_start_up_naming_the_key() {
-    let dir = temp_dir("outbox_kafka_tls_files");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_kafka_tls_files");
     let not_pem = dir.join("not.pem");
     std::fs::write(&not_pem, "not a certificate\n").expect("write");
 

@@ -7,10 +7,12 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
-use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
+use outbox_core::{Message, NewMessage};
 use outbox_nats::{NatsConfig, NatsSink};
 use outbox_test_support::servers::{self, Server};
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::tls::{
+    Pki, assert_delivers_over_tls, assert_wrong_ca_refused, two_authorities,
+};
 
 /// `nats-server` of the test's own with JetStream (its store in `dir`), TLS and client
 /// certificates required; not started yet.
@@ -37,10 +39,7 @@ fn config(port: u16, trust: &Pki, client: &Pki) -> NatsConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_nats_tls"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_nats_tls");
     let mut server = tls_nats(&ours, &dir.join("server"));
     server.start().await;
 
@@ -63,25 +62,16 @@ async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
     .expect("stream");
 
     let sink = NatsSink::new(config(server.port(), &ours, &ours)).expect("sink");
-    sink.health().await.expect("a verified TLS connection");
-    let batch = vec![Message::from(
+    let batch = [Message::from(
         NewMessage::new("tls.orders", "paid").key("k"),
     )];
-    let outcomes = sink.publish(&batch).await.expect("publish over TLS");
-    assert!(
-        matches!(outcomes.as_slice(), [Outcome::Delivered(_)]),
-        "{outcomes:?}"
-    );
+    assert_delivers_over_tls(&sink, &batch).await;
     let stream = js.get_stream("TLS").await.expect("the stream");
     assert_eq!(stream.cached_info().state.messages, 1);
 
     // A sink that trusts another CA does not accept the server's certificate.
     let wrong = NatsSink::new(config(server.port(), &theirs, &ours)).expect("sink");
-    let error = wrong
-        .health()
-        .await
-        .expect_err("the server's certificate must be refused");
-    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert_wrong_ca_refused(&wrong).await;
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }

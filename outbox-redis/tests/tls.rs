@@ -5,10 +5,12 @@
 use std::path::Path;
 use std::time::Duration;
 
-use outbox_core::{Message, NewMessage, Outcome, Sink};
+use outbox_core::{Message, NewMessage};
 use outbox_redis::{RedisConfig, RedisSink};
 use outbox_test_support::servers::Server;
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::tls::{
+    Pki, assert_delivers_over_tls, assert_wrong_ca_refused, two_authorities,
+};
 
 /// `redis-server` of the test's own, listening with TLS only, client certificates required;
 /// not started yet.
@@ -55,31 +57,19 @@ fn config(port: u16, trust: &Pki, client: &Pki) -> RedisConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_go_over_verified_tls_and_a_wrong_ca_is_refused() {
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_redis_tls"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_redis_tls");
     let mut server = tls_redis(&ours, &dir);
     server.start().await;
 
     let sink = RedisSink::new(config(server.port(), &ours, &ours)).expect("sink");
-    sink.health().await.expect("a verified TLS connection");
-    let batch = vec![Message::from(
+    let batch = [Message::from(
         NewMessage::new("tls-orders", "paid").key("k"),
     )];
-    let outcomes = sink.publish(&batch).await.expect("publish over TLS");
-    assert!(
-        matches!(outcomes.as_slice(), [Outcome::Delivered(_)]),
-        "{outcomes:?}"
-    );
+    assert_delivers_over_tls(&sink, &batch).await;
 
     // A sink that trusts another CA does not accept the server's certificate.
     let wrong = RedisSink::new(config(server.port(), &theirs, &ours)).expect("sink");
-    let error = wrong
-        .health()
-        .await
-        .expect_err("the server's certificate must be refused");
-    assert_eq!(error.kind(), outbox_core::ErrorKind::Unavailable, "{error}");
+    assert_wrong_ca_refused(&wrong).await;
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -4,6 +4,8 @@
 
 use std::path::{Path, PathBuf};
 
+use outbox_core::{ErrorKind, Message, Outcome, Sink};
+
 use rcgen::{
     BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, KeyPair,
     KeyUsagePurpose,
@@ -58,4 +60,37 @@ pub fn pki(dir: &Path, name: &str) -> Pki {
         client_cert: write("client.pem", client_cert),
         client_key: write("client.key", client_key),
     }
+}
+
+/// A fresh directory named after `prefix` under the system's temporary directory, with two
+/// unrelated authorities in it: `ours` (for the server and the client) and `theirs` (for the
+/// "wrong CA" checks). The test removes the directory when it passes.
+pub fn two_authorities(prefix: &str) -> (PathBuf, Pki, Pki) {
+    let dir = std::env::temp_dir().join(crate::unique_name(prefix));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let ours = pki(&dir, "ours");
+    let theirs = pki(&dir, "theirs");
+    (dir, ours, theirs)
+}
+
+/// Checks that `sink` passes its health check over the TLS it is configured with and
+/// delivers every message of `batch`.
+pub async fn assert_delivers_over_tls(sink: &dyn Sink, batch: &[Message]) {
+    sink.health().await.expect("a verified TLS connection");
+    let outcomes = sink.publish(batch).await.expect("publish over TLS");
+    assert_eq!(outcomes.len(), batch.len(), "{outcomes:?}");
+    assert!(
+        outcomes.iter().all(|o| matches!(o, Outcome::Delivered(_))),
+        "{outcomes:?}"
+    );
+}
+
+/// Checks that `sink`, which trusts another authority than the server's, fails its health
+/// check as `Unavailable`: it does not accept the server's certificate.
+pub async fn assert_wrong_ca_refused(sink: &dyn Sink) {
+    let error = sink
+        .health()
+        .await
+        .expect_err("the server's certificate must be refused");
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
 }
