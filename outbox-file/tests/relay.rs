@@ -168,31 +168,6 @@ impl Files {
     }
 }
 
-#[async_trait]
-impl SinkHarness for Files {
-    fn timeout(&self) -> Duration {
-        TIMEOUT
-    }
-
-    async fn destination(&self) -> Destination {
-        let topic = unique_name("conformance");
-        Destination {
-            sink: Arc::new(file_sink(&self.path(&topic))),
-            topic,
-        }
-    }
-
-    /// The file is complete once `publish` returned: no waiting.
-    async fn read(&self, destination: &Destination, _at_least: usize) -> Vec<Received> {
-        received(self.lines(&destination.topic), &destination.topic)
-    }
-
-    /// No network address: see the_directory_going_away_is_an_outage for its outages.
-    async fn sink_at(&self, _addr: &str) -> Option<Arc<dyn Sink>> {
-        None
-    }
-}
-
 /// A `Write` the test keeps a handle to while a `stdout` sink writes into it.
 #[derive(Clone, Default)]
 struct Captured(Arc<Mutex<Vec<u8>>>);
@@ -237,8 +212,38 @@ impl Stdout {
     }
 }
 
+/// What the two sinks' suites differ in: the sink that writes to an output of `name` (a
+/// file, a buffer), and that output's lines.
+trait Output: Send + Sync {
+    fn sink_to(&self, name: &str) -> Arc<dyn Sink>;
+    fn lines_of(&self, name: &str) -> Vec<Line>;
+}
+
+impl Output for Files {
+    fn sink_to(&self, name: &str) -> Arc<dyn Sink> {
+        Arc::new(file_sink(&self.path(name)))
+    }
+
+    fn lines_of(&self, name: &str) -> Vec<Line> {
+        self.lines(name)
+    }
+}
+
+impl Output for Stdout {
+    fn sink_to(&self, name: &str) -> Arc<dyn Sink> {
+        Arc::new(self.sink(name))
+    }
+
+    fn lines_of(&self, name: &str) -> Vec<Line> {
+        self.lines(name)
+    }
+}
+
+/// The suite's harness over either output: each destination is an output of its own.
+struct Harness<O>(O);
+
 #[async_trait]
-impl SinkHarness for Stdout {
+impl<O: Output> SinkHarness for Harness<O> {
     fn timeout(&self) -> Duration {
         TIMEOUT
     }
@@ -246,17 +251,19 @@ impl SinkHarness for Stdout {
     async fn destination(&self) -> Destination {
         let topic = unique_name("conformance");
         Destination {
-            sink: Arc::new(self.sink(&topic)),
+            sink: self.0.sink_to(&topic),
             topic,
         }
     }
 
-    /// The output is complete once `publish` returned (it flushes): no waiting.
+    /// The output is complete once `publish` returned (the file is written, the buffer
+    /// flushed): no waiting.
     async fn read(&self, destination: &Destination, _at_least: usize) -> Vec<Received> {
-        received(self.lines(&destination.topic), &destination.topic)
+        received(self.0.lines_of(&destination.topic), &destination.topic)
     }
 
-    /// No network address: see outbox-file's crate tests of an output nobody reads.
+    /// No network address: see the_directory_going_away_is_an_outage for a file's outages,
+    /// and outbox-file's crate tests of an output nobody reads.
     async fn sink_at(&self, _addr: &str) -> Option<Arc<dyn Sink>> {
         None
     }
@@ -266,14 +273,14 @@ impl SinkHarness for Stdout {
 mod file {
     use super::*;
 
-    outbox_testkit::sink_conformance_tests!(Files::new());
+    outbox_testkit::sink_conformance_tests!(Harness(Files::new()));
 }
 
 /// The suite on a captured standard output (the checks that need a network address skip).
 mod stdout {
     use super::*;
 
-    outbox_testkit::sink_conformance_tests!(Stdout::default());
+    outbox_testkit::sink_conformance_tests!(Harness(Stdout::default()));
 }
 
 /// Under the end-to-end scripts a destination is a file of its own; its lines are read back

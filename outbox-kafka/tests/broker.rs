@@ -23,6 +23,22 @@ fn receipts(outcomes: &[Outcome]) -> Vec<String> {
         .collect()
 }
 
+/// Checks the outcomes of three messages: the first and the last delivered, the middle one
+/// failed for good with an error that contains `needle` (which `why` explains).
+fn assert_only_the_middle_fails(outcomes: &[Outcome], needle: &str, why: &str) {
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    for delivered in [&outcomes[0], &outcomes[2]] {
+        assert!(matches!(delivered, Outcome::Delivered(_)), "{delivered:?}");
+    }
+    match &outcomes[1] {
+        Outcome::Failed(e) => {
+            assert_eq!(e.kind(), ErrorKind::Permanent, "{e}");
+            assert!(e.to_string().contains(needle), "{why}: {e}");
+        }
+        other => panic!("the middle message must fail: {other:?}"),
+    }
+}
+
 /// Messages of `topic` for `keys` keys, `per_key` each, interleaved in enqueue order.
 fn keyed_messages(topic: &str, keys: usize, per_key: usize) -> Vec<Message> {
     let mut messages = Vec::new();
@@ -167,23 +183,7 @@ async fn unknown_topic_is_permanent_and_does_not_stop_the_others() {
     let started = Instant::now();
     let outcomes = sink.publish(&batch).await.expect("publish");
     println!("unknown topic reported after {:?}", started.elapsed());
-    assert!(
-        matches!(outcomes[0], Outcome::Delivered(_)),
-        "{:?}",
-        outcomes[0]
-    );
-    assert!(
-        matches!(outcomes[2], Outcome::Delivered(_)),
-        "{:?}",
-        outcomes[2]
-    );
-    match &outcomes[1] {
-        Outcome::Failed(e) => {
-            assert_eq!(e.kind(), ErrorKind::Permanent, "{e}");
-            assert!(e.to_string().contains(&missing), "names the topic: {e}");
-        }
-        other => panic!("a missing topic must fail: {other:?}"),
-    }
+    assert_only_the_middle_fails(&outcomes, &missing, "names the topic");
 }
 
 /// tansu 0.6 does not enforce a topic's `max.message.bytes`, so this checks the producer's
@@ -208,26 +208,7 @@ async fn too_large_for_the_producer_is_permanent() {
             .into(),
     ];
     let outcomes = sink.publish(&batch).await.expect("publish");
-    assert!(
-        matches!(outcomes[0], Outcome::Delivered(_)),
-        "{:?}",
-        outcomes[0]
-    );
-    assert!(
-        matches!(outcomes[2], Outcome::Delivered(_)),
-        "{:?}",
-        outcomes[2]
-    );
-    match &outcomes[1] {
-        Outcome::Failed(e) => {
-            assert_eq!(e.kind(), ErrorKind::Permanent, "{e}");
-            assert!(
-                e.to_string().contains("MessageSizeTooLarge"),
-                "says why: {e}"
-            );
-        }
-        other => panic!("a message over max.message.bytes must fail: {other:?}"),
-    }
+    assert_only_the_middle_fails(&outcomes, "MessageSizeTooLarge", "says why");
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -22,6 +22,53 @@ fn config(url: &str, prefix: &str) -> RedisConfig {
         .publish_timeout(Duration::from_secs(2))
 }
 
+/// Checks that the messages at `indexes` were delivered.
+fn assert_delivered_at(outcomes: &[Outcome], indexes: &[usize]) {
+    for &i in indexes {
+        assert!(
+            matches!(outcomes[i], Outcome::Delivered(_)),
+            "message {i}: {:?}",
+            outcomes[i]
+        );
+    }
+}
+
+/// `config`, with de-duplication for a minute when `dedup`.
+fn deduplicating(config: RedisConfig, dedup: bool) -> RedisConfig {
+    if dedup {
+        config.dedup(Duration::from_secs(60))
+    } else {
+        config
+    }
+}
+
+/// Makes `{prefix}broken` a plain string, which XADD refuses with WRONGTYPE; returns the
+/// stream's name.
+async fn break_stream(prefix: &str) -> String {
+    let broken = format!("{prefix}broken");
+    let _: () = client().await.set(&broken, "not a stream").await.unwrap();
+    broken
+}
+
+/// Makes `stream` a stream again (by deleting the string [`break_stream`] put there).
+async fn fix_stream(stream: &str) {
+    let _: () = client().await.del(stream).await.unwrap();
+}
+
+/// Checks that `outcome` is the permanent WRONGTYPE failure of appending to `stream`,
+/// naming it.
+fn assert_wrongtype(outcome: &Outcome, stream: &str) {
+    let Outcome::Failed(error) = outcome else {
+        panic!("WRONGTYPE delivered?")
+    };
+    assert_eq!(error.kind(), ErrorKind::Permanent, "{error}");
+    assert!(error.to_string().contains("WRONGTYPE"), "{error}");
+    assert!(
+        error.to_string().contains(stream),
+        "names the stream: {error}"
+    );
+}
+
 fn template(text: &str) -> Template {
     Template::new(text).expect("a valid template")
 }
@@ -138,16 +185,8 @@ async fn keys_keep_their_order_within_a_stream() {
 async fn wrongtype_dead_letters_only_that_message() {
     for dedup in [false, true] {
         let prefix = prefix().await;
-        let mut config = config(&url(), &prefix);
-        if dedup {
-            config = config.dedup(Duration::from_secs(60));
-        }
-        let sink = RedisSink::new(config).unwrap();
-        let mut con = client().await;
-        let _: () = con
-            .set(format!("{prefix}broken"), "not a stream")
-            .await
-            .unwrap();
+        let sink = RedisSink::new(deduplicating(config(&url(), &prefix), dedup)).unwrap();
+        let broken = break_stream(&prefix).await;
 
         let batch = vec![
             message("good", "k1", "1"),
@@ -156,32 +195,15 @@ async fn wrongtype_dead_letters_only_that_message() {
         ];
         let outcomes = sink.publish(&batch).await.unwrap();
         assert_eq!(outcomes.len(), 3);
-        assert!(
-            matches!(outcomes[0], Outcome::Delivered(_)),
-            "{:?}",
-            outcomes[0]
-        );
-        assert!(
-            matches!(outcomes[2], Outcome::Delivered(_)),
-            "{:?}",
-            outcomes[2]
-        );
-        let Outcome::Failed(error) = &outcomes[1] else {
-            panic!("WRONGTYPE delivered?")
-        };
-        assert_eq!(error.kind(), ErrorKind::Permanent, "{error}");
-        assert!(error.to_string().contains("WRONGTYPE"), "{error}");
-        assert!(
-            error.to_string().contains(&format!("{prefix}broken")),
-            "names the stream: {error}"
-        );
+        assert_delivered_at(&outcomes, &[0, 2]);
+        assert_wrongtype(&outcomes[1], &broken);
         assert_eq!(xlen(&format!("{prefix}good")).await, 2);
 
         // Once the key is fixed the same message goes out: the failure left no de-duplication
         // record behind.
-        let _: () = con.del(format!("{prefix}broken")).await.unwrap();
+        fix_stream(&broken).await;
         delivered(&sink.publish(&batch[1..2]).await.unwrap());
-        assert_eq!(xlen(&format!("{prefix}broken")).await, 1, "dedup={dedup}");
+        assert_eq!(xlen(&broken).await, 1, "dedup={dedup}");
         delete_prefixed(&prefix).await;
     }
 }
@@ -288,8 +310,7 @@ async fn unmapped_topic_and_oversize_payload_are_permanent() {
         message("orders", "k4", vec![7u8; 16]),
     ];
     let outcomes = sink.publish(&batch).await.unwrap();
-    assert!(matches!(outcomes[0], Outcome::Delivered(_)));
-    assert!(matches!(outcomes[3], Outcome::Delivered(_)));
+    assert_delivered_at(&outcomes, &[0, 3]);
     for (i, needle) in [
         (1, "topic `users` has no stream"),
         (2, "larger than sink.max_payload"),
@@ -331,10 +352,7 @@ async fn one_pipelined_round_trip_per_batch() {
     for dedup in [false, true] {
         let prefix = prefix().await;
         let (proxy, config) = proxied(&prefix).await;
-        let mut config = config.stream_template(template("s"));
-        if dedup {
-            config = config.dedup(Duration::from_secs(60));
-        }
+        let config = deduplicating(config.stream_template(template("s")), dedup);
         let sink = RedisSink::new(config).unwrap();
         sink.health().await.unwrap(); // connects; the connection is kept for publishing
 
@@ -533,10 +551,7 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
     for dedup in [false, true] {
         let prefix = prefix().await;
         let (proxy, config) = proxied(&prefix).await;
-        let mut config = config.stream_template(template("events:{topic}"));
-        if dedup {
-            config = config.dedup(Duration::from_secs(60));
-        }
+        let config = deduplicating(config.stream_template(template("events:{topic}")), dedup);
         let sink = RedisSink::new(config).unwrap();
         assert!(sink.capabilities().ordered_key_runs);
         sink.health().await.unwrap();
@@ -613,16 +628,8 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
 async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
     for dedup in [false, true] {
         let prefix = prefix().await;
-        let mut config = config(&url(), &prefix);
-        if dedup {
-            config = config.dedup(Duration::from_secs(60));
-        }
-        let sink = RedisSink::new(config).unwrap();
-        let mut con = client().await;
-        let _: () = con
-            .set(format!("{prefix}broken"), "not a stream")
-            .await
-            .unwrap();
+        let sink = RedisSink::new(deduplicating(config(&url(), &prefix), dedup)).unwrap();
+        let broken = break_stream(&prefix).await;
         // Key k: two good, one to the broken stream, two good again; key o around it.
         let batch = vec![
             message("good", "k", "k1"),
@@ -636,22 +643,8 @@ async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
         ];
         let outcomes = sink.publish(&batch).await.unwrap();
         assert_eq!(outcomes.len(), batch.len());
-        for i in [0, 1, 2, 4, 7] {
-            assert!(
-                matches!(outcomes[i], Outcome::Delivered(_)),
-                "message {i}: {:?}",
-                outcomes[i]
-            );
-        }
-        let Outcome::Failed(error) = &outcomes[3] else {
-            panic!("WRONGTYPE delivered?")
-        };
-        assert_eq!(error.kind(), ErrorKind::Permanent, "{error}");
-        assert!(error.to_string().contains("WRONGTYPE"), "{error}");
-        assert!(
-            error.to_string().contains(&format!("{prefix}broken")),
-            "{error}"
-        );
+        assert_delivered_at(&outcomes, &[0, 1, 2, 4, 7]);
+        assert_wrongtype(&outcomes[3], &broken);
         for i in [5, 6] {
             let Outcome::Failed(error) = &outcomes[i] else {
                 panic!("message {i} after the failure was delivered")
@@ -684,10 +677,10 @@ async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
         if dedup {
             // The messages not appended left no de-duplication record: once the stream is
             // fixed, k's rest goes out.
-            let _: () = con.del(format!("{prefix}broken")).await.unwrap();
+            fix_stream(&broken).await;
             delivered(&sink.publish(&batch[3..7]).await.unwrap());
             assert_eq!(xlen(&format!("{prefix}good")).await, 7);
-            assert_eq!(xlen(&format!("{prefix}broken")).await, 1);
+            assert_eq!(xlen(&broken).await, 1);
         }
         delete_prefixed(&prefix).await;
     }
@@ -706,8 +699,7 @@ async fn a_message_refused_before_sending_stops_its_key_run() {
         message("t", "k", "k3"),
     ];
     let outcomes = sink.publish(&batch).await.unwrap();
-    assert!(matches!(outcomes[0], Outcome::Delivered(_)));
-    assert!(matches!(outcomes[2], Outcome::Delivered(_)));
+    assert_delivered_at(&outcomes, &[0, 2]);
     assert!(
         matches!(&outcomes[1], Outcome::Failed(e) if e.kind() == ErrorKind::Permanent),
         "{:?}",
