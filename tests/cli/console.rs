@@ -126,6 +126,21 @@ async fn poison_key_a(pool: &PgPool, schema: &str, name: &str) -> String {
     .expect("the dead letter's id")
 }
 
+/// After the console replayed [`poisoned`]'s dead letter and the relay stopped: Redis got
+/// key `a` in order (the head first, then what was parked behind it) and `b1`; nothing is
+/// dead-lettered or parked any more. Drops the schema.
+async fn assert_replayed_in_key_order(pool: &PgPool, schema: &str, name: &str) {
+    let keys = by_key(&redis_stream(&format!("{name}:t")).await);
+    assert_eq!(
+        keys["a"],
+        vec![poison().into_bytes(), b"a2".to_vec(), b"a3".to_vec()],
+        "key a out of order"
+    );
+    assert_eq!(keys["b"], vec![b"b1".to_vec()]);
+    assert_eq!(dead_and_parked(pool, schema).await, (0, 0));
+    drop_schema(pool, schema).await;
+}
+
 /// Dead letters and parked keys in the table: (dead letters, parked keys).
 async fn dead_and_parked(pool: &PgPool, schema: &str) -> (i64, i64) {
     (
@@ -298,15 +313,7 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
     );
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     assert_eq!(relay.terminate().0, Some(0));
-    let keys = by_key(&redis_stream(&format!("{name}:t")).await);
-    assert_eq!(
-        keys["a"],
-        vec![poison().into_bytes(), b"a2".to_vec(), b"a3".to_vec()],
-        "key a out of order"
-    );
-    assert_eq!(keys["b"], vec![b"b1".to_vec()]);
-    assert_eq!(dead_and_parked(&pool, &schema).await, (0, 0));
-    drop_schema(&pool, &schema).await;
+    assert_replayed_in_key_order(&pool, &schema, &name).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

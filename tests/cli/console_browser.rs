@@ -233,13 +233,5 @@ async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_repl
     client.close().await.expect("close the browser");
 
     assert_eq!(relay.terminate().0, Some(0));
-    let keys = by_key(&redis_stream(&format!("{name}:t")).await);
-    assert_eq!(
-        keys["a"],
-        vec![poison().into_bytes(), b"a2".to_vec(), b"a3".to_vec()],
-        "key a out of order"
-    );
-    assert_eq!(keys["b"], vec![b"b1".to_vec()]);
-    assert_eq!(dead_and_parked(&pool, &schema).await, (0, 0));
-    drop_schema(&pool, &schema).await;
+    assert_replayed_in_key_order(&pool, &schema, &name).await;
 }

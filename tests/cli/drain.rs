@@ -6,6 +6,8 @@ use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use super::{RelayProcess, outbox, text};
+
 /// A delivered message: (key, number, id).
 pub(super) type Delivery = (String, usize, String);
 
@@ -59,13 +61,30 @@ pub(super) fn wait_for_deliveries(sink: &Path, lines: usize, deadline: Instant) 
     }
 }
 
+/// After the kill: waits until the `second` relay delivered every one of the `keys` ×
+/// `per_key` messages at least once, stops it, checks the per-key order of every delivery
+/// ([`assert_key_order`]) and that `status` on `config` shows nothing pending.
+pub(super) fn delivered_in_key_order(
+    second: RelayProcess,
+    config: &Path,
+    sink: &Path,
+    (keys, per_key): (usize, usize),
+    deadline: Instant,
+) {
+    let all = wait_for_every_message(sink, keys * per_key, deadline);
+    assert_eq!(second.terminate().0, Some(0));
+    assert_key_order(&all, keys, per_key);
+    let status = outbox(config, &["status"]);
+    assert!(
+        text(&status.stdout).contains("pending 0 "),
+        "{}",
+        text(&status.stdout)
+    );
+}
+
 /// Waits until every one of `total` messages was delivered at least once; returns every
 /// delivery, redeliveries included.
-pub(super) fn wait_for_every_message(
-    sink: &Path,
-    total: usize,
-    deadline: Instant,
-) -> Vec<Delivery> {
+fn wait_for_every_message(sink: &Path, total: usize, deadline: Instant) -> Vec<Delivery> {
     loop {
         let all = delivered(sink);
         let ids: HashSet<&str> = all.iter().map(|(_, _, id)| id.as_str()).collect();
@@ -84,7 +103,7 @@ pub(super) fn wait_for_every_message(
 /// Per key: every delivery of a message (a redelivery after the kill included) comes after
 /// a delivery of the one before it, and the first deliveries are the `per_key` messages in
 /// enqueue order, for each of the `keys` keys.
-pub(super) fn assert_key_order(all: &[Delivery], keys: usize, per_key: usize) {
+fn assert_key_order(all: &[Delivery], keys: usize, per_key: usize) {
     let mut seen: HashMap<&str, Vec<usize>> = HashMap::new();
     for (key, n, _) in all {
         let numbers = seen.entry(key.as_str()).or_default();

@@ -48,21 +48,27 @@ fn outbox(config: &Path, args: &[&str]) -> Output {
 }
 
 fn outbox_with_stdin(config: &Path, args: &[&str], input: &str) -> Output {
+    let mut command = outbox_command(config);
+    command.args(args);
+    with_stdin(command, input)
+}
+
+/// Runs `command` with `input` on its standard input; its output.
+fn with_stdin(mut command: Command, input: &str) -> Output {
     use std::io::Write;
-    let mut child = outbox_command(config)
-        .args(args)
+    let mut child = command
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("run the outbox binary");
+        .unwrap_or_else(|e| panic!("cannot run {command:?}: {e}"));
     child
         .stdin
         .take()
         .expect("stdin")
         .write_all(input.as_bytes())
         .expect("write stdin");
-    child.wait_with_output().expect("wait for outbox")
+    child.wait_with_output().expect("wait for the command")
 }
 
 fn text(bytes: &[u8]) -> String {

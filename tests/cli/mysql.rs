@@ -3,18 +3,15 @@
 //! nothing and keeps per-key order, and bad `[storage]` settings exit with the
 //! configuration code naming the setting.
 
-use std::io::Write;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use outbox_tests::mysql_url;
 
-use super::drain::{
-    assert_key_order, delivered, numbered_lines, wait_for_deliveries, wait_for_every_message,
-};
+use super::drain::{delivered, delivered_in_key_order, numbered_lines, wait_for_deliveries};
 use super::{
     ConfigFile, RelayProcess, assert_config_errors, assert_migrated_by_hand, outbox,
-    outbox_with_stdin, text,
+    outbox_with_stdin, text, with_stdin,
 };
 
 const KEYS: usize = 50;
@@ -116,15 +113,7 @@ fn a_relay_killed_mid_drain_on_mysql_loses_nothing_and_keeps_key_order() {
     }
     // Its leases (3 s) run out before the second relay can take its rows.
     let second = RelayProcess::start(&config.path);
-    let all = wait_for_every_message(&sink, total, deadline);
-    assert_eq!(second.terminate().0, Some(0));
-    assert_key_order(&all, KEYS, PER_KEY);
-    let status = outbox(&config.path, &["status"]);
-    assert!(
-        text(&status.stdout).contains("pending 0 "),
-        "{}",
-        text(&status.stdout)
-    );
+    delivered_in_key_order(second, &config.path, &sink, (KEYS, PER_KEY), deadline);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -174,20 +163,10 @@ fn migrate_print_sql_gives_the_script_a_dba_applies() {
     let status = outbox(&config.path, &["status"]);
     assert!(!status.status.success(), "{}", text(&status.stdout));
 
-    let mut client = Command::new("mariadb")
-        .args(client_args(&mysql_url()))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the mariadb client is installed with MariaDB");
-    client
-        .stdin
-        .take()
-        .expect("stdin")
-        .write_all(script.as_bytes())
-        .expect("send the script");
-    let applied = client.wait_with_output().expect("mariadb");
+    // The client is installed with MariaDB.
+    let mut client = Command::new("mariadb");
+    client.args(client_args(&mysql_url()));
+    let applied = with_stdin(client, &script);
     assert!(
         applied.status.success(),
         "mariadb: {}",

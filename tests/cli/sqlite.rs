@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::drain::{assert_key_order, numbered_lines, wait_for_deliveries, wait_for_every_message};
+use super::drain::{delivered_in_key_order, numbered_lines, wait_for_deliveries};
 use super::{ConfigFile, RelayProcess, outbox, text};
 
 /// The commands of the README's quick start: the `sh` block under its first heading that
@@ -199,15 +199,7 @@ fn a_relay_and_a_writer_share_one_sqlite_file_through_a_kill() {
         text(&written.stderr)
     );
 
-    let all = wait_for_every_message(&sink, KEYS * PER_KEY, deadline);
-    assert_eq!(second.terminate().0, Some(0));
-    assert_key_order(&all, KEYS, PER_KEY);
-    let status = outbox(&config.path, &["status"]);
-    assert!(
-        text(&status.stdout).contains("pending 0 "),
-        "{}",
-        text(&status.stdout)
-    );
+    delivered_in_key_order(second, &config.path, &sink, (KEYS, PER_KEY), deadline);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
