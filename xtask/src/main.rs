@@ -185,6 +185,13 @@ fn prepare_mariadb() -> Result {
     }
 }
 
+/// `psql` as role `postgres` on 127.0.0.1, on `database`.
+fn psql_command(database: &str) -> Command {
+    let mut command = Command::new("psql");
+    command.args(["-h", "127.0.0.1", "-U", "postgres", "-d", database]);
+    command
+}
+
 /// The tests connect as `postgres` without a password to database `test` on 127.0.0.1
 /// (`OUTBOX_TEST_POSTGRES_URL` overrides it, and then nothing is prepared). A freshly
 /// installed PostgreSQL has neither: this creates the database and lets that role in from
@@ -195,17 +202,8 @@ fn prepare_postgres() -> Result {
         return Ok(());
     }
     let probe = |database: &str| {
-        Command::new("psql")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-U",
-                "postgres",
-                "-d",
-                database,
-                "-tAc",
-                "SELECT 1",
-            ])
+        psql_command(database)
+            .args(["-tAc", "SELECT 1"])
             .env("PGCONNECT_TIMEOUT", "5")
             .output()
             .map_err(|e| format!("cannot run psql: {e}"))
@@ -226,17 +224,8 @@ fn prepare_postgres() -> Result {
     }
     if !probe("test")?.status.success() {
         println!("xtask: creating PostgreSQL database `test`");
-        let created = Command::new("psql")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-U",
-                "postgres",
-                "-d",
-                "postgres",
-                "-c",
-                "CREATE DATABASE test",
-            ])
+        let created = psql_command("postgres")
+            .args(["-c", "CREATE DATABASE test"])
             .status()
             .map_err(|e| format!("cannot run psql: {e}"))?;
         if !created.success() {
