@@ -91,17 +91,10 @@ impl OutboxTable {
         messages: &[NewMessage],
     ) -> Result<()> {
         let rows = Columns::all(messages)?;
-        for (sql, chunk) in self.inserts.chunks(&rows) {
-            let mut query = sqlx::query(&sql);
-            for row in chunk {
-                // DATETIME holds no zone: the table's times are UTC.
-                query = outbox_sql::bind_columns!(query, row, row.created_at.naive_utc());
-            }
-            conn.execute(query)
-                .await
-                .map_err(|e| db_error(None, "enqueue failed", e))?;
-        }
-        Ok(())
+        // DATETIME holds no zone: the table's times are UTC.
+        outbox_sql::insert_rows!(conn, self.inserts, &rows, |row| row.created_at.naive_utc())
+            .await
+            .map_err(|e| db_error(None, "enqueue failed", e))
     }
 
     /// Creates or upgrades the tables. Safe to run repeatedly and from several processes at

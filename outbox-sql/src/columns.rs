@@ -75,6 +75,32 @@ macro_rules! bind_columns {
     };
 }
 
+/// The INSERTs of an enqueue, run on the sqlx connection `$conn` (a `&mut` connection):
+/// the [`Columns`] `$rows` cut into statements by the [`Inserts`] `$inserts`, each row bound
+/// by [`bind_columns!`] with `created_at` as `$created_at`, in which `$row` names the row.
+/// A future of `Result<(), sqlx::Error>`: the first statement that fails stops the rest.
+///
+/// ```text
+/// outbox_sql::insert_rows!(conn, self.inserts, &rows, |row| row.created_at.naive_utc())
+///     .await
+///     .map_err(|e| db_error(None, "enqueue failed", e))
+/// ```
+#[macro_export]
+macro_rules! insert_rows {
+    ($conn:expr, $inserts:expr, $rows:expr, |$row:ident| $created_at:expr) => {
+        async {
+            for (sql, chunk) in $inserts.chunks($rows) {
+                let mut query = sqlx::query(&sql);
+                for $row in chunk {
+                    query = $crate::bind_columns!(query, $row, $created_at);
+                }
+                sqlx::Executor::execute(&mut *$conn, query).await?;
+            }
+            Ok::<(), sqlx::Error>(())
+        }
+    };
+}
+
 impl<'a> Columns<'a> {
     /// The columns of `m`. Fails (`Permanent`) on an empty topic ([`check_topic`]) or
     /// headers that cannot be written as JSON.

@@ -81,16 +81,12 @@ impl OutboxTable {
         messages: &[NewMessage],
     ) -> Result<()> {
         let rows = Columns::all(messages)?;
-        for (sql, chunk) in self.inserts.chunks(&rows) {
-            let mut query = sqlx::query(&sql);
-            for row in chunk {
-                query = outbox_sql::bind_columns!(query, row, row.created_at.timestamp_micros());
-            }
-            conn.execute(query)
-                .await
-                .map_err(|e| db_error(None, "enqueue failed", e))?;
-        }
-        Ok(())
+        let inserted = outbox_sql::insert_rows!(conn, self.inserts, &rows, |row| {
+            row.created_at.timestamp_micros()
+        });
+        inserted
+            .await
+            .map_err(|e| db_error(None, "enqueue failed", e))
     }
 
     /// Creates or upgrades the tables. Safe to run repeatedly and from several processes at
