@@ -65,6 +65,16 @@ fn console_config(schema: &str, name: &str, addr: &str) -> ConfigFile {
     ))
 }
 
+/// A relay of [`console_config`] with the console on a free loopback port: its address,
+/// its configuration (kept while it runs), the relay and the console's first overview.
+async fn console_relay(schema: &str, name: &str) -> (String, ConfigFile, RelayProcess, Reply) {
+    let addr = format!("127.0.0.1:{}", free_port());
+    let config = console_config(schema, name, &addr);
+    let relay = RelayProcess::start(&config.path);
+    let page = overview(&addr, &[]).await;
+    (addr, config, relay, page)
+}
+
 /// Makes key `a`'s head a dead letter (Redis refuses it as too large), with `a2` and `a3`
 /// parked behind it and `b1` delivered, in a fresh schema `cli_<what>_…` with Redis streams
 /// prefixed `<what>_…:`. Returns the pool, the schema, the prefix and the dead letter's id.
@@ -162,10 +172,7 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
     let (pool, schema, name, id) = poisoned("console").await;
 
     // The operator raised the limit; the console on loopback needs no token.
-    let addr = format!("127.0.0.1:{}", free_port());
-    let config = console_config(&schema, &name, &addr);
-    let relay = RelayProcess::start(&config.path);
-    let page = overview(&addr, &[]).await;
+    let (addr, _config, relay, page) = console_relay(&schema, &name).await;
     assert_eq!(page.status, 200, "{}", page.body);
     for figure in [
         r#"data-figure="pending">2<"#,

@@ -115,11 +115,9 @@ async fn click(client: &Client, locator: Locator<'_>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_replays_it() {
     let (pool, schema, name, id) = poisoned("console_browser").await;
-    let addr = format!("127.0.0.1:{}", free_port());
-    let config = console_config(&schema, &name, &addr);
-    let relay = RelayProcess::start(&config.path);
+    let (addr, _config, relay, page) = console_relay(&schema, &name).await;
     // Past "Starting": the relays are built.
-    assert_eq!(overview(&addr, &[]).await.status, 200);
+    assert_eq!(page.status, 200);
     let (_driver, client) = browser().await;
     let base = format!("http://{addr}");
 
