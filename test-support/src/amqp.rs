@@ -25,46 +25,50 @@ pub async fn declare_destination(
     queue: &str,
     binding: &str,
 ) -> Result<(), String> {
-    let failed = |e: &dyn std::fmt::Display| format!("declaring {exchange} and {queue}: {e}");
-    let (connection, channel) = try_channel().await?;
-    let none = FieldTable::default;
-    let declare = ExchangeDeclareOptions::default();
-    channel
-        .exchange_declare(exchange.into(), kind, declare, none())
-        .await
-        .map_err(|e| failed(&e))?;
-    let declare = QueueDeclareOptions::default();
-    channel
-        .queue_declare(queue.into(), declare, none())
-        .await
-        .map_err(|e| failed(&e))?;
-    let bind = QueueBindOptions::default();
-    channel
-        .queue_bind(queue.into(), exchange.into(), binding.into(), bind, none())
-        .await
-        .map_err(|e| failed(&e))?;
-    connection
-        .close(200, "done".into())
-        .await
-        .map_err(|e| failed(&e))
+    let what = format!("declaring {exchange} and {queue}");
+    on_a_channel_of_its_own(&what, |channel| async move {
+        let none = FieldTable::default;
+        let declare = ExchangeDeclareOptions::default();
+        channel
+            .exchange_declare(exchange.into(), kind, declare, none())
+            .await?;
+        let declare = QueueDeclareOptions::default();
+        channel.queue_declare(queue.into(), declare, none()).await?;
+        let bind = QueueBindOptions::default();
+        channel
+            .queue_bind(queue.into(), exchange.into(), binding.into(), bind, none())
+            .await
+    })
+    .await
 }
 
 /// Deletes the queue and the exchange of [`declare_destination`], saying what failed.
 pub async fn remove_destination(exchange: &str, queue: &str) -> Result<(), String> {
-    let failed = |e: &dyn std::fmt::Display| format!("deleting {queue} and {exchange}: {e}");
+    let what = format!("deleting {queue} and {exchange}");
+    on_a_channel_of_its_own(&what, |channel| async move {
+        channel
+            .queue_delete(queue.into(), Default::default())
+            .await?;
+        channel
+            .exchange_delete(exchange.into(), Default::default())
+            .await
+    })
+    .await
+}
+
+/// Runs `work` on a channel of a connection of its own, then closes the connection; a
+/// failure of either is prefixed with `what`.
+async fn on_a_channel_of_its_own<F, Fut>(what: &str, work: F) -> Result<(), String>
+where
+    F: FnOnce(Channel) -> Fut,
+    Fut: std::future::Future<Output = lapin::Result<()>>,
+{
     let (connection, channel) = try_channel().await?;
-    channel
-        .queue_delete(queue.into(), Default::default())
-        .await
-        .map_err(|e| failed(&e))?;
-    channel
-        .exchange_delete(exchange.into(), Default::default())
-        .await
-        .map_err(|e| failed(&e))?;
-    connection
-        .close(200, "done".into())
-        .await
-        .map_err(|e| failed(&e))
+    let failed = |e: lapin::Error| format!("{what}: {e}");
+    // A clone: the channel closes when its last clone is dropped, which must not happen
+    // before the connection is closed.
+    work(channel.clone()).await.map_err(failed)?;
+    connection.close(200, "done".into()).await.map_err(failed)
 }
 
 /// A connection to [`url`] and a channel on it, or what failed.
