@@ -832,7 +832,10 @@ mod tests {
     /// retry) panicked.
     #[test]
     fn relay_durations_are_at_most_a_year() {
-        assert_eq!(humantime::parse_duration("1y").unwrap(), WorkerConfig::MAX_DURATION);
+        assert_eq!(
+            humantime::parse_duration("1y").unwrap(),
+            WorkerConfig::MAX_DURATION
+        );
         for (setting, text) in [
             ("lease", "lease = \"18446744073709551615s\""),
             ("poll_interval", "poll_interval = \"366d\""),
@@ -858,7 +861,10 @@ mod tests {
         let year = parse_str(&format!(
             "{MINIMAL}[relay]\nlease = \"1y\"\nbackoff = {{ max = \"365d 6h\" }}\n"
         ));
-        assert_eq!(year.unwrap().relays[0].worker.lease, WorkerConfig::MAX_DURATION);
+        assert_eq!(
+            year.unwrap().relays[0].worker.lease,
+            WorkerConfig::MAX_DURATION
+        );
     }
 
     #[test]
