@@ -72,6 +72,50 @@ pub async fn four_relays_deliver_once_in_key_order(
     assert_key_order(&by_key(&published), total, keys);
 }
 
+/// A PostgreSQL transaction holding messages it has not committed yet: what a storage
+/// harness of the testkit hands out from `StorageFixture::begin` ([`PgWrite::begin`]).
+pub struct PgWrite(sqlx::Transaction<'static, sqlx::Postgres>);
+
+impl PgWrite {
+    /// Begins a transaction on `outbox` and enqueues `messages` in it.
+    pub async fn begin(
+        outbox: &PgOutbox,
+        messages: &[outbox_core::NewMessage],
+    ) -> Box<dyn outbox_testkit::PendingWrite> {
+        let mut tx = outbox.pool.begin().await.expect("begin");
+        outbox
+            .table
+            .enqueue_many(&mut tx, messages)
+            .await
+            .expect("enqueue");
+        Box::new(PgWrite(tx))
+    }
+}
+
+#[async_trait::async_trait]
+impl outbox_testkit::PendingWrite for PgWrite {
+    async fn commit(self: Box<Self>) {
+        self.0.commit().await.expect("commit");
+    }
+    async fn rollback(self: Box<Self>) {
+        self.0.rollback().await.expect("rollback");
+    }
+}
+
+/// Runs `make`'s future to its end on a blocking thread and returns what it gives: for an
+/// outbox fixture made inside an `async_trait` method, which must be `Send` where sqlx's
+/// futures are not (a higher-ranked lifetime in its executor).
+pub async fn on_a_blocking_thread<T, F>(make: impl FnOnce() -> F + Send + 'static) -> T
+where
+    T: Send + 'static,
+    F: std::future::Future<Output = T>,
+{
+    let runtime = tokio::runtime::Handle::current();
+    tokio::task::spawn_blocking(move || runtime.block_on(make()))
+        .await
+        .expect("making a fresh outbox")
+}
+
 /// Drops a MySQL outbox's tables (every one its migrations make:
 /// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime
 /// included (through [`clean_up`]); errors are ignored, as in a clean-up.

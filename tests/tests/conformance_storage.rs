@@ -7,27 +7,15 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::memory::{MemoryStorage, MemoryTransaction};
 use outbox_core::{NewMessage, Storage, StorageAdmin};
-use outbox_postgres::{OutboxTable, PgStorage};
+use outbox_postgres::PgStorage;
 use outbox_testkit::{PendingWrite, StorageFixture, StorageHarness};
-use outbox_tests::TestOutbox;
+use outbox_tests::{PgWrite, TestOutbox, on_a_blocking_thread};
 
 /// PostgreSQL: each fixture is a fresh migrated schema, dropped with it.
 struct Postgres;
 
 /// The outbox, and the relay's storage on it (a new one after each restart).
 struct PgFixture(TestOutbox, Mutex<Arc<PgStorage>>);
-
-struct PgWrite(sqlx::Transaction<'static, sqlx::Postgres>);
-
-#[async_trait]
-impl PendingWrite for PgWrite {
-    async fn commit(self: Box<Self>) {
-        self.0.commit().await.expect("commit");
-    }
-    async fn rollback(self: Box<Self>) {
-        self.0.rollback().await.expect("rollback");
-    }
-}
 
 #[async_trait]
 impl StorageFixture for PgFixture {
@@ -57,13 +45,7 @@ impl StorageFixture for PgFixture {
     }
 
     async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
-        let table: &OutboxTable = &self.0.table;
-        let mut tx = self.0.pool.begin().await.expect("begin");
-        table
-            .enqueue_many(&mut tx, messages)
-            .await
-            .expect("enqueue");
-        Box::new(PgWrite(tx))
+        PgWrite::begin(&self.0, messages).await
     }
 
     async fn advance(&self, by: Duration) {
@@ -83,14 +65,10 @@ impl StorageFixture for PgFixture {
 #[async_trait]
 impl StorageHarness for Postgres {
     async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
-        // The future of `TestOutbox::with_config` is not `Send` (a higher-ranked lifetime in
-        // sqlx's executor), which an async-trait method needs: run it on a blocking thread.
-        let runtime = tokio::runtime::Handle::current();
-        let outbox = tokio::task::spawn_blocking(move || {
-            runtime.block_on(TestOutbox::with_config(|c| c.per_key_order = per_key_order))
+        let outbox = on_a_blocking_thread(move || {
+            TestOutbox::with_config(move |c| c.per_key_order = per_key_order)
         })
-        .await
-        .expect("making a fresh outbox schema");
+        .await;
         let relay = Mutex::new(outbox.storage.clone());
         Box::new(PgFixture(outbox, relay))
     }

@@ -954,6 +954,7 @@ mod conformance {
     use outbox_core::{NewMessage, Storage, StorageAdmin};
     use outbox_postgres::PgStorage;
     use outbox_testkit::{PendingWrite, StorageFixture, StorageHarness};
+    use outbox_tests::{PgWrite, on_a_blocking_thread};
 
     use super::LogOutbox;
 
@@ -980,18 +981,6 @@ mod conformance {
         }
     }
 
-    struct LogWrite(sqlx::Transaction<'static, sqlx::Postgres>);
-
-    #[async_trait]
-    impl PendingWrite for LogWrite {
-        async fn commit(self: Box<Self>) {
-            self.0.commit().await.expect("commit");
-        }
-        async fn rollback(self: Box<Self>) {
-            self.0.rollback().await.expect("rollback");
-        }
-    }
-
     #[async_trait]
     impl StorageFixture for LogFixture {
         fn storage(&self) -> Arc<dyn Storage> {
@@ -1015,13 +1004,7 @@ mod conformance {
         }
 
         async fn begin(&self, messages: &[NewMessage]) -> Box<dyn PendingWrite> {
-            let mut tx = self.0.pool.begin().await.expect("begin");
-            self.0
-                .table
-                .enqueue_many(&mut tx, messages)
-                .await
-                .expect("enqueue");
-            Box::new(LogWrite(tx))
+            PgWrite::begin(&self.0, messages).await
         }
 
         async fn advance(&self, by: Duration) {
@@ -1045,12 +1028,10 @@ mod conformance {
     #[async_trait]
     impl StorageHarness for LogHarness {
         async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
-            let runtime = tokio::runtime::Handle::current();
-            let outbox = tokio::task::spawn_blocking(move || {
-                runtime.block_on(LogOutbox::new(4, |c| c.per_key_order = per_key_order))
+            let outbox = on_a_blocking_thread(move || {
+                LogOutbox::new(4, move |c| c.per_key_order = per_key_order)
             })
-            .await
-            .expect("making a fresh outbox schema");
+            .await;
             if let Some(rows) = self.buffer_min {
                 outbox.storage.set_log_buffer_min(rows);
             }

@@ -25,7 +25,9 @@ use outbox_core::{Error, ErrorKind, NewMessage, Settlement, Storage};
 use outbox_mysql::{MySqlConfig, MySqlStorage};
 use outbox_postgres::{PgStorage, PostgresConfig};
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
-use outbox_tests::{Service, TestOutbox, drop_mysql_tables, mysql_url, postgres_url, unique_name};
+use outbox_tests::{
+    Service, TestOutbox, drop_mysql_tables, mysql_url, postgres_url, unique_name, with_database,
+};
 use sqlx::Connection;
 
 /// A refusal must come at once: well within the pools' 5 s time-outs.
@@ -67,17 +69,35 @@ async fn refused<T: std::fmt::Debug>(
     error
 }
 
+/// Once the grants are in place, the relay's side works: a claim takes `message` (committed
+/// alone in the outbox) and a settlement delivers it.
+async fn claim_and_deliver_once_granted(storage: &dyn Storage, message: &NewMessage) {
+    let claim = storage
+        .claim("w", 10, LEASE)
+        .await
+        .expect("claim once granted");
+    assert_eq!(claim.messages.len(), 1);
+    let delivered = Settlement {
+        delivered: vec![outbox_core::Delivery {
+            id: message.id,
+            receipt: outbox_core::Receipt::new("r"),
+        }],
+        ..Settlement::default()
+    };
+    assert_eq!(
+        storage
+            .settle(&claim.token, &delivered)
+            .await
+            .expect("settle once granted"),
+        1
+    );
+}
+
 /// `url` with its user info replaced by `login` (`user` or `user:password`).
 fn with_login(url: &str, login: &str) -> String {
     let (scheme, rest) = url.split_once("://").expect("a URL");
     let rest = rest.split_once('@').map_or(rest, |(_, host)| host);
     format!("{scheme}://{login}@{rest}")
-}
-
-/// `url` with its database replaced by `database`.
-fn with_database(url: &str, database: &str) -> String {
-    let (base, _) = url.rsplit_once('/').expect("a URL with a database");
-    format!("{base}/{database}")
 }
 
 /// Runs SQL statements as the administrator from any context (a `Drop` inside a test's
@@ -256,25 +276,7 @@ async fn postgres_a_role_without_grants_is_refused_and_told_what_to_grant() {
         .await
         .expect("enqueue once granted");
     tx.commit().await.expect("commit");
-    let claim = storage
-        .claim("w", 10, LEASE)
-        .await
-        .expect("claim once granted");
-    assert_eq!(claim.messages.len(), 1);
-    let delivered = Settlement {
-        delivered: vec![outbox_core::Delivery {
-            id: message.id,
-            receipt: outbox_core::Receipt::new("r"),
-        }],
-        ..Settlement::default()
-    };
-    assert_eq!(
-        storage
-            .settle(&claim.token, &delivered)
-            .await
-            .expect("settle once granted"),
-        1
-    );
+    claim_and_deliver_once_granted(&storage, &message).await;
     let stats = storage.stats().await.expect("figures once granted");
     assert_eq!((stats.pending, stats.in_flight), (0, 0), "{stats:?}");
     app.close().await.ok();
@@ -468,25 +470,7 @@ async fn mariadb_a_wrong_password_or_missing_grants_are_refused_with_what_to_fix
         .await
         .expect("enqueue once granted");
     tx.commit().await.expect("commit");
-    let claim = storage
-        .claim("w", 10, LEASE)
-        .await
-        .expect("claim once granted");
-    assert_eq!(claim.messages.len(), 1);
-    let delivered = Settlement {
-        delivered: vec![outbox_core::Delivery {
-            id: message.id,
-            receipt: outbox_core::Receipt::new("r"),
-        }],
-        ..Settlement::default()
-    };
-    assert_eq!(
-        storage
-            .settle(&claim.token, &delivered)
-            .await
-            .expect("settle once granted"),
-        1
-    );
+    claim_and_deliver_once_granted(&storage, &message).await;
     app.close().await;
 }
 
