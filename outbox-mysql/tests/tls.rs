@@ -9,8 +9,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_core::{Delivery, ErrorKind, NewMessage, Receipt, Settlement, Storage, StorageAdmin};
+use outbox_core::{ErrorKind, NewMessage, Settlement, Storage, StorageAdmin};
 use outbox_mysql::{MySqlConfig, MySqlStorage};
+use outbox_test_support::deliveries;
 use outbox_test_support::tls::{Pki, pki};
 
 /// `mariadbd` on a data directory of its own under `dir`, listening on 127.0.0.1 with TLS
@@ -169,14 +170,7 @@ async fn messages_go_over_verified_tls_and_anything_less_is_refused() {
     let payloads: Vec<&[u8]> = claim.messages.iter().map(|m| &m.payload[..]).collect();
     assert_eq!(payloads, [&b"paid"[..], &b"shipped"[..]]);
     let settlement = Settlement {
-        delivered: claim
-            .messages
-            .iter()
-            .map(|m| Delivery {
-                id: m.id,
-                receipt: Receipt::new("r"),
-            })
-            .collect(),
+        delivered: deliveries(&claim.messages, |_| "r".into()),
         ..Settlement::default()
     };
     assert_eq!(
