@@ -78,13 +78,13 @@ pub fn check_tls_files_of_url(
         ("tls_cert_file", cert),
         ("tls_key_file", key),
     ];
-    if let Some((setting, _)) = given.iter().find(|(_, file)| file.is_some()) {
-        if !url.starts_with(tls_scheme) {
-            return Err(Error::setting(
-                setting,
-                format!("needs a TLS connection: write the url as {tls_scheme}…"),
-            ));
-        }
+    if let Some((setting, _)) = given.iter().find(|(_, file)| file.is_some())
+        && !url.starts_with(tls_scheme)
+    {
+        return Err(Error::setting(
+            setting,
+            format!("needs a TLS connection: write the url as {tls_scheme}…"),
+        ));
     }
     check_tls_files(ca, cert, key)
 }

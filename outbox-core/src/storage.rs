@@ -148,6 +148,12 @@ impl StorageCapabilities {
         }
     }
 
+    /// Capabilities of a storage configured with `per_key_order` and `max_per_key` (the SQL
+    /// storages' settings of those names): the limit applies only with per-key order.
+    pub fn keyed(per_key_order: bool, max_per_key: usize) -> Self {
+        Self::new(per_key_order).with_max_per_key(per_key_order.then_some(max_per_key))
+    }
+
     /// Sets whether committed messages wait for older transactions to end.
     pub fn with_waits_for_older_transactions(mut self, waits: bool) -> Self {
         self.waits_for_older_transactions = waits;

@@ -682,9 +682,7 @@ impl Storage for MySqlStorage {
     }
 
     fn capabilities(&self) -> StorageCapabilities {
-        let per_key_order = self.config.per_key_order;
-        StorageCapabilities::new(per_key_order)
-            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
+        StorageCapabilities::keyed(self.config.per_key_order, self.config.max_per_key)
     }
 
     // `wait_for_work` keeps the default: MySQL has no LISTEN/NOTIFY, so the worker polls

@@ -399,9 +399,7 @@ impl Storage for PgStorage {
 
     fn capabilities(&self) -> StorageCapabilities {
         let config = self.config();
-        let per_key_order = config.per_key_order;
-        StorageCapabilities::new(per_key_order)
-            .with_max_per_key(per_key_order.then_some(config.max_per_key))
+        StorageCapabilities::keyed(config.per_key_order, config.max_per_key)
             .with_waits_for_older_transactions(config.mode == StorageMode::Log)
     }
 

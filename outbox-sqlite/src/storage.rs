@@ -464,9 +464,7 @@ impl Storage for SqliteStorage {
     }
 
     fn capabilities(&self) -> StorageCapabilities {
-        let per_key_order = self.config.per_key_order;
-        StorageCapabilities::new(per_key_order)
-            .with_max_per_key(per_key_order.then_some(self.config.max_per_key))
+        StorageCapabilities::keyed(self.config.per_key_order, self.config.max_per_key)
     }
 
     // `wait_for_work` keeps the default: SQLite has no notifications across processes, so
