@@ -192,25 +192,26 @@ pub const STORAGE_CHECKS: &[Check<dyn StorageHarness>] = __storage_checks!(table
 /// Every inbox check, in the order [`run_inbox_suite`] runs them.
 pub const INBOX_CHECKS: &[Check<dyn InboxHarness>] = __inbox_checks!(table);
 
-/// Runs every sink check of [`SINK_CHECKS`] in turn.
-pub async fn run_sink_suite(h: &(dyn SinkHarness + 'static)) {
-    for check in SINK_CHECKS {
+/// Runs every check of `checks` over `h` in turn.
+async fn run_suite<H: ?Sized>(checks: &[Check<H>], h: &H) {
+    for check in checks {
         (check.run)(h).await;
     }
+}
+
+/// Runs every sink check of [`SINK_CHECKS`] in turn.
+pub async fn run_sink_suite(h: &(dyn SinkHarness + 'static)) {
+    run_suite(SINK_CHECKS, h).await
 }
 
 /// Runs every storage check of [`STORAGE_CHECKS`] in turn.
 pub async fn run_storage_suite(h: &(dyn StorageHarness + 'static)) {
-    for check in STORAGE_CHECKS {
-        (check.run)(h).await;
-    }
+    run_suite(STORAGE_CHECKS, h).await
 }
 
 /// Runs every inbox check of [`INBOX_CHECKS`] in turn.
 pub async fn run_inbox_suite(h: &(dyn InboxHarness + 'static)) {
-    for check in INBOX_CHECKS {
-        (check.run)(h).await;
-    }
+    run_suite(INBOX_CHECKS, h).await
 }
 
 /// Makes one `#[tokio::test]` per sink check of [`SINK_CHECKS`], each building the harness
@@ -219,11 +220,8 @@ pub async fn run_inbox_suite(h: &(dyn InboxHarness + 'static)) {
 /// `sink_conformance_tests!(MyHarness; sink_large_batch)`.
 #[macro_export]
 macro_rules! sink_conformance_tests {
-    ($harness:expr; $($check:ident),+ $(,)?) => {
-        $crate::__checks!(tests [$harness] $crate::SinkHarness; $($check),+);
-    };
-    ($harness:expr) => {
-        $crate::__sink_checks!(tests $harness);
+    ($($args:tt)*) => {
+        $crate::__conformance_tests!(__sink_checks $crate::SinkHarness; $($args)*);
     };
 }
 
@@ -232,11 +230,8 @@ macro_rules! sink_conformance_tests {
 /// list after a `;`, makes tests of the listed checks only.
 #[macro_export]
 macro_rules! storage_conformance_tests {
-    ($harness:expr; $($check:ident),+ $(,)?) => {
-        $crate::__checks!(tests [$harness] $crate::StorageHarness; $($check),+);
-    };
-    ($harness:expr) => {
-        $crate::__storage_checks!(tests $harness);
+    ($($args:tt)*) => {
+        $crate::__conformance_tests!(__storage_checks $crate::StorageHarness; $($args)*);
     };
 }
 
@@ -244,11 +239,21 @@ macro_rules! storage_conformance_tests {
 /// harness with `$harness` (an expression, may use `.await`). See [`InboxHarness`].
 #[macro_export]
 macro_rules! inbox_conformance_tests {
-    ($harness:expr; $($check:ident),+ $(,)?) => {
-        $crate::__checks!(tests [$harness] $crate::InboxHarness; $($check),+);
+    ($($args:tt)*) => {
+        $crate::__conformance_tests!(__inbox_checks $crate::InboxHarness; $($args)*);
     };
-    ($harness:expr) => {
-        $crate::__inbox_checks!(tests $harness);
+}
+
+/// What the `*_conformance_tests!` macros expand to, given their list's macro and harness
+/// trait: tests of the listed checks (after a `;`) or of every check of the list.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __conformance_tests {
+    ($list:ident $trait:path; $harness:expr; $($check:ident),+ $(,)?) => {
+        $crate::__checks!(tests [$harness] $trait; $($check),+);
+    };
+    ($list:ident $trait:path; $harness:expr) => {
+        $crate::$list!(tests $harness);
     };
 }
 
