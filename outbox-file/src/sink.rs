@@ -515,6 +515,7 @@ mod tests {
 
     use super::*;
     use crate::tests::TempDir;
+    use outbox_testkit::receipts;
 
     const TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -531,16 +532,6 @@ mod tests {
             .unwrap()
             .lines()
             .map(|line| serde_json::from_str(line).unwrap())
-            .collect()
-    }
-
-    fn receipts(outcomes: &[Outcome]) -> Vec<String> {
-        outcomes
-            .iter()
-            .map(|outcome| match outcome {
-                Outcome::Delivered(receipt) => receipt.0.clone(),
-                Outcome::Failed(error) => panic!("not delivered: {error}"),
-            })
             .collect()
     }
 

@@ -8,19 +8,10 @@ use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, TraceContext};
 use outbox_kafka::{KafkaConfig, KafkaSink};
 use outbox_test_support::kafka::{Record, consume, create_topic, require_broker, try_create_topic};
 use outbox_test_support::{free_addr, unique_name};
+use outbox_testkit::receipts;
 
 fn sink(brokers: &str) -> KafkaSink {
     KafkaSink::new(KafkaConfig::new(brokers)).expect("sink")
-}
-
-fn receipts(outcomes: &[Outcome]) -> Vec<String> {
-    outcomes
-        .iter()
-        .map(|o| match o {
-            Outcome::Delivered(r) => r.0.clone(),
-            Outcome::Failed(e) => panic!("not delivered: {e}"),
-        })
-        .collect()
 }
 
 /// Checks the outcomes of three messages: the first and the last delivered, the middle one

@@ -8,6 +8,7 @@ use outbox_redis::redis::{self, AsyncCommands};
 use outbox_redis::{RedisConfig, RedisSink, wire};
 use outbox_test_support::redis::{client, commands, delete_prefixed, text, url, xlen, xrange};
 use outbox_test_support::{Proxy, Service, Traffic, through, unique_name};
+use outbox_testkit::receipts;
 use tokio::time::Instant;
 
 /// A stream prefix of the test's own; checks first that Redis is there.
@@ -77,16 +78,6 @@ fn message(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
     NewMessage::new(topic, payload).key(key).into()
 }
 
-fn delivered(outcomes: &[Outcome]) -> Vec<String> {
-    outcomes
-        .iter()
-        .map(|o| match o {
-            Outcome::Delivered(receipt) => receipt.0.clone(),
-            Outcome::Failed(error) => panic!("expected delivery, got {error}"),
-        })
-        .collect()
-}
-
 #[tokio::test]
 async fn entries_hold_the_exact_message() {
     let prefix = prefix().await;
@@ -113,7 +104,7 @@ async fn entries_hold_the_exact_message() {
                 .into()
         })
         .collect();
-    let receipts = delivered(&sink.publish(&batch).await.unwrap());
+    let receipts = receipts(&sink.publish(&batch).await.unwrap());
 
     let entries = xrange(&format!("{prefix}orders")).await;
     assert_eq!(entries.len(), batch.len(), "every message once");
@@ -165,7 +156,7 @@ async fn keys_keep_their_order_within_a_stream() {
                 )
             })
             .collect();
-        delivered(&sink.publish(&batch).await.unwrap());
+        receipts(&sink.publish(&batch).await.unwrap());
         sent.extend(batch);
     }
     for topic in ["a", "b"] {
@@ -202,7 +193,7 @@ async fn wrongtype_dead_letters_only_that_message() {
         // Once the key is fixed the same message goes out: the failure left no de-duplication
         // record behind.
         fix_stream(&broken).await;
-        delivered(&sink.publish(&batch[1..2]).await.unwrap());
+        receipts(&sink.publish(&batch[1..2]).await.unwrap());
         assert_eq!(xlen(&broken).await, 1, "dedup={dedup}");
         delete_prefixed(&prefix).await;
     }
@@ -221,8 +212,8 @@ async fn dedup_appends_a_batch_published_twice_once() {
     let batch: Vec<Message> = (0..50)
         .map(|i| message("t", &format!("k{i}"), vec![i as u8; 3]))
         .collect();
-    let first = delivered(&sink.publish(&batch).await.unwrap());
-    let again = delivered(&sink.publish(&batch).await.unwrap());
+    let first = receipts(&sink.publish(&batch).await.unwrap());
+    let again = receipts(&sink.publish(&batch).await.unwrap());
     assert_eq!(
         first, again,
         "a duplicate gets the receipt of its first entry"
@@ -244,7 +235,7 @@ async fn dedup_appends_a_batch_published_twice_once() {
     .unwrap();
     let mut mixed = batch[..10].to_vec();
     mixed.push(message("t", "new", "fresh"));
-    let receipts = delivered(&restarted.publish(&mixed).await.unwrap());
+    let receipts = receipts(&restarted.publish(&mixed).await.unwrap());
     assert_eq!(receipts[..10], first[..10]);
     assert_eq!(xlen(&stream).await, 51);
 
@@ -285,7 +276,7 @@ async fn max_len_trims_the_stream() {
         let batch: Vec<Message> = (0..100)
             .map(|i| message("t", &format!("k{i}"), format!("{round}")))
             .collect();
-        delivered(&sink.publish(&batch).await.unwrap());
+        receipts(&sink.publish(&batch).await.unwrap());
     }
     let len = xlen(&format!("{prefix}s")).await;
     // `~` trims whole stream nodes (100 entries by default), so about, not exactly, 10.
@@ -382,7 +373,7 @@ async fn one_pipelined_round_trip_per_batch() {
                 proxy.restore();
                 held
             });
-            delivered(&outcomes.unwrap());
+            receipts(&outcomes.unwrap());
             let (after, sent_after) = seen(&proxy);
             assert_eq!(
                 sent_held[sent_before.len()..],
@@ -416,13 +407,13 @@ async fn outage_is_unavailable_then_recovers() {
     let (proxy, config) = proxied(&prefix).await;
     let sink = RedisSink::new(config).unwrap();
     sink.health().await.unwrap();
-    delivered(&sink.publish(&[message("t", "k", "before")]).await.unwrap());
+    receipts(&sink.publish(&[message("t", "k", "before")]).await.unwrap());
 
     // The kept connection closed while idle (a server `timeout`, a restart): the health
     // check gets a new one instead of calling the server down.
     proxy.drop_connections();
     sink.health().await.unwrap();
-    delivered(
+    receipts(
         &sink
             .publish(&[message("t", "k", "reconnected")])
             .await
@@ -441,7 +432,7 @@ async fn outage_is_unavailable_then_recovers() {
 
     proxy.restore();
     sink.health().await.unwrap();
-    delivered(&sink.publish(&[message("t", "k", "after")]).await.unwrap());
+    receipts(&sink.publish(&[message("t", "k", "after")]).await.unwrap());
     let payloads: Vec<Vec<u8>> = xrange(&format!("{prefix}t"))
         .await
         .into_iter()
@@ -480,7 +471,7 @@ async fn a_silent_server_times_out_as_unavailable() {
 
     proxy.restore();
     sink.health().await.unwrap();
-    delivered(&sink.publish(&[message("t", "k", "y")]).await.unwrap());
+    receipts(&sink.publish(&[message("t", "k", "y")]).await.unwrap());
     delete_prefixed(&prefix).await;
 }
 
@@ -566,7 +557,7 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
             batch.push(NewMessage::new("a", format!("no key {seq}")).into());
         }
         let (before, sent_before) = seen(&proxy);
-        let receipts = delivered(&sink.publish(&batch).await.unwrap());
+        let first = receipts(&sink.publish(&batch).await.unwrap());
         let (after, sent_after) = seen(&proxy);
         assert_eq!(
             after.turns - before.turns,
@@ -608,7 +599,7 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
         // Receipts are the entries' ids.
         let mut entries = xrange(&format!("{prefix}events:a")).await;
         entries.extend(xrange(&format!("{prefix}events:b")).await);
-        for (message, receipt) in batch.iter().zip(&receipts) {
+        for (message, receipt) in batch.iter().zip(&first) {
             let (entry_id, _) = (entries.iter())
                 .find(|(_, f)| text(f, wire::ID) == message.id.to_string())
                 .unwrap();
@@ -616,7 +607,7 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
         }
         if dedup {
             // Published again: nothing new, the same receipts.
-            assert_eq!(delivered(&sink.publish(&batch).await.unwrap()), receipts);
+            assert_eq!(receipts(&sink.publish(&batch).await.unwrap()), first);
             let in_a = batch.iter().filter(|m| m.topic == "a").count();
             assert_eq!(xlen(&format!("{prefix}events:a")).await, in_a);
         }
@@ -678,7 +669,7 @@ async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
             // The messages not appended left no de-duplication record: once the stream is
             // fixed, k's rest goes out.
             fix_stream(&broken).await;
-            delivered(&sink.publish(&batch[3..7]).await.unwrap());
+            receipts(&sink.publish(&batch[3..7]).await.unwrap());
             assert_eq!(xlen(&format!("{prefix}good")).await, 7);
             assert_eq!(xlen(&broken).await, 1);
         }

@@ -129,6 +129,17 @@ async fn publish_all(check: &str, sink: &dyn Sink, batch: &[Message]) {
     }
 }
 
+/// The receipts of `outcomes`, in order; panics naming the first message that was not
+/// delivered. For a backend's own tests of a batch that must be delivered whole.
+pub fn receipts(outcomes: &[Outcome]) -> Vec<String> {
+    (outcomes.iter().enumerate())
+        .map(|(i, outcome)| match outcome {
+            Outcome::Delivered(receipt) => receipt.0.clone(),
+            Outcome::Failed(error) => panic!("message {i} was not delivered: {error}"),
+        })
+        .collect()
+}
+
 /// Publishes a batch in which some messages may fail, and returns the outcomes, checking
 /// that the call itself succeeded with one outcome per message.
 async fn publish_some(check: &str, sink: &dyn Sink, batch: &[Message]) -> Vec<Outcome> {
