@@ -116,6 +116,15 @@ where
         .expect("making a fresh outbox")
 }
 
+/// A SQLite storage on `config`'s file, opened (the file made if missing) and migrated.
+pub async fn open_sqlite(config: outbox_sqlite::SqliteConfig) -> outbox_sqlite::SqliteStorage {
+    let storage = outbox_sqlite::SqliteStorage::open(config)
+        .await
+        .expect("open the database");
+    storage.migrate().await.expect("migrate");
+    storage
+}
+
 /// Drops a MySQL outbox's tables (every one its migrations make:
 /// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime
 /// included (through [`clean_up`]); errors are ignored, as in a clean-up.

@@ -32,8 +32,8 @@ use outbox_sqlite::sqlx::TransactionManager;
 use outbox_sqlite::sqlx::sqlite::{
     SqliteConnectOptions, SqlitePool, SqlitePoolOptions, SqliteTransactionManager,
 };
-use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
-use outbox_tests::{TestOutbox, test_worker_config};
+use outbox_sqlite::{OutboxTable, SqliteConfig};
+use outbox_tests::{TestOutbox, open_sqlite, test_worker_config};
 use uuid::Uuid;
 
 /// The file sink's time-out in these tests.
@@ -241,10 +241,7 @@ async fn sqlite_on_a_full_disk_refuses_enqueues_clearly_and_the_relay_loses_noth
     let disk = Mount::tmpfs(8 << 20);
     let elsewhere = Mount::tmpfs(128 << 20);
     let db = disk.file("app.db");
-    let storage = SqliteStorage::open(SqliteConfig::new(&db))
-        .await
-        .expect("open the database");
-    storage.migrate().await.expect("migrate");
+    let storage = open_sqlite(SqliteConfig::new(&db)).await;
     let storage = Arc::new(storage);
     let table = storage.table().clone();
     let app = app_pool(&db).await;

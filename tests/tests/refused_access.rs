@@ -26,7 +26,8 @@ use outbox_mysql::{MySqlConfig, MySqlStorage};
 use outbox_postgres::{PgStorage, PostgresConfig};
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
 use outbox_tests::{
-    Service, TestOutbox, drop_mysql_tables, mysql_url, postgres_url, unique_name, with_database,
+    Service, TestOutbox, drop_mysql_tables, mysql_url, open_sqlite, postgres_url, unique_name,
+    with_database,
 };
 use sqlx::Connection;
 
@@ -505,10 +506,7 @@ async fn sqlite_on_a_read_only_file_system_is_refused_naming_path() {
     let disk = Mount::tmpfs(16 << 20);
     // A database the relay made (WAL mode), closed cleanly: no -wal or -shm file left.
     let wal = disk.file("wal.db");
-    let storage = SqliteStorage::open(SqliteConfig::new(&wal))
-        .await
-        .expect("open");
-    storage.migrate().await.expect("migrate");
+    let storage = open_sqlite(SqliteConfig::new(&wal)).await;
     // The same database as a process that died leaves it: its -wal and -shm files still
     // there (SQLite then reads it even on a read-only file system).
     for suffix in ["", "-wal", "-shm"] {
@@ -592,10 +590,7 @@ async fn sqlite_on_a_read_only_file_system_is_refused_naming_path() {
 async fn sqlite_the_start_up_write_check_does_not_wait_for_an_application_transaction() {
     let disk = Mount::tmpfs(16 << 20);
     let path = disk.file("app.db");
-    let storage = SqliteStorage::open(SqliteConfig::new(&path))
-        .await
-        .expect("open");
-    storage.migrate().await.expect("migrate");
+    let _storage = open_sqlite(SqliteConfig::new(&path)).await;
     let mut app = outbox_sqlite::sqlx::SqliteConnection::connect_with(
         &outbox_sqlite::sqlx::sqlite::SqliteConnectOptions::new().filename(&path),
     )

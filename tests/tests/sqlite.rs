@@ -32,7 +32,7 @@ use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOp
 use outbox_sqlite::sqlx::{self, Sqlite as Db, Transaction};
 use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
 use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
-use outbox_tests::TempDir;
+use outbox_tests::{TempDir, open_sqlite};
 use uuid::Uuid;
 
 /// SQLite: each fixture is a fresh database file, migrated.
@@ -192,8 +192,7 @@ impl StorageHarness for Sqlite {
             per_key_order,
             ..SqliteConfig::new(&path)
         };
-        let storage = SqliteStorage::open(config).await.expect("opening the file");
-        storage.migrate().await.expect("migrating");
+        let storage = open_sqlite(config).await;
         let table = storage.table().clone();
         // Twelve transactions may be open at once, each on a connection of its own.
         let app = SqlitePoolOptions::new()
@@ -247,10 +246,7 @@ mod commit_order {
 async fn a_row_that_cannot_be_read_is_dead_lettered_and_the_rest_flows() {
     let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("app.db");
-    let storage = SqliteStorage::open(SqliteConfig::new(&path))
-        .await
-        .expect("opening the file");
-    storage.migrate().await.expect("migrating");
+    let storage = open_sqlite(SqliteConfig::new(&path)).await;
     let app = SqlitePool::connect_with(SqliteConnectOptions::new().filename(&path))
         .await
         .expect("the application's pool");
