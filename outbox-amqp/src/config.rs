@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use lapin::ExchangeKind;
 use lapin::uri::AMQPUri;
+use outbox_core::config::Settings;
 use outbox_core::{Backoff, Error, Result, Template, redact_url};
 use serde::{Deserialize, Deserializer};
 
@@ -200,71 +201,10 @@ impl std::fmt::Debug for AmqpConfig {
     }
 }
 
-impl AmqpConfig {
-    /// Defaults for the broker at `url`, publishing to `exchange` with the topic as routing
-    /// key. `"events".parse()?` or [`Template::new`] makes the template.
-    pub fn new(url: impl Into<String>, exchange: Template) -> Self {
-        AmqpConfig {
-            url: url.into(),
-            exchange: Some(exchange),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors are keyed by the setting, relative to the
-    /// table (the caller places them with [`Error::in_section`]).
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the routing key template for topics not in `routes`.
-    pub fn routing_key(mut self, template: Template) -> Self {
-        self.routing_key = template;
-        self
-    }
-
-    /// Routes `topic` to `exchange` with `routing_key`.
-    pub fn route(
-        mut self,
-        topic: impl Into<String>,
-        exchange: Template,
-        routing_key: Template,
-    ) -> Self {
-        self.routes
-            .insert(topic.into(), Route::new(exchange, routing_key));
-        self
-    }
-
-    /// Sets how exchanges are set up.
-    pub fn exchange_setup(mut self, setup: ExchangeSetup) -> Self {
-        self.exchange_setup = setup;
-        self
-    }
-
-    /// Sets the kind of the exchanges declared with [`ExchangeSetup::Declare`].
-    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
-        self.exchange_kind = Some(kind);
-        self
-    }
-
-    /// Sets what an unroutable message becomes.
-    pub fn unroutable(mut self, unroutable: Unroutable) -> Self {
-        self.unroutable = unroutable;
-        self
-    }
-
-    /// Sets the longest wait for publishing one batch and receiving all its confirms.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-
+impl Settings for AmqpConfig {
     /// Checks every setting; the error is keyed by the bad one, relative to the sink's
     /// section.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         if self.url.is_empty() {
             return Err(Error::setting(
                 "url",
@@ -341,6 +281,60 @@ impl AmqpConfig {
         self.reconnect_backoff
             .validate()
             .map_err(|e| e.in_section("reconnect_backoff"))
+    }
+}
+
+impl AmqpConfig {
+    /// Defaults for the broker at `url`, publishing to `exchange` with the topic as routing
+    /// key. `"events".parse()?` or [`Template::new`] makes the template.
+    pub fn new(url: impl Into<String>, exchange: Template) -> Self {
+        AmqpConfig {
+            url: url.into(),
+            exchange: Some(exchange),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the routing key template for topics not in `routes`.
+    pub fn routing_key(mut self, template: Template) -> Self {
+        self.routing_key = template;
+        self
+    }
+
+    /// Routes `topic` to `exchange` with `routing_key`.
+    pub fn route(
+        mut self,
+        topic: impl Into<String>,
+        exchange: Template,
+        routing_key: Template,
+    ) -> Self {
+        self.routes
+            .insert(topic.into(), Route::new(exchange, routing_key));
+        self
+    }
+
+    /// Sets how exchanges are set up.
+    pub fn exchange_setup(mut self, setup: ExchangeSetup) -> Self {
+        self.exchange_setup = setup;
+        self
+    }
+
+    /// Sets the kind of the exchanges declared with [`ExchangeSetup::Declare`].
+    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
+        self.exchange_kind = Some(kind);
+        self
+    }
+
+    /// Sets what an unroutable message becomes.
+    pub fn unroutable(mut self, unroutable: Unroutable) -> Self {
+        self.unroutable = unroutable;
+        self
+    }
+
+    /// Sets the longest wait for publishing one batch and receiving all its confirms.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
     }
 
     /// The route of topics not in `routes`: `exchange` with `routing_key`.

@@ -23,12 +23,12 @@ pub use lapin;
 pub const TYPE: &str = "amqp";
 
 /// Registers the AMQP sink under [`TYPE`]: the factory reads an [`AmqpConfig`] from the
-/// `[sink]` table ([`AmqpConfig::from_value`]: unknown keys are refused, errors are keyed by
+/// `[sink]` table ([`Settings::from_value`](outbox_core::config::Settings::from_value): unknown keys are refused, errors are keyed by
 /// the setting) and connects with [`AmqpSink::connect`], so a missing exchange or a refused
 /// login stops the start-up with a configuration error.
 pub fn register(registry: &mut SinkRegistry) {
-    registry.register(TYPE, |config| async move {
-        let sink = AmqpSink::connect(AmqpConfig::from_value(config)?).await?;
+    registry.register_settings(TYPE, |config: AmqpConfig| async move {
+        let sink = AmqpSink::connect(config).await?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
 }

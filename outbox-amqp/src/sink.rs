@@ -18,6 +18,7 @@ use crate::error::{
     at_startup, channel_lost, copy, from_lapin, nacked, returned, text, timed_out, transport,
     unpublishable,
 };
+use outbox_core::config::Settings;
 
 /// Publishes outbox messages to an AMQP 0-9-1 broker (RabbitMQ) with publisher confirms.
 ///

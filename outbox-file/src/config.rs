@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result};
 
 /// The shortest `publish_timeout` either sink accepts.
@@ -39,39 +40,11 @@ impl Default for FileConfig {
     }
 }
 
-impl FileConfig {
-    /// Defaults for appending to `path`.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        FileConfig {
-            path: path.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[sink]` table without
-    /// `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets whether each batch is synced to the disk before it is reported delivered.
-    pub fn sync(mut self, sync: bool) -> Self {
-        self.sync = sync;
-        self
-    }
-
-    /// Sets the longest wait for one batch to be written (and synced).
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-
+impl Settings for FileConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]). Looks at the file system: the directory of
     /// `path` must exist, and `path`, if it exists, must be a regular file.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         if self.path.as_os_str().is_empty() {
             return Err(Error::setting(
                 "path",
@@ -139,6 +112,28 @@ impl FileConfig {
     }
 }
 
+impl FileConfig {
+    /// Defaults for appending to `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        FileConfig {
+            path: path.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets whether each batch is synced to the disk before it is reported delivered.
+    pub fn sync(mut self, sync: bool) -> Self {
+        self.sync = sync;
+        self
+    }
+
+    /// Sets the longest wait for one batch to be written (and synced).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
+    }
+}
+
 /// The directory `path` sits in (`.` for a bare file name).
 pub(crate) fn directory_of(path: &Path) -> &Path {
     match path.parent() {
@@ -166,24 +161,18 @@ impl Default for StdoutConfig {
     }
 }
 
-impl StdoutConfig {
-    /// Reads the settings from a configuration section (the relay's `[sink]` table without
-    /// `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
+impl Settings for StdoutConfig {
+    /// Checks every setting; the error is keyed by the bad one.
+    fn validate(&self) -> Result<()> {
+        check_timeout(self.publish_timeout)
     }
+}
 
+impl StdoutConfig {
     /// Sets the longest wait for standard output to take one batch.
     pub fn publish_timeout(mut self, timeout: Duration) -> Self {
         self.publish_timeout = timeout;
         self
-    }
-
-    /// Checks every setting; the error is keyed by the bad one.
-    pub fn validate(&self) -> Result<()> {
-        check_timeout(self.publish_timeout)
     }
 }
 

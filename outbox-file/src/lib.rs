@@ -25,11 +25,12 @@ pub const STDOUT_TYPE: &str = "stdout";
 
 /// Registers both sinks: [`TYPE`] (a [`FileSink`] built from a [`FileConfig`]) and
 /// [`STDOUT_TYPE`] (a [`StdoutSink`] on the process's standard output, from a
-/// [`StdoutConfig`]). The factories read the `[sink]` table (see the `from_value` of each;
+/// [`StdoutConfig`]). The factories read the `[sink]` table (see [`Settings::from_value`];
 /// errors are keyed by the setting, relative to the section). The file sink's factory looks
 /// at the file system (the directory of `path` must exist) off the async threads; it does
 /// not open the file yet.
 pub fn register(registry: &mut SinkRegistry) {
+    use outbox_core::config::Settings;
     registry.register(TYPE, |config| async move {
         let build = move || FileSink::new(FileConfig::from_value(config)?);
         let sink = tokio::task::spawn_blocking(build).await.map_err(|error| {
@@ -37,8 +38,8 @@ pub fn register(registry: &mut SinkRegistry) {
         })??;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
-    registry.register(STDOUT_TYPE, |config| async move {
-        let sink = StdoutSink::new(StdoutConfig::from_value(config)?)?;
+    registry.register_settings(STDOUT_TYPE, |config: StdoutConfig| async move {
+        let sink = StdoutSink::new(config)?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
 }

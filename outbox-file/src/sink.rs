@@ -26,6 +26,7 @@ use tokio::time::{Instant, timeout_at};
 
 use crate::error::{file_io, no_thread, not_a_file, stalled, stdout_io, timed_out, write_panicked};
 use crate::{FileConfig, StdoutConfig, wire};
+use outbox_core::config::Settings;
 
 // --- The line: one place for the encoding of both sinks. ---
 

@@ -5,6 +5,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result, Template};
 use rdkafka::ClientConfig;
 use serde::Deserialize;
@@ -132,58 +133,11 @@ impl std::fmt::Debug for KafkaConfig {
     }
 }
 
-impl KafkaConfig {
-    /// Defaults for the brokers at `bootstrap_servers` (`host:port[,host:port...]`).
-    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
-        KafkaConfig {
-            bootstrap_servers: bootstrap_servers.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from the `[sink]` table of the relay's configuration (as JSON,
-    /// without `type`) and validates them. Errors are keyed by the setting, relative to the
-    /// table (the caller places them with [`Error::in_section`]).
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the topic template, e.g. `outbox.{topic}` (`"outbox.{topic}".parse()?` or
-    /// [`Template::new`] makes it).
-    pub fn topic_template(mut self, template: Template) -> Self {
-        self.topic_template = template;
-        self
-    }
-
-    /// Sends messages of `outbox_topic` to `kafka_topic`.
-    pub fn topic(
-        mut self,
-        outbox_topic: impl Into<String>,
-        kafka_topic: impl Into<String>,
-    ) -> Self {
-        self.topics.insert(outbox_topic.into(), kafka_topic.into());
-        self
-    }
-
-    /// Sets a librdkafka property, e.g. `("compression.type", "lz4")`.
-    pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
-        self.properties.insert(name.into(), value.into());
-        self
-    }
-
-    /// Sets the longest wait for a message's delivery report (librdkafka's
-    /// `message.timeout.ms`).
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-
+impl Settings for KafkaConfig {
     /// Checks every setting; the error is keyed by the bad one, relative to the sink's
     /// section. librdkafka checks the passed-through properties when the sink is made
     /// ([`KafkaSink::new`](crate::KafkaSink::new)).
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         if self.bootstrap_servers.trim().is_empty() {
             return Err(Error::setting(
                 "bootstrap_servers",
@@ -292,6 +246,46 @@ impl KafkaConfig {
             }
         }
         self.check_tls(cfg!(feature = "ssl"))
+    }
+}
+
+impl KafkaConfig {
+    /// Defaults for the brokers at `bootstrap_servers` (`host:port[,host:port...]`).
+    pub fn new(bootstrap_servers: impl Into<String>) -> Self {
+        KafkaConfig {
+            bootstrap_servers: bootstrap_servers.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the topic template, e.g. `outbox.{topic}` (`"outbox.{topic}".parse()?` or
+    /// [`Template::new`] makes it).
+    pub fn topic_template(mut self, template: Template) -> Self {
+        self.topic_template = template;
+        self
+    }
+
+    /// Sends messages of `outbox_topic` to `kafka_topic`.
+    pub fn topic(
+        mut self,
+        outbox_topic: impl Into<String>,
+        kafka_topic: impl Into<String>,
+    ) -> Self {
+        self.topics.insert(outbox_topic.into(), kafka_topic.into());
+        self
+    }
+
+    /// Sets a librdkafka property, e.g. `("compression.type", "lz4")`.
+    pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.properties.insert(name.into(), value.into());
+        self
+    }
+
+    /// Sets the longest wait for a message's delivery report (librdkafka's
+    /// `message.timeout.ms`).
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
     }
 
     /// The `tls_*` keys with their librdkafka property and their file, when set.

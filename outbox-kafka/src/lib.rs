@@ -22,12 +22,12 @@ use outbox_core::{Sink, SinkRegistry};
 pub const TYPE: &str = "kafka";
 
 /// Registers the Kafka sink under [`TYPE`]: the factory reads a [`KafkaConfig`] from the
-/// `[sink]` table ([`KafkaConfig::from_value`]: unknown keys are refused, errors are keyed by
+/// `[sink]` table ([`Settings::from_value`](outbox_core::config::Settings::from_value): unknown keys are refused, errors are keyed by
 /// the setting) and builds the producer; brokers are reached when the first batch or health
 /// check needs them.
 pub fn register(registry: &mut SinkRegistry) {
-    registry.register(TYPE, |config| async move {
-        let sink = KafkaSink::new(KafkaConfig::from_value(config)?)?;
+    registry.register_settings(TYPE, |config: KafkaConfig| async move {
+        let sink = KafkaSink::new(config)?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
 }

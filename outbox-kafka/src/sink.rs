@@ -17,6 +17,7 @@ use crate::error::{
     config_error, delivery_error, health_failed, health_not_finished, no_report, producer_closed,
     session_broken,
 };
+use outbox_core::config::Settings;
 
 /// Extra wait for delivery reports past librdkafka's own `message.timeout.ms`, which
 /// normally reports first; this bounds a publish whose reports librdkafka holds back (the

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result, redact_url};
 use sqlx::mysql::{MySqlConnectOptions, MySqlSslMode};
 
@@ -96,6 +97,38 @@ impl Default for MySqlConfig {
     }
 }
 
+impl Settings for MySqlConfig {
+    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
+    /// section with [`Error::in_section`]). It does not connect.
+    fn validate(&self) -> Result<()> {
+        self.options()?;
+        let (database, key) = self.database_name()?;
+        crate::OutboxTable::new(&database, &self.table).map_err(|e| {
+            if e.message().starts_with("database ") && key == "url" {
+                Error::setting(
+                    "url",
+                    format!("names the database {}", &e.message()["database ".len()..]),
+                )
+            } else {
+                e
+            }
+        })?;
+        check_max_connections(self.max_connections)?;
+        check_max_per_key(self.max_per_key)?;
+        check_retention(self.retention)?;
+        if self.connect_timeout.is_zero() {
+            return Err(Error::setting("connect_timeout", "is 0; give e.g. 5s"));
+        }
+        if !(1..=3600).contains(&self.lock_wait_timeout.as_secs()) {
+            return Err(Error::setting(
+                "lock_wait_timeout",
+                "must be between 1s and 1h (InnoDB counts it in whole seconds)",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl MySqlConfig {
     /// Defaults for the database at `url`.
     pub fn new(url: impl Into<String>) -> Self {
@@ -103,14 +136,6 @@ impl MySqlConfig {
             url: url.into(),
             ..Self::default()
         }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[storage]` table
-    /// without `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
     }
 
     /// Sets the table name.
@@ -246,36 +271,6 @@ impl MySqlConfig {
                 "is missing: name the database in `url` (mysql://…:3306/app) or set `database`",
             )),
         }
-    }
-
-    /// Checks every setting; the error is keyed by the bad one (the caller places it in its
-    /// section with [`Error::in_section`]). It does not connect.
-    pub fn validate(&self) -> Result<()> {
-        self.options()?;
-        let (database, key) = self.database_name()?;
-        crate::OutboxTable::new(&database, &self.table).map_err(|e| {
-            if e.message().starts_with("database ") && key == "url" {
-                Error::setting(
-                    "url",
-                    format!("names the database {}", &e.message()["database ".len()..]),
-                )
-            } else {
-                e
-            }
-        })?;
-        check_max_connections(self.max_connections)?;
-        check_max_per_key(self.max_per_key)?;
-        check_retention(self.retention)?;
-        if self.connect_timeout.is_zero() {
-            return Err(Error::setting("connect_timeout", "is 0; give e.g. 5s"));
-        }
-        if !(1..=3600).contains(&self.lock_wait_timeout.as_secs()) {
-            return Err(Error::setting(
-                "lock_wait_timeout",
-                "must be between 1s and 1h (InnoDB counts it in whole seconds)",
-            ));
-        }
-        Ok(())
     }
 }
 

@@ -23,8 +23,8 @@ pub const TYPE: &str = "mysql";
 /// once ([`MySqlStorage::connect`]), so wrong credentials or a missing database are a
 /// configuration error at start-up; a server that is down is retried by the relay.
 pub fn register(registry: &mut outbox_core::StorageRegistry) {
-    registry.register(TYPE, |config| async move {
-        let storage = MySqlStorage::connect(MySqlConfig::from_value(config)?).await?;
+    registry.register_settings(TYPE, |config: MySqlConfig| async move {
+        let storage = MySqlStorage::connect(config).await?;
         Ok(std::sync::Arc::new(storage) as std::sync::Arc<dyn outbox_core::StorageAdmin>)
     });
 }

@@ -20,6 +20,7 @@ use outbox_sql::first_of_each;
 use crate::error::{Origin, db_error};
 use crate::sql::{self, Statements};
 use crate::{MySqlConfig, OutboxTable, connection, rows};
+use outbox_core::config::Settings;
 
 /// The longest delay or lease written (about 100 years): a `DATETIME` ends at year 9999.
 const MAX_DELAY: Duration = Duration::from_secs(100 * 365 * 24 * 3600);

@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result, Template, redact_url_token};
 
 /// Settings of the NATS JetStream sink: the `[sink]` table of the relay's configuration file
@@ -185,39 +186,10 @@ pub(crate) fn redact_servers(url: &str) -> String {
         .join(",")
 }
 
-impl NatsConfig {
-    /// Defaults for the server at `url`.
-    pub fn new(url: impl Into<String>) -> Self {
-        NatsConfig {
-            url: url.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[sink]` table without
-    /// `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the subject prefix and template.
-    pub fn subject(mut self, prefix: impl Into<String>, template: Template) -> Self {
-        self.subject_prefix = prefix.into();
-        self.subject = template;
-        self
-    }
-
-    /// Sets the longest wait to connect, to hand a window over and for its acknowledgements.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-
+impl Settings for NatsConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]).
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         let (servers, in_url) = self.servers()?;
         if servers.is_empty() {
             return Err(Error::setting(
@@ -346,6 +318,29 @@ impl NatsConfig {
         }
         self.file_credentials()?;
         Ok(())
+    }
+}
+
+impl NatsConfig {
+    /// Defaults for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        NatsConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the subject prefix and template.
+    pub fn subject(mut self, prefix: impl Into<String>, template: Template) -> Self {
+        self.subject_prefix = prefix.into();
+        self.subject = template;
+        self
+    }
+
+    /// Sets the longest wait to connect, to hand a window over and for its acknowledgements.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
     }
 
     /// The credentials of `credentials_file` or `nkey_file`, read and checked; a `Config`

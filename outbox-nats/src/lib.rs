@@ -21,11 +21,11 @@ pub use async_nats;
 pub const TYPE: &str = "nats";
 
 /// Registers the NATS sink under [`TYPE`]: the factory reads a [`NatsConfig`] from the
-/// `[sink]` table (see [`NatsConfig::from_value`]; errors are keyed by the setting, relative
+/// `[sink]` table (see [`Settings::from_value`](outbox_core::config::Settings::from_value); errors are keyed by the setting, relative
 /// to the section) and builds a [`NatsSink`], which connects on first use.
 pub fn register(registry: &mut SinkRegistry) {
-    registry.register(TYPE, |config| async move {
-        let sink = NatsSink::new(NatsConfig::from_value(config)?)?;
+    registry.register_settings(TYPE, |config: NatsConfig| async move {
+        let sink = NatsSink::new(config)?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
 }

@@ -22,6 +22,7 @@ use crate::error::{
     invalid_subject, not_sent, publish_error, reserved_header,
 };
 use crate::{NatsConfig, wire};
+use outbox_core::config::Settings;
 
 /// Extra wait on top of the client's own time-outs before a call is cut off: they should
 /// always fire first, this only guards against a wait that has none.

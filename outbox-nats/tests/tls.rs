@@ -7,6 +7,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use async_nats::jetstream;
+use outbox_core::config::Settings;
 use outbox_core::{Message, NewMessage};
 use outbox_nats::{NatsConfig, NatsSink};
 use outbox_test_support::servers::{self, Server};

@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result, redact_url};
 
 pub use outbox_sql::DEFAULT_MAX_PER_KEY;
@@ -173,33 +174,10 @@ impl Default for PostgresConfig {
     }
 }
 
-impl PostgresConfig {
-    /// Defaults for the database at `url`.
-    pub fn new(url: impl Into<String>) -> Self {
-        PostgresConfig {
-            url: url.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[storage]` table
-    /// without `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the schema and table names.
-    pub fn table(mut self, schema: impl Into<String>, table: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self.table = table.into();
-        self
-    }
-
+impl Settings for PostgresConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]).
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         check_url("url", &self.url)?;
         self.validate_tls("url", &self.url)?;
         if let Some(replica) = &self.replica_url {
@@ -240,6 +218,23 @@ impl PostgresConfig {
             ));
         }
         check_retention(self.retention)
+    }
+}
+
+impl PostgresConfig {
+    /// Defaults for the database at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        PostgresConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the schema and table names.
+    pub fn table(mut self, schema: impl Into<String>, table: impl Into<String>) -> Self {
+        self.schema = schema.into();
+        self.table = table.into();
+        self
     }
 
     /// Whether any of the `tls_*` files is given.

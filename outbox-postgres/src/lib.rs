@@ -25,8 +25,8 @@ pub const TYPE: &str = "postgres";
 /// from the `[storage]` section (errors keyed by the setting) and builds a [`PgStorage`],
 /// which connects lazily.
 pub fn register(registry: &mut outbox_core::StorageRegistry) {
-    registry.register(TYPE, |config| async move {
-        let storage = PgStorage::new(PostgresConfig::from_value(config)?)?;
+    registry.register_settings(TYPE, |config: PostgresConfig| async move {
+        let storage = PgStorage::new(config)?;
         Ok(std::sync::Arc::new(storage) as std::sync::Arc<dyn outbox_core::StorageAdmin>)
     });
 }

@@ -22,6 +22,7 @@ use crate::log::LogEngine;
 use crate::sql::{self, Statements};
 use crate::wakeup::Wakeup;
 use crate::{LogStart, OutboxTable, PostgresConfig, StorageMode, connection, rows};
+use outbox_core::config::Settings;
 
 /// The PostgreSQL [`Storage`], in one of two modes ([`StorageMode`]): lease mode claims with
 /// `FOR UPDATE` under leases on the database clock, fences every later write with the

@@ -4,6 +4,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result, Template, redact_url};
 
 /// Redis's own limit on one bulk argument (`proto-max-bulk-len`, 512 MiB by default).
@@ -101,68 +102,10 @@ impl std::fmt::Debug for RedisConfig {
     }
 }
 
-impl RedisConfig {
-    /// Defaults for the server at `url`.
-    pub fn new(url: impl Into<String>) -> Self {
-        RedisConfig {
-            url: url.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[sink]` table without
-    /// `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the prefix of every stream name.
-    pub fn stream_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.stream_prefix = prefix.into();
-        self
-    }
-
-    /// Sends each topic to the stream named by `template` (and drops any stream map).
-    pub fn stream_template(mut self, template: Template) -> Self {
-        self.stream_template = template;
-        self.streams = None;
-        self
-    }
-
-    /// Sends each topic to the stream the map names for it (instead of the template).
-    pub fn stream_map<T, S>(mut self, map: impl IntoIterator<Item = (T, S)>) -> Self
-    where
-        T: Into<String>,
-        S: Into<String>,
-    {
-        self.stream_template = Template::topic();
-        self.streams = Some(map.into_iter().map(|(t, s)| (t.into(), s.into())).collect());
-        self
-    }
-
-    /// Trims each stream to about `max_len` entries.
-    pub fn max_len(mut self, max_len: u64) -> Self {
-        self.max_len = Some(max_len);
-        self
-    }
-
-    /// Turns de-duplication on, remembering each message id for `ttl`.
-    pub fn dedup(mut self, ttl: Duration) -> Self {
-        self.dedup_ttl = Some(ttl);
-        self
-    }
-
-    /// Sets the longest wait for a connection or a batch's replies.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-
+impl Settings for RedisConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]) and says what to do.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         const SCHEMES: [&str; 4] = ["redis://", "rediss://", "redis+unix://", "unix://"];
         if self.url.is_empty() {
             return Err(Error::setting(
@@ -266,6 +209,58 @@ impl RedisConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl RedisConfig {
+    /// Defaults for the server at `url`.
+    pub fn new(url: impl Into<String>) -> Self {
+        RedisConfig {
+            url: url.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the prefix of every stream name.
+    pub fn stream_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.stream_prefix = prefix.into();
+        self
+    }
+
+    /// Sends each topic to the stream named by `template` (and drops any stream map).
+    pub fn stream_template(mut self, template: Template) -> Self {
+        self.stream_template = template;
+        self.streams = None;
+        self
+    }
+
+    /// Sends each topic to the stream the map names for it (instead of the template).
+    pub fn stream_map<T, S>(mut self, map: impl IntoIterator<Item = (T, S)>) -> Self
+    where
+        T: Into<String>,
+        S: Into<String>,
+    {
+        self.stream_template = Template::topic();
+        self.streams = Some(map.into_iter().map(|(t, s)| (t.into(), s.into())).collect());
+        self
+    }
+
+    /// Trims each stream to about `max_len` entries.
+    pub fn max_len(mut self, max_len: u64) -> Self {
+        self.max_len = Some(max_len);
+        self
+    }
+
+    /// Turns de-duplication on, remembering each message id for `ttl`.
+    pub fn dedup(mut self, ttl: Duration) -> Self {
+        self.dedup_ttl = Some(ttl);
+        self
+    }
+
+    /// Sets the longest wait for a connection or a batch's replies.
+    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
+        self.publish_timeout = timeout;
+        self
     }
 
     /// The stream a message of `topic` is appended to, or `None` when the stream map has no

@@ -23,12 +23,12 @@ use outbox_core::{Sink, SinkRegistry};
 pub const TYPE: &str = "redis";
 
 /// Registers the Redis Streams sink under [`TYPE`]: the factory reads a [`RedisConfig`]
-/// from the `[sink]` table (see [`RedisConfig::from_value`]; errors are keyed by the setting,
+/// from the `[sink]` table (see [`Settings::from_value`](outbox_core::config::Settings::from_value); errors are keyed by the setting,
 /// relative to the section) and builds the sink. It does not connect: a Redis that is down
 /// shows up in the health check, not as a start-up failure.
 pub fn register(registry: &mut SinkRegistry) {
-    registry.register(TYPE, |config| async move {
-        let sink = RedisSink::new(RedisConfig::from_value(config)?)?;
+    registry.register_settings(TYPE, |config: RedisConfig| async move {
+        let sink = RedisSink::new(config)?;
         Ok(Arc::new(sink) as Arc<dyn Sink>)
     });
 }

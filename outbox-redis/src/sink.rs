@@ -25,6 +25,7 @@ use crate::error::{
     redis_error, too_large, unmapped_topic,
 };
 use crate::{RedisConfig, wire};
+use outbox_core::config::Settings;
 
 /// Appends the entry unless the message id was seen, all in one atomic step, so that a
 /// message redelivered after a lost acknowledgement is not appended twice. The id is

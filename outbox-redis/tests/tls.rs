@@ -5,6 +5,7 @@
 use std::path::Path;
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Message, NewMessage};
 use outbox_redis::{RedisConfig, RedisSink};
 use outbox_test_support::servers::Server;

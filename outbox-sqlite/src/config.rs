@@ -3,6 +3,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::{Error, Result};
 
 pub use outbox_sql::DEFAULT_MAX_PER_KEY;
@@ -54,33 +55,11 @@ impl Default for SqliteConfig {
     }
 }
 
-impl SqliteConfig {
-    /// Defaults for the database file at `path`.
-    pub fn new(path: impl Into<PathBuf>) -> Self {
-        SqliteConfig {
-            path: path.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Reads the settings from a configuration section (the relay's `[storage]` table
-    /// without `type`, as JSON) and validates them; errors are keyed by the setting.
-    pub fn from_value(value: serde_json::Value) -> Result<Self> {
-        let config: Self = outbox_core::config::from_value(value)?;
-        config.validate()?;
-        Ok(config)
-    }
-
-    /// Sets the table name.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
+impl Settings for SqliteConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
     /// section with [`Error::in_section`]). It does not look at the file system:
     /// [`check_path`](SqliteConfig::check_path) does.
-    pub fn validate(&self) -> Result<()> {
+    fn validate(&self) -> Result<()> {
         let path = self.path.to_string_lossy();
         if path.is_empty() {
             return Err(Error::setting(
@@ -109,6 +88,22 @@ impl SqliteConfig {
             ));
         }
         Ok(())
+    }
+}
+
+impl SqliteConfig {
+    /// Defaults for the database file at `path`.
+    pub fn new(path: impl Into<PathBuf>) -> Self {
+        SqliteConfig {
+            path: path.into(),
+            ..Self::default()
+        }
+    }
+
+    /// Sets the table name.
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
     }
 
     /// Checks that the file can be where `path` says: its directory exists, and the path is

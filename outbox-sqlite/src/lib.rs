@@ -23,8 +23,8 @@ pub const TYPE: &str = "sqlite";
 /// checks that `path` is (or can become) a SQLite database, so a wrong path is a
 /// configuration error at start-up.
 pub fn register(registry: &mut outbox_core::StorageRegistry) {
-    registry.register(TYPE, |config| async move {
-        let storage = SqliteStorage::open(SqliteConfig::from_value(config)?).await?;
+    registry.register_settings(TYPE, |config: SqliteConfig| async move {
+        let storage = SqliteStorage::open(config).await?;
         Ok(std::sync::Arc::new(storage) as std::sync::Arc<dyn outbox_core::StorageAdmin>)
     });
 }

@@ -18,6 +18,7 @@ use outbox_sql::first_of_each;
 use crate::error::db_error;
 use crate::sql::{self, Statements};
 use crate::{OutboxTable, SqliteConfig, connection, rows};
+use outbox_core::config::Settings;
 
 /// The longest delay or lease written, in milliseconds (about 31,000 years): times stay
 /// integers however long a `Duration` is.

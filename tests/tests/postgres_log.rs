@@ -9,6 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 use std::time::Duration;
 
+use outbox_core::config::Settings;
 use outbox_core::memory::MemorySink;
 use outbox_core::{
     Claim, DeadLetter, Delivery, Error, NewMessage, Receipt, Settlement, Storage, StorageAdmin,
