@@ -4,6 +4,7 @@
 //! table's contract and stay with [`OutboxTable`].
 
 use outbox_core::DeadLetterFilter;
+use outbox_sql::columns::{COPY_COLUMNS, aliased};
 
 use crate::{MySqlConfig, OutboxTable};
 
@@ -29,10 +30,6 @@ pub(crate) const NOW: &str = "SELECT UTC_TIMESTAMP(6)";
 /// `headers` is read as text: MySQL's JSON type is not text to the client.
 pub(crate) const MESSAGE_COLUMNS: &str = "o.seq, o.id, o.topic, o.partition_key, o.payload, \
      CAST(o.headers AS CHAR) AS headers, o.traceparent, o.tracestate, o.created_at, o.attempts";
-
-/// The columns copied between the outbox and its companion tables.
-pub(crate) const COPY_COLUMNS: &str =
-    "seq, id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
 /// `n` placeholders for an `IN` list: `?, ?, ?`.
 pub(crate) fn list(n: usize) -> String {
@@ -100,11 +97,7 @@ impl Statements {
         let delivered = t.qualified("_delivered");
         let lock = t.qualified("_claim_lock");
         let cursor = t.qualified("_claim_cursor");
-        let from_o = COPY_COLUMNS
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let from_o = aliased("o", COPY_COLUMNS);
         let pending = "(o.claim_token IS NULL OR o.available_at <= n.now)";
         let in_flight = "(o.claim_token IS NOT NULL AND o.available_at > n.now)";
         Statements {

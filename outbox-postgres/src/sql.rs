@@ -2,6 +2,8 @@
 //! from its validated names. The migrations and the enqueue statements are the table's
 //! contract and stay with [`OutboxTable`].
 
+use outbox_sql::columns::aliased;
+
 use crate::{OutboxTable, PostgresConfig};
 
 /// Columns of a message, in the order `rows::message` reads them.
@@ -64,11 +66,7 @@ impl Statements {
         let per_key_order = config.per_key_order;
         let outbox = t.qualified("");
         let delivered = t.qualified("_delivered");
-        let cols = MESSAGE_COLUMNS
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let cols = aliased("o", MESSAGE_COLUMNS);
         let claim = if per_key_order {
             Self::ordered_claim(
                 &outbox,

@@ -11,6 +11,21 @@ use outbox_core::{Error, NewMessage, Result};
 pub const INSERT_COLUMNS: &str =
     "id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
 
+/// The columns a dead letter or a delivered row copies from its outbox row: `seq`, then
+/// [`INSERT_COLUMNS`] (MySQL, SQLite).
+pub const COPY_COLUMNS: &str =
+    "seq, id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
+
+/// Each column of the list `columns` (`"seq, id"`) qualified by the table alias `alias`
+/// (`"o.seq, o.id"`), for the SELECT of an `INSERT ... SELECT` that copies a row.
+pub fn aliased(alias: &str, columns: &str) -> String {
+    columns
+        .split(", ")
+        .map(|c| format!("{alias}.{c}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// A `Permanent` error when `message` has an empty topic: every message needs one (the
 /// tables refuse it too, with a `CHECK`).
 pub fn check_topic(message: &NewMessage) -> Result<()> {
@@ -228,6 +243,13 @@ mod tests {
         );
         assert!(check_topic(&good).is_ok());
         assert_eq!(Columns::all(&[good]).unwrap().len(), 1);
+    }
+
+    #[test]
+    fn copied_columns_are_the_seq_and_the_inserted_ones_aliased() {
+        assert_eq!(COPY_COLUMNS, format!("seq, {INSERT_COLUMNS}"));
+        assert_eq!(aliased("o", "seq, id"), "o.seq, o.id");
+        assert_eq!(aliased("o", "seq"), "o.seq");
     }
 
     #[test]

@@ -7,6 +7,8 @@
 //! array and read with `json_each`: SQLite has no array parameters. Every time is a parameter `now` read once per
 //! call from the database's clock ([`now`]), so one call uses one instant throughout.
 
+use outbox_sql::columns::{COPY_COLUMNS, aliased};
+
 use crate::table::NOW_MS;
 use crate::{OutboxTable, SqliteConfig};
 
@@ -109,18 +111,12 @@ impl Statements {
                 "WHERE claim_token = ?{token} AND seq IN (SELECT json_extract(value, '$.seq') FROM json_each(?{list}))"
             )
         };
-        let message_columns =
-            "seq, id, topic, partition_key, payload, headers, traceparent, tracestate, created_at";
-        let from_o = message_columns
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let from_o = aliased("o", COPY_COLUMNS);
         Statements {
             claim,
             seqs_of: format!("SELECT id, seq FROM {outbox} WHERE id IN {}", json_list(1)),
             dead_copy: format!(
-                "INSERT INTO {dead} ({message_columns}, attempts, last_error, dead_lettered_at)
+                "INSERT INTO {dead} ({COPY_COLUMNS}, attempts, last_error, dead_lettered_at)
                  SELECT {from_o}, o.attempts + 1, json_extract(j.value, '$.error'), ?3 {}",
                 held(1, 2)
             ),
@@ -141,7 +137,7 @@ impl Statements {
             ),
             delivered_keep: config.retention.is_some().then(|| {
                 format!(
-                    "INSERT INTO {delivered} ({message_columns}, attempts, receipt, delivered_at)
+                    "INSERT INTO {delivered} ({COPY_COLUMNS}, attempts, receipt, delivered_at)
                      SELECT {from_o}, o.attempts, json_extract(j.value, '$.receipt'), ?3 {}",
                     held(1, 2)
                 )
@@ -184,8 +180,8 @@ impl Statements {
             // A replayed dead letter goes back with its seq, so it is first in its key again;
             // AUTOINCREMENT never hands a seq out twice, so it is still free.
             replay_restore: format!(
-                "INSERT INTO {outbox} ({message_columns}, attempts, available_at, last_error)
-                 SELECT {message_columns}, 0, ?2, last_error FROM {dead} WHERE id IN {}
+                "INSERT INTO {outbox} ({COPY_COLUMNS}, attempts, available_at, last_error)
+                 SELECT {COPY_COLUMNS}, 0, ?2, last_error FROM {dead} WHERE id IN {}
                  ORDER BY seq",
                 json_list(1)
             ),

@@ -1,6 +1,8 @@
 //! The SQL of log mode for one table ([`LogSql`]), and the horizon rule ([`HORIZON`]) that
 //! every read of the log applies.
 
+use outbox_sql::columns::aliased;
+
 use crate::OutboxTable;
 use crate::sql::MESSAGE_COLUMNS;
 
@@ -78,16 +80,8 @@ impl LogSql {
         let cols = MESSAGE_COLUMNS.replace(", attempts", "");
         let row_cols = "seq, xid, shard, id, topic, partition_key, payload, headers, \
                         traceparent, tracestate, created_at";
-        let o_msg = cols
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let o_cols = row_cols
-            .split(", ")
-            .map(|c| format!("o.{c}"))
-            .collect::<Vec<_>>()
-            .join(", ");
+        let o_msg = aliased("o", &cols);
+        let o_cols = aliased("o", row_cols);
         LogSql {
             heartbeat: format!(
                 "INSERT INTO {relays} (relay, expires_at) VALUES ($1, statement_timestamp() + $2 {ms})
