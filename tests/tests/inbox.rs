@@ -22,6 +22,99 @@ use uuid::Uuid;
 /// How long a racing transaction is watched to be sure it waits for the first one.
 const RACE_WAIT: Duration = Duration::from_millis(300);
 
+/// What the three SQL inbox fixtures share, so each storage writes only its own SQL: the
+/// consumer's transaction (`Tx`), the harness and the `InboxFixture` methods that only call the
+/// inbox. `$fixture` has `pool`, `inbox`, `new()`, `effects_table()` and `inbox_named(table)`;
+/// `insert` records a business change (`{}` is the effects table) with the id as `bind_id`
+/// makes it; the fixture's other methods follow in braces.
+macro_rules! sql_inbox_fixture {
+    (
+        $fixture:ident,
+        $db:ty,
+        insert: $insert:literal,
+        bind_id: $bind_id:expr,
+        { $($own:tt)* }
+    ) => {
+        /// A consumer's transaction on the fixture's inbox and business table.
+        pub struct Tx {
+            tx: Transaction<'static, $db>,
+            inbox: Inbox,
+            effects: String,
+        }
+
+        #[async_trait]
+        impl InboxTransaction for Tx {
+            async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
+                self.inbox.process(&mut self.tx, consumer, id).await
+            }
+
+            async fn record_effect(&mut self, consumer: &str, id: Uuid) {
+                sqlx::query(&format!($insert, self.effects))
+                    .bind(consumer)
+                    .bind(($bind_id)(id))
+                    .execute(&mut *self.tx)
+                    .await
+                    .expect("business change");
+            }
+
+            async fn commit(self: Box<Self>) {
+                self.tx.commit().await.expect("commit")
+            }
+
+            async fn rollback(self: Box<Self>) {
+                self.tx.rollback().await.expect("rollback")
+            }
+        }
+
+        /// Each check's inbox.
+        pub struct Harness;
+
+        #[async_trait]
+        impl InboxHarness for Harness {
+            async fn fresh(&self) -> Box<dyn InboxFixture> {
+                Box::new($fixture::new().await)
+            }
+        }
+
+        #[async_trait]
+        impl InboxFixture for $fixture {
+            async fn begin(&self) -> Box<dyn InboxTransaction> {
+                Box::new(Tx {
+                    tx: self.pool.begin().await.expect("begin"),
+                    inbox: self.inbox.clone(),
+                    effects: self.effects_table(),
+                })
+            }
+
+            async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
+                let mut conn = self.pool.acquire().await.expect("connection");
+                self.inbox.process(&mut conn, consumer, id).await
+            }
+
+            async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
+                let mut conn = self.pool.acquire().await.expect("connection");
+                self.inbox.purge(&mut conn, older_than, limit).await
+            }
+
+            async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
+                let inbox = self.inbox_named(table)?;
+                let mut tx = self.pool.begin().await.expect("begin");
+                let new = inbox.process(&mut tx, consumer, id).await?;
+                tx.commit().await.expect("commit");
+                Ok(new)
+            }
+
+            fn new_inbox(&self, table: &str) -> Result<()> {
+                self.inbox_named(table).map(drop)
+            }
+
+            $($own)*
+        }
+
+        outbox_testkit::inbox_conformance_tests!(Harness);
+    };
+}
+
 mod postgres {
     use outbox_postgres::Inbox;
     use outbox_postgres::sqlx::postgres::{PgPool, PgPoolOptions};
@@ -63,39 +156,9 @@ mod postgres {
         fn inbox_table(&self) -> String {
             format!(r#""{}"."{}""#, self.schema, self.inbox.table())
         }
-    }
 
-    /// A consumer's transaction on the fixture's inbox and business table.
-    pub struct PgTx {
-        tx: Transaction<'static, Postgres>,
-        inbox: Inbox,
-        effects: String,
-    }
-
-    #[async_trait]
-    impl InboxTransaction for PgTx {
-        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(&mut self.tx, consumer, id).await
-        }
-
-        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
-            sqlx::query(&format!(
-                "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
-                self.effects
-            ))
-            .bind(consumer)
-            .bind(id)
-            .execute(&mut *self.tx)
-            .await
-            .expect("business change");
-        }
-
-        async fn commit(self: Box<Self>) {
-            self.tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(self: Box<Self>) {
-            self.tx.rollback().await.expect("rollback")
+        fn inbox_named(&self, table: &str) -> Result<Inbox> {
+            Inbox::new(&self.schema, table)
         }
     }
 
@@ -126,110 +189,73 @@ mod postgres {
         }
     }
 
-    /// Each check's inbox.
-    pub struct Harness;
-
-    #[async_trait]
-    impl InboxHarness for Harness {
-        async fn fresh(&self) -> Box<dyn InboxFixture> {
-            Box::new(Pg::new().await)
-        }
-    }
-
-    #[async_trait]
-    impl InboxFixture for Pg {
-        async fn begin(&self) -> Box<dyn InboxTransaction> {
-            Box::new(PgTx {
-                tx: self.pool.begin().await.expect("begin"),
-                inbox: self.inbox.clone(),
-                effects: self.effects_table(),
-            })
-        }
-
-        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-            sqlx::query_scalar(&format!(
-                "SELECT count(*) FROM {} WHERE consumer = $1 AND message_id = $2",
-                self.effects_table()
-            ))
-            .bind(consumer)
-            .bind(id)
-            .fetch_one(&self.pool)
-            .await
-            .expect("count effects")
-        }
-
-        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-            sqlx::query_scalar(&format!(
-                "SELECT EXISTS (SELECT FROM {} WHERE consumer = $1 AND message_id = $2)",
-                self.inbox_table()
-            ))
-            .bind(consumer)
-            .bind(id)
-            .fetch_one(&self.pool)
-            .await
-            .expect("read the inbox")
-        }
-
-        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-            sqlx::query(&format!(
-                "UPDATE {} SET processed_at = processed_at - $3 * interval '1 second' \
-                 WHERE consumer = $1 AND message_id = $2",
-                self.inbox_table()
-            ))
-            .bind(consumer)
-            .bind(id)
-            .bind(by.as_secs_f64())
-            .execute(&self.pool)
-            .await
-            .expect("backdate");
-        }
-
-        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.purge(&mut conn, older_than, limit).await
-        }
-
-        async fn migrate(&self, table: &str) -> Result<()> {
-            let inbox = Inbox::new(&self.schema, table)?;
-            let mut conn = PgConnection::connect(&postgres_url())
+    sql_inbox_fixture!(
+        Pg,
+        Postgres,
+        insert: "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
+        bind_id: |id: Uuid| id,
+        {
+            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+                sqlx::query_scalar(&format!(
+                    "SELECT count(*) FROM {} WHERE consumer = $1 AND message_id = $2",
+                    self.effects_table()
+                ))
+                .bind(consumer)
+                .bind(id)
+                .fetch_one(&self.pool)
                 .await
-                .unwrap_or_else(|e| missing(e));
-            inbox.migrate(&mut conn).await
-        }
+                .expect("count effects")
+            }
 
-        async fn versions(&self, table: &str) -> i64 {
-            sqlx::query_scalar(&format!(
-                r#"SELECT count(*) FROM "{}"."{table}_migrations""#,
-                self.schema
-            ))
-            .fetch_one(&self.pool)
-            .await
-            .expect("read versions")
-        }
+            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+                sqlx::query_scalar(&format!(
+                    "SELECT EXISTS (SELECT FROM {} WHERE consumer = $1 AND message_id = $2)",
+                    self.inbox_table()
+                ))
+                .bind(consumer)
+                .bind(id)
+                .fetch_one(&self.pool)
+                .await
+                .expect("read the inbox")
+            }
 
-        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
-            let inbox = Inbox::new(&self.schema, table)?;
-            let mut tx = self.pool.begin().await.expect("begin");
-            let new = inbox.process(&mut tx, consumer, id).await?;
-            tx.commit().await.expect("commit");
-            Ok(new)
-        }
+            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+                sqlx::query(&format!(
+                    "UPDATE {} SET processed_at = processed_at - $3 * interval '1 second' \
+                     WHERE consumer = $1 AND message_id = $2",
+                    self.inbox_table()
+                ))
+                .bind(consumer)
+                .bind(id)
+                .bind(by.as_secs_f64())
+                .execute(&self.pool)
+                .await
+                .expect("backdate");
+            }
 
-        fn business_table(&self) -> String {
-            "effects".into()
-        }
+            async fn migrate(&self, table: &str) -> Result<()> {
+                let inbox = self.inbox_named(table)?;
+                let mut conn = PgConnection::connect(&postgres_url())
+                    .await
+                    .unwrap_or_else(|e| missing(e));
+                inbox.migrate(&mut conn).await
+            }
 
-        fn new_inbox(&self, table: &str) -> Result<()> {
-            Inbox::new(&self.schema, table).map(drop)
-        }
-    }
+            async fn versions(&self, table: &str) -> i64 {
+                sqlx::query_scalar(&format!(
+                    r#"SELECT count(*) FROM "{}"."{table}_migrations""#,
+                    self.schema
+                ))
+                .fetch_one(&self.pool)
+                .await
+                .expect("read versions")
+            }
 
-    outbox_testkit::inbox_conformance_tests!(Harness);
+            fn business_table(&self) -> String {
+                "effects".into()
+            }
+        }
+    );
 
     #[tokio::test]
     async fn a_bad_schema_name_is_refused() {
@@ -482,6 +508,14 @@ mod sqlite {
         fn options(&self) -> SqliteConnectOptions {
             options(self.dir.path())
         }
+
+        fn effects_table(&self) -> String {
+            "effects".into()
+        }
+
+        fn inbox_named(&self, table: &str) -> Result<Inbox> {
+            Inbox::new(table)
+        }
     }
 
     /// WAL, as the outbox's storage uses, and a busy timeout longer than any race here.
@@ -491,40 +525,6 @@ mod sqlite {
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
             .busy_timeout(Duration::from_secs(10))
-    }
-
-    /// A consumer's transaction on the fixture's inbox and business table.
-    pub struct LiteTx {
-        tx: Transaction<'static, Sqlite>,
-        inbox: Inbox,
-        effects: String,
-    }
-
-    #[async_trait]
-    impl InboxTransaction for LiteTx {
-        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(&mut self.tx, consumer, id).await
-        }
-
-        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
-            sqlx::query(&format!(
-                "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
-                self.effects
-            ))
-            .bind(consumer)
-            .bind(id.to_string())
-            .execute(&mut *self.tx)
-            .await
-            .expect("business change");
-        }
-
-        async fn commit(self: Box<Self>) {
-            self.tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(self: Box<Self>) {
-            self.tx.rollback().await.expect("rollback")
-        }
     }
 
     impl Lite {
@@ -546,102 +546,65 @@ mod sqlite {
         }
     }
 
-    /// Each check's inbox.
-    pub struct Harness;
+    sql_inbox_fixture!(
+        Lite,
+        Sqlite,
+        insert: "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
+        bind_id: |id: Uuid| id.to_string(),
+        {
+            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+                sqlx::query_scalar("SELECT count(*) FROM effects WHERE consumer = ? AND message_id = ?")
+                    .bind(consumer)
+                    .bind(id.to_string())
+                    .fetch_one(&self.pool)
+                    .await
+                    .expect("count effects")
+            }
 
-    #[async_trait]
-    impl InboxHarness for Harness {
-        async fn fresh(&self) -> Box<dyn InboxFixture> {
-            Box::new(Lite::new().await)
-        }
-    }
-
-    #[async_trait]
-    impl InboxFixture for Lite {
-        async fn begin(&self) -> Box<dyn InboxTransaction> {
-            Box::new(LiteTx {
-                tx: self.pool.begin().await.expect("begin"),
-                inbox: self.inbox.clone(),
-                effects: "effects".into(),
-            })
-        }
-
-        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-            sqlx::query_scalar("SELECT count(*) FROM effects WHERE consumer = ? AND message_id = ?")
+            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+                sqlx::query_scalar(
+                    "SELECT count(*) > 0 FROM inbox WHERE consumer = ? AND message_id = ?",
+                )
                 .bind(consumer)
                 .bind(id.to_string())
                 .fetch_one(&self.pool)
                 .await
-                .expect("count effects")
-        }
+                .expect("read the inbox")
+            }
 
-        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-            sqlx::query_scalar(
-                "SELECT count(*) > 0 FROM inbox WHERE consumer = ? AND message_id = ?",
-            )
-            .bind(consumer)
-            .bind(id.to_string())
-            .fetch_one(&self.pool)
-            .await
-            .expect("read the inbox")
-        }
-
-        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-            sqlx::query(
-                "UPDATE inbox SET processed_at = processed_at - ? \
-                 WHERE consumer = ? AND message_id = ?",
-            )
-            .bind(by.as_millis() as i64)
-            .bind(consumer)
-            .bind(id.to_string())
-            .execute(&self.pool)
-            .await
-            .expect("backdate");
-        }
-
-        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.purge(&mut conn, older_than, limit).await
-        }
-
-        async fn migrate(&self, table: &str) -> Result<()> {
-            let inbox = Inbox::new(table)?;
-            let mut conn = SqliteConnection::connect_with(&self.options())
+            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+                sqlx::query(
+                    "UPDATE inbox SET processed_at = processed_at - ? \
+                     WHERE consumer = ? AND message_id = ?",
+                )
+                .bind(by.as_millis() as i64)
+                .bind(consumer)
+                .bind(id.to_string())
+                .execute(&self.pool)
                 .await
-                .expect("open the SQLite database");
-            inbox.migrate(&mut conn).await
-        }
+                .expect("backdate");
+            }
 
-        async fn versions(&self, table: &str) -> i64 {
-            sqlx::query_scalar(&format!(r#"SELECT count(*) FROM "{table}_migrations""#))
-                .fetch_one(&self.pool)
-                .await
-                .expect("read versions")
-        }
+            async fn migrate(&self, table: &str) -> Result<()> {
+                let inbox = self.inbox_named(table)?;
+                let mut conn = SqliteConnection::connect_with(&self.options())
+                    .await
+                    .expect("open the SQLite database");
+                inbox.migrate(&mut conn).await
+            }
 
-        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
-            let inbox = Inbox::new(table)?;
-            let mut tx = self.pool.begin().await.expect("begin");
-            let new = inbox.process(&mut tx, consumer, id).await?;
-            tx.commit().await.expect("commit");
-            Ok(new)
-        }
+            async fn versions(&self, table: &str) -> i64 {
+                sqlx::query_scalar(&format!(r#"SELECT count(*) FROM "{table}_migrations""#))
+                    .fetch_one(&self.pool)
+                    .await
+                    .expect("read versions")
+            }
 
-        fn business_table(&self) -> String {
-            "effects".into()
+            fn business_table(&self) -> String {
+                "effects".into()
+            }
         }
-
-        fn new_inbox(&self, table: &str) -> Result<()> {
-            Inbox::new(table).map(drop)
-        }
-    }
-
-    outbox_testkit::inbox_conformance_tests!(Harness);
+    );
 
     /// A consumer transaction begun with `BEGIN IMMEDIATE` takes the write lock at once, so
     /// it may read before it records the message: the advice of `Inbox::process`.
@@ -748,39 +711,9 @@ mod mysql {
         fn effects_table(&self) -> String {
             format!("{}_effects", self.prefix)
         }
-    }
 
-    /// A consumer's transaction on the fixture's inbox and business table.
-    pub struct MyTx {
-        tx: Transaction<'static, MySql>,
-        inbox: Inbox,
-        effects: String,
-    }
-
-    #[async_trait]
-    impl InboxTransaction for MyTx {
-        async fn process(&mut self, consumer: &str, id: Uuid) -> Result<bool> {
-            self.inbox.process(&mut self.tx, consumer, id).await
-        }
-
-        async fn record_effect(&mut self, consumer: &str, id: Uuid) {
-            sqlx::query(&format!(
-                "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
-                self.effects
-            ))
-            .bind(consumer)
-            .bind(id.to_string())
-            .execute(&mut *self.tx)
-            .await
-            .expect("business change");
-        }
-
-        async fn commit(self: Box<Self>) {
-            self.tx.commit().await.expect("commit")
-        }
-
-        async fn rollback(self: Box<Self>) {
-            self.tx.rollback().await.expect("rollback")
+        fn inbox_named(&self, table: &str) -> Result<Inbox> {
+            Inbox::new(&database(), table)
         }
     }
 
@@ -814,109 +747,72 @@ mod mysql {
         }
     }
 
-    /// Each check's inbox.
-    pub struct Harness;
-
-    #[async_trait]
-    impl InboxHarness for Harness {
-        async fn fresh(&self) -> Box<dyn InboxFixture> {
-            Box::new(My::new().await)
-        }
-    }
-
-    #[async_trait]
-    impl InboxFixture for My {
-        async fn begin(&self) -> Box<dyn InboxTransaction> {
-            Box::new(MyTx {
-                tx: self.pool.begin().await.expect("begin"),
-                inbox: self.inbox.clone(),
-                effects: self.effects_table(),
-            })
-        }
-
-        async fn process_outside_transaction(&self, consumer: &str, id: Uuid) -> Result<bool> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.process(&mut conn, consumer, id).await
-        }
-
-        async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-            sqlx::query_scalar(&format!(
-                "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
-                self.effects_table()
-            ))
-            .bind(consumer)
-            .bind(id.to_string())
-            .fetch_one(&self.pool)
-            .await
-            .expect("count effects")
-        }
-
-        async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-            let n: i64 = sqlx::query_scalar(&format!(
-                "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
-                self.inbox.table()
-            ))
-            .bind(consumer)
-            .bind(id.to_string())
-            .fetch_one(&self.pool)
-            .await
-            .expect("read the inbox");
-            n > 0
-        }
-
-        async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-            sqlx::query(&format!(
-                "UPDATE `{}` SET processed_at = processed_at - INTERVAL ? SECOND \
-                 WHERE consumer = ? AND message_id = ?",
-                self.inbox.table()
-            ))
-            .bind(by.as_secs() as i64)
-            .bind(consumer)
-            .bind(id.to_string())
-            .execute(&self.pool)
-            .await
-            .expect("backdate");
-        }
-
-        async fn purge(&self, older_than: Duration, limit: u32) -> Result<u64> {
-            let mut conn = self.pool.acquire().await.expect("connection");
-            self.inbox.purge(&mut conn, older_than, limit).await
-        }
-
-        async fn migrate(&self, table: &str) -> Result<()> {
-            let inbox = Inbox::new(&database(), table)?;
-            if let Ok(mut made) = self.made.lock() {
-                made.push(table.to_string());
-            }
-            let mut conn = MySqlConnection::connect(&mysql_url())
-                .await
-                .unwrap_or_else(|e| missing(e));
-            inbox.migrate(&mut conn).await
-        }
-
-        async fn versions(&self, table: &str) -> i64 {
-            sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{table}_migrations`"))
+    sql_inbox_fixture!(
+        My,
+        MySql,
+        insert: "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
+        bind_id: |id: Uuid| id.to_string(),
+        {
+            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+                sqlx::query_scalar(&format!(
+                    "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
+                    self.effects_table()
+                ))
+                .bind(consumer)
+                .bind(id.to_string())
                 .fetch_one(&self.pool)
                 .await
-                .expect("read versions")
-        }
+                .expect("count effects")
+            }
 
-        async fn process_in(&self, table: &str, consumer: &str, id: Uuid) -> Result<bool> {
-            let inbox = Inbox::new(&database(), table)?;
-            let mut tx = self.pool.begin().await.expect("begin");
-            let new = inbox.process(&mut tx, consumer, id).await?;
-            tx.commit().await.expect("commit");
-            Ok(new)
-        }
+            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+                let n: i64 = sqlx::query_scalar(&format!(
+                    "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
+                    self.inbox.table()
+                ))
+                .bind(consumer)
+                .bind(id.to_string())
+                .fetch_one(&self.pool)
+                .await
+                .expect("read the inbox");
+                n > 0
+            }
 
-        fn business_table(&self) -> String {
-            self.effects_table()
-        }
+            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+                sqlx::query(&format!(
+                    "UPDATE `{}` SET processed_at = processed_at - INTERVAL ? SECOND \
+                     WHERE consumer = ? AND message_id = ?",
+                    self.inbox.table()
+                ))
+                .bind(by.as_secs() as i64)
+                .bind(consumer)
+                .bind(id.to_string())
+                .execute(&self.pool)
+                .await
+                .expect("backdate");
+            }
 
-        fn new_inbox(&self, table: &str) -> Result<()> {
-            Inbox::new(&database(), table).map(drop)
-        }
-    }
+            async fn migrate(&self, table: &str) -> Result<()> {
+                let inbox = self.inbox_named(table)?;
+                if let Ok(mut made) = self.made.lock() {
+                    made.push(table.to_string());
+                }
+                let mut conn = MySqlConnection::connect(&mysql_url())
+                    .await
+                    .unwrap_or_else(|e| missing(e));
+                inbox.migrate(&mut conn).await
+            }
 
-    outbox_testkit::inbox_conformance_tests!(Harness);
+            async fn versions(&self, table: &str) -> i64 {
+                sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{table}_migrations`"))
+                    .fetch_one(&self.pool)
+                    .await
+                    .expect("read versions")
+            }
+
+            fn business_table(&self) -> String {
+                self.effects_table()
+            }
+        }
+    );
 }
