@@ -39,13 +39,7 @@ pub struct AmqpSink {
     connection: Connector,
 }
 
-impl std::fmt::Debug for AmqpSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpSink")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(AmqpSink);
 
 /// A message turned into what `basic.publish` needs.
 struct Prepared {

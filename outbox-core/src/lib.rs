@@ -37,3 +37,21 @@ pub use storage::{
 pub use tokio_util::sync::CancellationToken;
 #[cfg(feature = "runner")]
 pub use worker::{RunHealth, Worker, WorkerConfig};
+
+/// Implements `Debug` for a backend type that shows only its `config` field:
+/// `outbox_core::debug_shows_config!(MySink);` prints `MySink { config: …, .. }`.
+///
+/// The configuration's own `Debug` hides its secrets (passwords, tokens, URL credentials);
+/// the client handles, pools and buffers beside it say nothing useful, so they are left out.
+#[macro_export]
+macro_rules! debug_shows_config {
+    ($type:ident) => {
+        impl ::std::fmt::Debug for $type {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                f.debug_struct(::std::stringify!($type))
+                    .field("config", &self.config)
+                    .finish_non_exhaustive()
+            }
+        }
+    };
+}

@@ -235,13 +235,7 @@ pub struct FileSink {
     writer: Writer<()>,
 }
 
-impl std::fmt::Debug for FileSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileSink")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(FileSink);
 
 impl FileSink {
     /// A sink for `config`. Validates the configuration (the directory must exist; see
@@ -418,13 +412,7 @@ pub struct StdoutSink {
     writer: Writer<Output>,
 }
 
-impl std::fmt::Debug for StdoutSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("StdoutSink")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(StdoutSink);
 
 impl StdoutSink {
     /// A sink writing to the process's standard output.

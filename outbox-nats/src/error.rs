@@ -31,11 +31,30 @@ pub(crate) fn connect_error(servers: &str, error: ConnectError) -> Error {
     Error::new(kind, format!("nats: cannot connect to {servers}{hint}")).with_source(error)
 }
 
-/// No connection within the time-out, where the client's own did not fire: `Unavailable`.
-pub(crate) fn connect_timed_out(servers: &str) -> Error {
-    Error::unavailable(format!(
-        "nats: cannot connect to {servers} within sink.publish_timeout"
-    ))
+/// What did not happen within `sink.publish_timeout`, where the client's own time-out did
+/// not fire.
+#[derive(Clone, Copy)]
+pub(crate) enum Waited {
+    /// The connection.
+    Connect,
+    /// The connection taking a window's messages.
+    Handover,
+    /// A window's acknowledgements, all of them.
+    Acks,
+    /// The answer to the health check's account query.
+    Health,
+}
+
+/// Something `servers` did not do within the time-out: `Unavailable`, since it says nothing
+/// about the messages.
+pub(crate) fn timed_out(servers: &str, waited: Waited) -> Error {
+    let what = match waited {
+        Waited::Connect => format!("cannot connect to {servers}"),
+        Waited::Handover => format!("could not hand the batch to the connection to {servers}"),
+        Waited::Acks => format!("no acknowledgements from {servers}"),
+        Waited::Health => format!("JetStream at {servers} did not answer"),
+    };
+    Error::unavailable(format!("nats: {what} within sink.publish_timeout"))
 }
 
 /// The client lost its connection and is reconnecting: `Unavailable` at once, so nothing is
@@ -46,53 +65,40 @@ pub(crate) fn disconnected(servers: &str) -> Error {
     ))
 }
 
-/// The connection did not take a window's messages within the time-out: `Unavailable`.
-pub(crate) fn handover_timed_out(servers: &str) -> Error {
-    Error::unavailable(format!(
-        "nats: could not hand the batch to the connection to {servers} within sink.publish_timeout"
-    ))
-}
-
-/// A window's acknowledgements did not all come within the time-out (and the client's own
-/// did not fire): `Unavailable`.
-pub(crate) fn acks_timed_out(servers: &str) -> Error {
-    Error::unavailable(format!(
-        "nats: no acknowledgements from {servers} within sink.publish_timeout"
-    ))
-}
-
 /// A message of a batch after the batch's connection failed (`why`): not sent,
 /// `Unavailable`.
 pub(crate) fn not_sent(why: &str) -> Error {
     Error::unavailable(why)
 }
 
-/// A topic that does not make a valid subject: `Permanent`, nothing is sent.
-pub(crate) fn invalid_subject(topic: &str, why: &str) -> Error {
-    Error::permanent(format!(
-        "nats: topic `{topic}` does not make a valid subject: {why}"
-    ))
+/// Why a message can never be sent as it is.
+pub(crate) enum Unsendable<'a> {
+    /// Its topic (first) does not make a valid subject, for the reason given.
+    Subject(&'a str, &'a str),
+    /// A header named `Nats-…`, which would change JetStream's handling.
+    ReservedHeader(&'a str),
+    /// A header name NATS cannot carry.
+    HeaderName(&'a str),
+    /// A header value NATS cannot carry; the header's name.
+    HeaderValue(&'a str),
 }
 
-/// A message header named `Nats-…`, which would change JetStream's handling: `Permanent`.
-pub(crate) fn reserved_header(name: &str) -> Error {
-    Error::permanent(format!(
-        "nats: header `{name}` starts with `Nats-`, which NATS reserves for itself"
-    ))
-}
-
-/// A header name NATS cannot carry: `Permanent`.
-pub(crate) fn invalid_header_name(name: &str) -> Error {
-    Error::permanent(format!(
-        "nats: header name `{name}` is not valid in NATS (printable ASCII without ':' or spaces)"
-    ))
-}
-
-/// A header value NATS cannot carry: `Permanent`.
-pub(crate) fn invalid_header_value(name: &str) -> Error {
-    Error::permanent(format!(
-        "nats: the value of header `{name}` contains a line break, which NATS headers cannot carry"
-    ))
+/// A message that can never be sent as it is: `Permanent`, nothing is sent.
+pub(crate) fn unsendable(why: Unsendable<'_>) -> Error {
+    Error::permanent(match why {
+        Unsendable::Subject(topic, why) => {
+            format!("nats: topic `{topic}` does not make a valid subject: {why}")
+        }
+        Unsendable::ReservedHeader(name) => {
+            format!("nats: header `{name}` starts with `Nats-`, which NATS reserves for itself")
+        }
+        Unsendable::HeaderName(name) => format!(
+            "nats: header name `{name}` is not valid in NATS (printable ASCII without ':' or spaces)"
+        ),
+        Unsendable::HeaderValue(name) => format!(
+            "nats: the value of header `{name}` contains a line break, which NATS headers cannot carry"
+        ),
+    })
 }
 
 /// Where a publish failed: handing it to the connection, or waiting for its ack.
@@ -187,9 +193,7 @@ pub(crate) fn publish_error(subject: &str, stage: Stage, error: PublishError) ->
 /// A failed health check: `Unavailable` whatever the cause, with what to do about it.
 pub(crate) fn health_error(servers: &str, error: RequestError) -> Error {
     let text = match error.kind() {
-        RequestErrorKind::TimedOut => {
-            format!("nats: JetStream at {servers} did not answer within sink.publish_timeout")
-        }
+        RequestErrorKind::TimedOut => return timed_out(servers, Waited::Health).with_source(error),
         RequestErrorKind::NoResponders => {
             format!("nats: JetStream is not enabled at {servers} (start nats-server with -js)")
         }
@@ -202,13 +206,6 @@ pub(crate) fn health_error(servers: &str, error: RequestError) -> Error {
 pub(crate) fn health_refused(servers: &str, error: &serde_json::Value) -> Error {
     Error::unavailable(format!(
         "nats: JetStream at {servers} refused the account query: {error}"
-    ))
-}
-
-/// No answer to the account query within the time-out (and the client's own did not fire).
-pub(crate) fn health_timed_out(servers: &str) -> Error {
-    Error::unavailable(format!(
-        "nats: JetStream at {servers} did not answer within sink.publish_timeout"
     ))
 }
 

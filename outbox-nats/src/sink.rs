@@ -17,9 +17,8 @@ use tokio::time::{Instant, timeout, timeout_at};
 
 use crate::config::{Credentials, redact_servers};
 use crate::error::{
-    Stage, acks_timed_out, connect_error, connect_timed_out, disconnected, handover_timed_out,
-    health_error, health_refused, health_timed_out, invalid_header_name, invalid_header_value,
-    invalid_subject, not_sent, publish_error, reserved_header,
+    Stage, Unsendable, Waited, connect_error, disconnected, health_error, health_refused, not_sent,
+    publish_error, timed_out, unsendable,
 };
 use crate::{NatsConfig, wire};
 use outbox_core::config::Settings;
@@ -42,13 +41,7 @@ pub struct NatsSink {
     jetstream: OnceCell<Context>,
 }
 
-impl std::fmt::Debug for NatsSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsSink")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(NatsSink);
 
 /// One message of a window: already settled, or waiting for its ack.
 enum Pending {
@@ -127,7 +120,7 @@ impl NatsSink {
                 let client = match timeout(all, options.connect(self.servers.clone())).await {
                     Ok(Ok(client)) => client,
                     Ok(Err(error)) => return Err(connect_error(&self.shown, error)),
-                    Err(_) => return Err(connect_timed_out(&self.shown)),
+                    Err(_) => return Err(timed_out(&self.shown, Waited::Connect)),
                 };
                 tracing::info!(servers = %self.shown, "connected to NATS");
                 Ok(ContextBuilder::new()
@@ -156,11 +149,11 @@ impl NatsSink {
         let subject = self
             .config
             .subject_for(&message.topic)
-            .map_err(|why| invalid_subject(&message.topic, &why))?;
+            .map_err(|why| unsendable(Unsendable::Subject(&message.topic, &why)))?;
         let mut map = HeaderMap::new();
         for name in message.headers.keys() {
             if name.to_ascii_lowercase().starts_with("nats-") {
-                return Err(reserved_header(name));
+                return Err(unsendable(Unsendable::ReservedHeader(name)));
             }
         }
         for (name, value) in envelope::application_headers(message) {
@@ -216,7 +209,7 @@ impl NatsSink {
                     Pending::Settled(Outcome::Failed(error))
                 }
                 Err(_) => {
-                    let error = handover_timed_out(&self.shown);
+                    let error = timed_out(&self.shown, Waited::Handover);
                     *broken = Some(error.to_string());
                     Pending::Settled(Outcome::Failed(error))
                 }
@@ -249,7 +242,7 @@ impl NatsSink {
                 Ok(outcomes) => outcomes,
                 Err(_) => window
                     .iter()
-                    .map(|_| (Outcome::Failed(acks_timed_out(&self.shown)), false))
+                    .map(|_| (Outcome::Failed(timed_out(&self.shown, Waited::Acks)), false))
                     .collect(),
             };
         // No responder means no stream captures the subject, or JetStream itself is gone (a
@@ -293,17 +286,17 @@ impl NatsSink {
                 Some(error) => Err(health_refused(&self.shown, error)),
             },
             Ok(Err(error)) => Err(health_error(&self.shown, error)),
-            Err(_) => Err(health_timed_out(&self.shown)),
+            Err(_) => Err(timed_out(&self.shown, Waited::Health)),
         }
     }
 }
 
 fn header_name(name: &str) -> Result<HeaderName> {
-    HeaderName::from_str(name).map_err(|_| invalid_header_name(name))
+    HeaderName::from_str(name).map_err(|_| unsendable(Unsendable::HeaderName(name)))
 }
 
 fn header_value(name: &str, value: &str) -> Result<HeaderValue> {
-    HeaderValue::from_str(value).map_err(|_| invalid_header_value(name))
+    HeaderValue::from_str(value).map_err(|_| unsendable(Unsendable::HeaderValue(name)))
 }
 
 #[async_trait]

@@ -39,22 +39,8 @@ mod tests {
 
     #[tokio::test]
     async fn registers_a_factory_that_names_bad_keys() {
-        let mut registry = SinkRegistry::new();
-        register(&mut registry);
-        assert_eq!(registry.names(), [TYPE]);
-        let built = registry
-            .build(TYPE, serde_json::json!({ "url": "redis://127.0.0.1:1" }))
-            .await;
-        assert!(built.is_ok());
-        let error = registry
-            .build(
-                TYPE,
-                serde_json::json!({ "url": "redis://127.0.0.1:1", "publish_timeout": 5 }),
-            )
-            .await
-            .err()
-            .unwrap();
-        assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-        assert!(error.message().starts_with("publish_timeout: "), "{error}");
+        let good = serde_json::json!({ "url": "redis://127.0.0.1:1" });
+        let bad = serde_json::json!({ "url": "redis://127.0.0.1:1", "publish_timeout": 5 });
+        outbox_testkit::check_sink_register(register, TYPE, good, bad, "publish_timeout").await;
     }
 }

@@ -149,13 +149,7 @@ pub struct RedisSink {
     runs: Script,
 }
 
-impl std::fmt::Debug for RedisSink {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisSink")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(RedisSink);
 
 /// The CA and client certificate files of `config`, read, when it names any.
 fn tls_certificates(config: &RedisConfig) -> Result<Option<redis::TlsCertificates>> {

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
+use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, SinkRegistry};
 use tokio::net::TcpListener;
 
 use crate::note;
@@ -138,6 +138,33 @@ pub fn receipts(outcomes: &[Outcome]) -> Vec<String> {
             Outcome::Failed(error) => panic!("message {i} was not delivered: {error}"),
         })
         .collect()
+}
+
+/// Checks a sink crate's `register` without a broker: it registers `type_name` alone, its
+/// factory builds a sink from `good` (a table that does not connect), and refuses `bad`
+/// with a configuration error whose message starts with `bad_key: ` (errors are keyed by the
+/// setting, relative to the `[sink]` section).
+pub async fn check_sink_register(
+    register: fn(&mut SinkRegistry),
+    type_name: &str,
+    good: serde_json::Value,
+    bad: serde_json::Value,
+    bad_key: &str,
+) {
+    let mut registry = SinkRegistry::new();
+    register(&mut registry);
+    assert_eq!(registry.names(), [type_name]);
+    if let Err(error) = registry.build(type_name, good).await {
+        panic!("{type_name}: the good table was refused: {error}");
+    }
+    let Err(error) = registry.build(type_name, bad).await else {
+        panic!("{type_name}: the table with a bad `{bad_key}` was accepted");
+    };
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    assert!(
+        error.message().starts_with(&format!("{bad_key}: ")),
+        "{error}"
+    );
 }
 
 /// Publishes a batch in which some messages may fail, and returns the outcomes, checking
