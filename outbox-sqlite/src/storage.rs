@@ -103,6 +103,31 @@ fn listed<'q>(
         .bind(now)
 }
 
+/// Runs the [`listed`] statements `steps` (a `None` is a step this configuration skips), in
+/// order, over the JSON list of `items`; returns the rows the last one changed. A list with
+/// no items runs nothing.
+async fn run_listed(
+    tx: &mut Transaction<'static, Sqlite>,
+    steps: &[Option<&String>],
+    items: impl Iterator<Item = serde_json::Value>,
+    token: &str,
+    now: i64,
+) -> std::result::Result<u64, sqlx::Error> {
+    let items: Vec<_> = items.collect();
+    if items.is_empty() {
+        return Ok(0);
+    }
+    let list = serde_json::Value::Array(items).to_string();
+    let mut changed = 0;
+    for sql in steps.iter().flatten() {
+        changed = listed(sql, &list, token, now)
+            .execute(&mut **tx)
+            .await?
+            .rows_affected();
+    }
+    Ok(changed)
+}
+
 impl SqliteStorage {
     /// A storage for `config`. Validates the configuration and checks that the file's
     /// directory exists; opens the file lazily, so a file that is not a database shows up
@@ -511,24 +536,15 @@ impl SqliteStorage {
         let dead = first_of_each(&s.dead, |d| d.id);
         let dead = dead
             .iter()
-            .filter_map(|d| Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "error": d.error })))
-            .collect::<Vec<_>>();
-        if !dead.is_empty() {
-            let list = serde_json::Value::Array(dead).to_string();
-            let run = |sql| listed(sql, &list, &token, now);
-            run(&self.sql.dead_copy)
-                .execute(&mut **tx)
-                .await
-                .map_err(fail)?;
-            if let Some(park) = &self.sql.dead_park {
-                run(park).execute(&mut **tx).await.map_err(fail)?;
-            }
-            changed += run(&self.sql.dead_delete)
-                .execute(&mut **tx)
-                .await
-                .map_err(fail)?
-                .rows_affected();
-        }
+            .filter_map(|d| Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "error": d.error })));
+        let dead_steps = [
+            Some(&self.sql.dead_copy),
+            self.sql.dead_park.as_ref(),
+            Some(&self.sql.dead_delete),
+        ];
+        changed += run_listed(tx, &dead_steps, dead, &token, now)
+            .await
+            .map_err(fail)?;
         for retry in first_of_each(&s.retries, |r| r.id) {
             let Some(seq) = seqs.get(&retry.id) else {
                 continue;
@@ -545,24 +561,16 @@ impl SqliteStorage {
                 .rows_affected();
         }
         let delivered = first_of_each(&s.delivered, |d| d.id);
-        let delivered = delivered
-            .iter()
-            .filter_map(|d| {
-                Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "receipt": d.receipt.0 }))
-            })
-            .collect::<Vec<_>>();
-        if !delivered.is_empty() {
-            let list = serde_json::Value::Array(delivered).to_string();
-            let run = |sql| listed(sql, &list, &token, now);
-            if let Some(keep) = &self.sql.delivered_keep {
-                run(keep).execute(&mut **tx).await.map_err(fail)?;
-            }
-            changed += run(&self.sql.delivered_delete)
-                .execute(&mut **tx)
-                .await
-                .map_err(fail)?
-                .rows_affected();
-        }
+        let delivered = delivered.iter().filter_map(|d| {
+            Some(serde_json::json!({ "seq": seqs.get(&d.id)?, "receipt": d.receipt.0 }))
+        });
+        let delivered_steps = [
+            self.sql.delivered_keep.as_ref(),
+            Some(&self.sql.delivered_delete),
+        ];
+        changed += run_listed(tx, &delivered_steps, delivered, &token, now)
+            .await
+            .map_err(fail)?;
         let released = s.released.iter().filter_map(|id| seqs.get(id));
         let released = json_seqs(released);
         if released != "[]" {
