@@ -214,6 +214,43 @@ async fn claim(storage: &dyn Storage, worker: &str, limit: usize, lease: Duratio
         .unwrap_or_else(|e| panic!("claim by {worker}: {e}"))
 }
 
+/// Acknowledges every message of `claim`; returns how many the storage changed.
+async fn ack_all(storage: &dyn Storage, claim: &Claim) -> u64 {
+    storage
+        .ack(&claim.token, &deliveries(claim))
+        .await
+        .expect("ack")
+}
+
+fn dead_letter(m: &outbox_core::Message, error: &str) -> DeadLetter {
+    DeadLetter {
+        id: m.id,
+        error: error.into(),
+    }
+}
+
+/// Two claims in a row hand out nothing: a released key has drained.
+async fn assert_drained(storage: &dyn Storage, check: &str) {
+    for _ in 0..2 {
+        let empty = claim(storage, "w1", 10, LEASE).await;
+        assert_eq!(payloads(&empty), Vec::<String>::new(), "{check}: drained");
+    }
+}
+
+/// As an operator would: claims the head of key `k` (`head`), dead-letters it and releases
+/// the parked key; returns the dead letter's id.
+async fn dead_letter_and_release(f: &dyn StorageFixture, head: &str, check: &str) -> Uuid {
+    let storage = f.storage();
+    let c = claim(&*storage, "w1", 1, LEASE).await;
+    assert_eq!(payloads(&c), [head], "{check}: the head");
+    storage
+        .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
+        .await
+        .expect("dead");
+    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    c.messages[0].id
+}
+
 /// A fixture whose capabilities are checked to be what the check needs.
 pub(crate) async fn fixture(
     h: &dyn StorageHarness,
@@ -267,10 +304,7 @@ pub async fn storage_commit_delivers_rollback_does_not(h: &dyn StorageHarness) {
     f.begin(&[msg("committed")]).await.commit().await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&c), ["committed"], "commit and rollback");
-    assert_eq!(
-        storage.ack(&c.token, &deliveries(&c)).await.expect("ack"),
-        1
-    );
+    assert_eq!(ack_all(&*storage, &c).await, 1);
     assert!(
         claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
         "rolled back messages must never appear"
@@ -450,10 +484,7 @@ pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHar
     let c = claim(&*storage, "w1", 1, LEASE).await;
     assert_eq!(payloads(&c), ["p1"], "{check}: the first claim");
     f.enqueue(&[keyed("fine", "f1")]).await;
-    let dead = DeadLetter {
-        id: c.messages[0].id,
-        error: "cannot be delivered".into(),
-    };
+    let dead = dead_letter(&c.messages[0], "cannot be delivered");
     assert_eq!(
         storage
             .dead_letter(&c.token, &[dead])
@@ -485,10 +516,7 @@ pub async fn storage_dead_letter_without_key_order_parks_nothing(h: &dyn Storage
     f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
         .await;
     let c = claim(&*storage, "w1", 1, LEASE).await;
-    let dead = DeadLetter {
-        id: c.messages[0].id,
-        error: "cannot be delivered".into(),
-    };
+    let dead = dead_letter(&c.messages[0], "cannot be delivered");
     assert_eq!(
         storage
             .dead_letter(&c.token, &[dead])
@@ -541,19 +569,9 @@ pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
     let dead: Vec<DeadLetter> = stale
         .messages
         .iter()
-        .map(|m| DeadLetter {
-            id: m.id,
-            error: "late".into(),
-        })
+        .map(|m| dead_letter(m, "late"))
         .collect();
-    assert_eq!(
-        storage
-            .ack(&stale.token, &deliveries(&stale))
-            .await
-            .expect("ack"),
-        0,
-        "{check}: stale ack"
-    );
+    assert_eq!(ack_all(&*storage, &stale).await, 0, "{check}: stale ack");
     assert_eq!(
         storage.retry(&stale.token, &retries).await.expect("retry"),
         0,
@@ -582,10 +600,7 @@ pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
         "{check}: the stale writes changed something: {stats:?}"
     );
     assert_eq!(
-        storage
-            .ack(&fresh.token, &deliveries(&fresh))
-            .await
-            .expect("ack"),
+        ack_all(&*storage, &fresh).await,
         2,
         "{check}: the live claim's ack"
     );
@@ -711,7 +726,7 @@ pub async fn storage_a_claim_takes_at_most_max_per_key_of_a_key(h: &dyn StorageH
             a.len()
         );
         seen.extend(a);
-        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+        ack_all(&*storage, &c).await;
     }
     let expected: Vec<String> = (0..total).map(|i| format!("a{i:03}")).collect();
     assert_eq!(
@@ -736,7 +751,7 @@ pub async fn storage_out_of_order_commits_lose_nothing(h: &dyn StorageHarness) {
     while let Some(tx) = open.pop() {
         tx.commit().await;
         let c = claim(&*storage, "w1", 100, LEASE).await;
-        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+        ack_all(&*storage, &c).await;
         delivered.extend(ids(&c));
     }
     let c = claim(&*storage, "w1", 100, LEASE).await;
@@ -777,10 +792,7 @@ pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
         "{check}: the oldest pending message"
     );
     let c = claim(&*storage, "w1", 2, LEASE).await;
-    let dead = DeadLetter {
-        id: c.messages[1].id,
-        error: "bad".into(),
-    };
+    let dead = dead_letter(&c.messages[1], "bad");
     storage
         .dead_letter(&c.token, &[dead])
         .await
@@ -925,10 +937,7 @@ pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
         claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
         "{check}: a second relay may take nothing of the key while a is in flight and b waits"
     );
-    storage
-        .ack(&second.token, &deliveries(&second))
-        .await
-        .expect("ack");
+    ack_all(&*storage, &second).await;
     tokio::time::sleep(WAIT_OUT).await;
     let third = claim(&*storage, "w2", 10, LEASE).await;
     assert_eq!(
@@ -1061,14 +1070,7 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
     let storage = f.storage();
     f.enqueue(&[keyed("k", "m1"), keyed("k", "m2"), keyed("k", "m3")])
         .await;
-    let c = claim(&*storage, "w1", 1, LEASE).await;
-    assert_eq!(payloads(&c), ["m1"], "{check}: the head");
-    let dead = DeadLetter {
-        id: c.messages[0].id,
-        error: "poison".into(),
-    };
-    storage.dead_letter(&c.token, &[dead]).await.expect("dead");
-    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    let dead = dead_letter_and_release(&*f, "m1", check).await;
     let rest = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&rest), ["m2", "m3"], "{check}: after the release");
     let settlement = Settlement {
@@ -1080,11 +1082,7 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
         .settle(&rest.token, &settlement)
         .await
         .expect("settle");
-    assert_eq!(
-        f.replay_dead_letters(&ids(&c)).await,
-        1,
-        "{check}: replayed"
-    );
+    assert_eq!(f.replay_dead_letters(&[dead]).await, 1, "{check}: replayed");
     let next = claim(&*storage, "w2", 10, LEASE).await;
     assert_eq!(
         payloads(&next),
@@ -1108,32 +1106,14 @@ pub async fn storage_a_dead_letter_replayed_after_its_key_drained_goes_first(
     let f = fixture_or_skip!(h, true, check);
     let storage = f.storage();
     f.enqueue(&[keyed("k", "m1")]).await;
-    let c = claim(&*storage, "w1", 1, LEASE).await;
-    assert_eq!(payloads(&c), ["m1"], "{check}: the head");
-    let dead = DeadLetter {
-        id: c.messages[0].id,
-        error: "poison".into(),
-    };
-    storage.dead_letter(&c.token, &[dead]).await.expect("dead");
-    assert!(f.release_parked_key("k").await, "{check}: k was parked");
+    let dead = dead_letter_and_release(&*f, "m1", check).await;
     f.enqueue(&[keyed("k", "m2")]).await;
     let rest = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&rest), ["m2"], "{check}: after the release");
-    storage
-        .ack(&rest.token, &deliveries(&rest))
-        .await
-        .expect("ack");
-    // Claims with nothing to hand out: the released key has drained.
-    for _ in 0..2 {
-        let empty = claim(&*storage, "w1", 10, LEASE).await;
-        assert_eq!(payloads(&empty), Vec::<String>::new(), "{check}: drained");
-    }
+    ack_all(&*storage, &rest).await;
+    assert_drained(&*storage, check).await;
     f.enqueue(&[keyed("k", "m3")]).await;
-    assert_eq!(
-        f.replay_dead_letters(&ids(&c)).await,
-        1,
-        "{check}: replayed"
-    );
+    assert_eq!(f.replay_dead_letters(&[dead]).await, 1, "{check}: replayed");
     let next = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(
         payloads(&next).first().map(String::as_str),
@@ -1153,22 +1133,8 @@ pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &d
     let mut dead = Vec::new();
     for payload in ["k1", "k2"] {
         f.enqueue(&[keyed("k", payload)]).await;
-        let c = claim(&*storage, "w1", 10, LEASE).await;
-        assert_eq!(payloads(&c), [payload], "{check}: the head");
-        let letter = DeadLetter {
-            id: c.messages[0].id,
-            error: "poison".into(),
-        };
-        storage
-            .dead_letter(&c.token, &[letter])
-            .await
-            .expect("dead");
-        dead.push(c.messages[0].id);
-        assert!(f.release_parked_key("k").await, "{check}: k was parked");
-        for _ in 0..2 {
-            let empty = claim(&*storage, "w1", 10, LEASE).await;
-            assert_eq!(payloads(&empty), Vec::<String>::new(), "{check}: drained");
-        }
+        dead.push(dead_letter_and_release(&*f, payload, check).await);
+        assert_drained(&*storage, check).await;
     }
     assert_eq!(
         f.replay_dead_letters(&dead[1..]).await,
@@ -1197,10 +1163,6 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
     let check = "replaying one of two dead letters";
     let f = fixture_or_skip!(h, true, check);
     let storage = f.storage();
-    let dead = |id| DeadLetter {
-        id,
-        error: "poison".into(),
-    };
     f.enqueue(&[keyed("k", "k1"), keyed("k", "k2"), keyed("k", "k3")])
         .await;
     let c = claim(&*storage, "w1", 1, LEASE).await;
@@ -1208,7 +1170,7 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
     let first = c.messages[0].id;
     assert_eq!(
         storage
-            .dead_letter(&c.token, &[dead(first)])
+            .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
             .await
             .expect("dead_letter"),
         1,
@@ -1226,7 +1188,7 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
     let second = c.messages[0].id;
     assert_eq!(
         storage
-            .dead_letter(&c.token, &[dead(second)])
+            .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
             .await
             .expect("dead_letter"),
         1,
@@ -1258,7 +1220,7 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
     );
     // Log mode counts a replayed key parked (draining) until its held rows are settled and
     // a claim has seen that: the figure is read once the key has drained.
-    storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    ack_all(&*storage, &c).await;
     assert_eq!(
         drain(&*storage, "k", check).await,
         Vec::<String>::new(),
@@ -1283,10 +1245,7 @@ pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
     let settlement = Settlement {
         delivered: deliveries(&c)[..1].to_vec(),
         retries: vec![retry(&m[1], LONG)],
-        dead: vec![DeadLetter {
-            id: m[2].id,
-            error: "bad".into(),
-        }],
+        dead: vec![dead_letter(&m[2], "bad")],
         released: vec![m[3].id],
     };
     assert_eq!(
@@ -1362,10 +1321,7 @@ async fn retry_j1_dead_k1(f: &dyn StorageFixture, check: &str) -> Uuid {
     let m = &c.messages;
     let settlement = Settlement {
         retries: vec![retry(&m[0], LONG)],
-        dead: vec![DeadLetter {
-            id: m[1].id,
-            error: "poison".into(),
-        }],
+        dead: vec![dead_letter(&m[1], "poison")],
         released: vec![m[2].id],
         ..Settlement::default()
     };
@@ -1392,7 +1348,7 @@ async fn drain(storage: &dyn Storage, key: &str, check: &str) -> Vec<String> {
                 .filter(|m| m.key.as_deref() == Some(key))
                 .map(|m| String::from_utf8_lossy(&m.payload).into_owned()),
         );
-        storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+        ack_all(storage, &c).await;
     }
     panic!("{check}: the storage never drained");
 }
@@ -1411,7 +1367,7 @@ pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
     let storage = f.storage();
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&c), ["k2"], "{check}: k2 flows after the release");
-    storage.ack(&c.token, &deliveries(&c)).await.expect("ack");
+    ack_all(&*storage, &c).await;
     if !f.restart(true).await {
         super::note(check, "skipped: the storage lives in one process");
         return;
