@@ -225,33 +225,44 @@ mod tests {
     fn refused_values_name_their_key() {
         let dir = TempDir::new();
         let path = dir.path().join("out.jsonl");
-        let file = |value| error_of(FileConfig::from_value(value));
-        let missing = file(serde_json::json!({}));
-        assert!(missing.starts_with("sink.path is missing"), "{missing}");
-        let unknown = file(serde_json::json!({ "path": path, "fsync": true }));
-        assert!(
-            unknown.starts_with("sink.fsync: unknown field `fsync`"),
-            "{unknown}"
-        );
-        let typed = file(serde_json::json!({ "path": path, "sync": "yes" }));
-        assert!(typed.starts_with("sink.sync: invalid type"), "{typed}");
-        let duration = file(serde_json::json!({ "path": path, "publish_timeout": "soon" }));
-        assert!(duration.starts_with("sink.publish_timeout: "), "{duration}");
-        let zero = file(serde_json::json!({ "path": path, "publish_timeout": "0s" }));
-        assert!(zero.starts_with("sink.publish_timeout is 0ns"), "{zero}");
-        let directory = file(serde_json::json!({ "path": dir.path() }));
+        outbox_testkit::check_sink_settings_refused::<FileConfig>([
+            (serde_json::json!({}), "sink.path is missing"),
+            (
+                serde_json::json!({ "path": path, "fsync": true }),
+                "sink.fsync: unknown field `fsync`",
+            ),
+            (
+                serde_json::json!({ "path": path, "sync": "yes" }),
+                "sink.sync: invalid type",
+            ),
+            (
+                serde_json::json!({ "path": path, "publish_timeout": "soon" }),
+                "sink.publish_timeout: ",
+            ),
+            (
+                serde_json::json!({ "path": path, "publish_timeout": "0s" }),
+                "sink.publish_timeout is 0ns",
+            ),
+        ]);
+        let directory = error_of(FileConfig::from_value(
+            serde_json::json!({ "path": dir.path() }),
+        ));
         assert!(directory.contains("is a directory"), "{directory}");
 
-        let stdout = |value| error_of(StdoutConfig::from_value(value));
-        let unknown = stdout(serde_json::json!({ "path": "/tmp/x" }));
-        assert!(
-            unknown.starts_with("sink.path: unknown field `path`"),
-            "{unknown}"
-        );
-        let typed = stdout(serde_json::json!({ "publish_timeout": 5 }));
-        assert!(typed.starts_with("sink.publish_timeout: "), "{typed}");
-        let zero = stdout(serde_json::json!({ "publish_timeout": "1ms" }));
-        assert!(zero.starts_with("sink.publish_timeout is 1ms"), "{zero}");
+        outbox_testkit::check_sink_settings_refused::<StdoutConfig>([
+            (
+                serde_json::json!({ "path": "/tmp/x" }),
+                "sink.path: unknown field `path`",
+            ),
+            (
+                serde_json::json!({ "publish_timeout": 5 }),
+                "sink.publish_timeout: ",
+            ),
+            (
+                serde_json::json!({ "publish_timeout": "1ms" }),
+                "sink.publish_timeout is 1ms",
+            ),
+        ]);
     }
 
     #[test]

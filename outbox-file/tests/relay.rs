@@ -385,18 +385,7 @@ async fn the_directory_going_away_is_an_outage() {
     }
     let second: Vec<NewMessage> = (50..250).map(message).collect();
     outbox.enqueue(&second).await;
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    outbox
-        .wait_for("the batch in flight released", |s| s.in_flight == 0)
-        .await;
-    let stats = outbox.stats().await;
-    assert_eq!(stats.pending, 200, "nothing delivered meanwhile: {stats:?}");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
-    let attempts = outbox.attempts().await;
-    assert!(
-        attempts.iter().all(|&a| a == 0),
-        "an outage charges no attempt: {attempts:?}"
-    );
+    end_to_end::assert_held_by_the_outage(&outbox, second.len(), Duration::from_secs(1)).await;
 
     std::fs::create_dir(&dir).unwrap();
     outbox

@@ -494,37 +494,36 @@ mod tests {
             "{debug}"
         );
 
-        let error = |value: serde_json::Value| {
-            let error = NatsConfig::from_value(value).unwrap_err();
-            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-            error.in_section("sink").message().to_string()
-        };
-        let unknown = error(serde_json::json!({ "urll": "x" }));
-        assert!(
-            unknown.starts_with("sink.urll: unknown field `urll`"),
-            "{unknown}"
-        );
-        let renamed = error(serde_json::json!({ "timeout": "5s" }));
-        assert!(
-            renamed.starts_with("sink.timeout: unknown field `timeout`"),
-            "{renamed}"
-        );
-        let typed = error(serde_json::json!({ "max_pending_acks": "many" }));
-        assert!(typed.starts_with("sink.max_pending_acks: "), "{typed}");
-        let duration = error(serde_json::json!({ "publish_timeout": "soon" }));
-        assert!(duration.starts_with("sink.publish_timeout: "), "{duration}");
-        let placeholder = error(serde_json::json!({ "subject": "{topc}" }));
-        assert!(
-            placeholder.starts_with("sink.subject: `{topc}` uses the unknown placeholder"),
-            "{placeholder}"
-        );
-        let creds = error(serde_json::json!({ "credentials_file": "/nowhere/app.creds" }));
-        assert!(
-            creds.starts_with("sink.credentials_file `/nowhere/app.creds` cannot be read"),
-            "{creds}"
-        );
-        let zero = error(serde_json::json!({ "publish_timeout": "0s" }));
-        assert!(zero.starts_with("sink.publish_timeout is 0ns"), "{zero}");
+        outbox_testkit::check_sink_settings_refused::<NatsConfig>([
+            (
+                serde_json::json!({ "urll": "x" }),
+                "sink.urll: unknown field `urll`",
+            ),
+            (
+                serde_json::json!({ "timeout": "5s" }),
+                "sink.timeout: unknown field `timeout`",
+            ),
+            (
+                serde_json::json!({ "max_pending_acks": "many" }),
+                "sink.max_pending_acks: ",
+            ),
+            (
+                serde_json::json!({ "publish_timeout": "soon" }),
+                "sink.publish_timeout: ",
+            ),
+            (
+                serde_json::json!({ "subject": "{topc}" }),
+                "sink.subject: `{topc}` uses the unknown placeholder",
+            ),
+            (
+                serde_json::json!({ "credentials_file": "/nowhere/app.creds" }),
+                "sink.credentials_file `/nowhere/app.creds` cannot be read",
+            ),
+            (
+                serde_json::json!({ "publish_timeout": "0s" }),
+                "sink.publish_timeout is 0ns",
+            ),
+        ]);
     }
 
     #[test]

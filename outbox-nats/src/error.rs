@@ -102,7 +102,7 @@ pub(crate) fn unsendable(why: Unsendable<'_>) -> Error {
 }
 
 /// Where a publish failed: handing it to the connection, or waiting for its ack.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Stage {
     Send,
     Ack,
@@ -215,60 +215,39 @@ mod tests {
 
     #[test]
     fn publish_errors_are_classified() {
-        let kind = |k, stage| publish_error("s", stage, PublishError::new(k)).kind();
-        assert_eq!(
-            kind(PublishErrorKind::TimedOut, Stage::Ack),
-            ErrorKind::Unavailable
-        );
-        assert_eq!(
-            kind(PublishErrorKind::BrokenPipe, Stage::Ack),
-            ErrorKind::Unavailable
-        );
-        assert_eq!(
-            kind(PublishErrorKind::Other, Stage::Send),
-            ErrorKind::Unavailable
-        );
-        assert_eq!(
-            kind(PublishErrorKind::Other, Stage::Ack),
-            ErrorKind::Temporary
-        );
-        assert_eq!(
-            kind(PublishErrorKind::StreamNotFound, Stage::Ack),
-            ErrorKind::Temporary
-        );
-        assert_eq!(
-            kind(PublishErrorKind::MaxPayloadExceeded, Stage::Send),
-            ErrorKind::Permanent
-        );
+        use ErrorKind::{Permanent, Temporary, Unavailable};
+        use PublishErrorKind::{BrokenPipe, MaxPayloadExceeded, Other, StreamNotFound, TimedOut};
+        for (kind, stage, expected) in [
+            (TimedOut, Stage::Ack, Unavailable),
+            (BrokenPipe, Stage::Ack, Unavailable),
+            (Other, Stage::Send, Unavailable),
+            (Other, Stage::Ack, Temporary),
+            (StreamNotFound, Stage::Ack, Temporary),
+            (MaxPayloadExceeded, Stage::Send, Permanent),
+        ] {
+            let error = publish_error("s", stage, PublishError::new(kind));
+            assert_eq!(error.kind(), expected, "{kind:?} at {stage:?}");
+        }
     }
 
     #[test]
     fn jetstream_api_errors_are_classified_by_code() {
+        use ErrorKind::{Permanent, Temporary, Unavailable};
         // As the server sends them in a publish ack.
-        let api = |code: u64, err_code: u64| -> async_nats::jetstream::Error {
-            serde_json::from_value(serde_json::json!({
+        for (code, err_code, expected, what) in [
+            (400, 10054, Permanent, "message too large"),
+            (400, 10060, Permanent, "expected stream"),
+            (503, 10008, Unavailable, "no cluster"),
+            (503, 0, Unavailable, "503"),
+            // A full stream (discard new) or failing storage: back-pressure, nothing charged.
+            (503, 10077, Unavailable, "full stream"),
+            (400, 10999, Temporary, "any other"),
+        ] {
+            let api: async_nats::jetstream::Error = serde_json::from_value(serde_json::json!({
                 "code": code, "err_code": err_code, "description": "from the server"
             }))
-            .unwrap()
-        };
-        assert_eq!(
-            jetstream_kind(&api(400, 10054)),
-            ErrorKind::Permanent,
-            "message too large"
-        );
-        assert_eq!(
-            jetstream_kind(&api(400, 10060)),
-            ErrorKind::Permanent,
-            "expected stream"
-        );
-        assert_eq!(
-            jetstream_kind(&api(503, 10008)),
-            ErrorKind::Unavailable,
-            "no cluster"
-        );
-        assert_eq!(jetstream_kind(&api(503, 0)), ErrorKind::Unavailable, "503");
-        // A full stream (discard new) or failing storage: back-pressure, nothing charged.
-        assert_eq!(jetstream_kind(&api(503, 10077)), ErrorKind::Unavailable);
-        assert_eq!(jetstream_kind(&api(400, 10999)), ErrorKind::Temporary);
+            .unwrap();
+            assert_eq!(jetstream_kind(&api), expected, "{what}");
+        }
     }
 }

@@ -402,35 +402,32 @@ mod tests {
         .unwrap();
         assert_eq!(map.stream_for("orders.paid").as_deref(), Some("orders"));
 
-        let error = |value: serde_json::Value| {
-            let error = RedisConfig::from_value(value).unwrap_err();
-            assert_eq!(error.kind(), outbox_core::ErrorKind::Config);
-            error.in_section("sink").message().to_string()
-        };
-        let message = error(serde_json::json!({ "url": "redis://h", "command_timeout": "5s" }));
-        assert!(
-            message.starts_with("sink.command_timeout: unknown field"),
-            "{message}"
-        );
-        let message = error(serde_json::json!({ "url": "redis://h", "publish_timeout": "soon" }));
-        assert!(message.starts_with("sink.publish_timeout: "), "{message}");
-        let message = error(serde_json::json!({ "url": "redis://h", "stream_template": "{topc}" }));
-        assert!(
-            message.starts_with("sink.stream_template: `{topc}` uses the unknown placeholder"),
-            "{message}"
-        );
-        let message = error(serde_json::json!({ "url": "redis://h", "max_len": 0 }));
-        assert!(message.starts_with("sink.max_len is 0"), "{message}");
-        let message = error(serde_json::json!({
-            "url": "redis://h",
-            "stream_template": "a:{topic}",
-            "streams": { "t": "s" },
-        }));
-        assert!(
-            message.starts_with("sink.stream_template is set together with streams"),
-            "{message}"
-        );
-        let message = error(serde_json::json!({ "pool_size": 1 }));
-        assert!(message.starts_with("sink.url is missing"), "{message}");
+        outbox_testkit::check_sink_settings_refused::<RedisConfig>([
+            (
+                serde_json::json!({ "url": "redis://h", "command_timeout": "5s" }),
+                "sink.command_timeout: unknown field",
+            ),
+            (
+                serde_json::json!({ "url": "redis://h", "publish_timeout": "soon" }),
+                "sink.publish_timeout: ",
+            ),
+            (
+                serde_json::json!({ "url": "redis://h", "stream_template": "{topc}" }),
+                "sink.stream_template: `{topc}` uses the unknown placeholder",
+            ),
+            (
+                serde_json::json!({ "url": "redis://h", "max_len": 0 }),
+                "sink.max_len is 0",
+            ),
+            (
+                serde_json::json!({
+                    "url": "redis://h",
+                    "stream_template": "a:{topic}",
+                    "streams": { "t": "s" },
+                }),
+                "sink.stream_template is set together with streams",
+            ),
+            (serde_json::json!({ "pool_size": 1 }), "sink.url is missing"),
+        ]);
     }
 }

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use outbox_core::config::Settings;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, SinkRegistry};
 use tokio::net::TcpListener;
 
@@ -165,6 +166,23 @@ pub async fn check_sink_register(
         error.message().starts_with(&format!("{bad_key}: ")),
         "{error}"
     );
+}
+
+/// Checks that `T::from_value` refuses each table of `cases` with a configuration error
+/// whose message, placed in the `[sink]` section, starts with the text beside it (`sink.<key>
+/// …`). For a sink crate's tests of its settings.
+pub fn check_sink_settings_refused<T: Settings + std::fmt::Debug>(
+    cases: impl IntoIterator<Item = (serde_json::Value, &'static str)>,
+) {
+    for (table, expected) in cases {
+        let error = match T::from_value(table.clone()) {
+            Ok(settings) => panic!("{table} was accepted: {settings:?}"),
+            Err(error) => error,
+        };
+        assert_eq!(error.kind(), ErrorKind::Config, "{table}: {error}");
+        let message = error.in_section("sink").message().to_string();
+        assert!(message.starts_with(expected), "{table}: {message}");
+    }
 }
 
 /// Publishes a batch in which some messages may fail, and returns the outcomes, checking

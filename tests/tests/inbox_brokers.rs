@@ -231,9 +231,12 @@ impl Billing {
         );
     }
 
-    /// After the whole run: every message processed once, each failing handler failed once
-    /// (and its message was processed on a redelivery), and there were duplicates to skip.
-    fn assert_counts(&self, crashed: usize, what: &str) {
+    /// After the whole run of `what` (begun at `started`): each message of `sent` had its
+    /// effect once ([`Billing::assert_each_once`]), every message was processed once, each
+    /// failing handler failed once (and its message was processed on a redelivery), and
+    /// there were duplicates to skip, at least one for each of the `crashed` published twice.
+    async fn assert_run(&self, sent: &[NewMessage], crashed: usize, what: &str, started: Instant) {
+        self.assert_each_once(sent).await;
         let (processed, duplicates, failed) = (
             self.count(Handled::Processed),
             self.count(Handled::Duplicate),
@@ -250,6 +253,7 @@ impl Billing {
             duplicates >= crashed,
             "{what}: {duplicates} duplicates skipped, fewer than the {crashed} republished"
         );
+        eprintln!("[{what}] {:?}", started.elapsed());
     }
 }
 
@@ -274,12 +278,13 @@ fn messages() -> Vec<NewMessage> {
 /// Enqueues [`messages`]; a relay claims [`CRASHED`] of them under a 1 s lease, publishes
 /// them through `crashed` and dies before recording the delivery; a relay started next
 /// publishes everything through `sink`, the crashed batch again once its lease ran out.
-/// Returns the messages and the ids published twice.
+/// Returns the test outbox (its schema holds the consumer's tables), the messages, the ids
+/// published twice and the consumer's [`Billing`] for the messages.
 async fn relay_with_a_crash(
-    outbox: &TestOutbox,
     crashed: Arc<dyn Sink>,
     sink: Arc<dyn Sink>,
-) -> (Vec<NewMessage>, Vec<Uuid>) {
+) -> (TestOutbox, Vec<NewMessage>, Vec<Uuid>, Arc<Billing>) {
+    let outbox = TestOutbox::new().await;
     let messages = messages();
     outbox.enqueue(&messages).await;
     let claim = outbox
@@ -303,11 +308,14 @@ async fn relay_with_a_crash(
         .await;
     relay.stop().await;
     let twice = claim.messages.iter().map(|m| m.id).collect();
-    (messages, twice)
+    let billing = Billing::new(&outbox, &messages).await;
+    (outbox, messages, twice, billing)
 }
 
-/// One message through the relay.
-async fn relay_one(outbox: &TestOutbox, sink: Arc<dyn Sink>) -> NewMessage {
+/// One message through the relay: the test outbox (its schema holds the consumer's
+/// tables), the message and the consumer's [`Billing`] for it.
+async fn relay_one(sink: Arc<dyn Sink>) -> (TestOutbox, NewMessage, Arc<Billing>) {
+    let outbox = TestOutbox::new().await;
     let message = NewMessage::json(TOPIC, &serde_json::json!({ "invoice": "raced" }))
         .expect("JSON")
         .key("customer-0");
@@ -317,7 +325,8 @@ async fn relay_one(outbox: &TestOutbox, sink: Arc<dyn Sink>) -> NewMessage {
         .drained_with_no_dead_letters(Duration::from_secs(20))
         .await;
     relay.stop().await;
-    message
+    let billing = Billing::new(&outbox, std::slice::from_ref(&message)).await;
+    (outbox, message, billing)
 }
 
 /// Asserts that two consumers raced on one id: one processed it, the other skipped it.
@@ -406,9 +415,7 @@ mod redis {
         let started = Instant::now();
         let prefix = format!("{}:", unique_name("outbox_inbox"));
         let (mut con, stream, sink) = setup(&prefix).await;
-        let outbox = TestOutbox::new().await;
-        let (messages, crashed) = relay_with_a_crash(&outbox, sink(), sink()).await;
-        let billing = Billing::new(&outbox, &messages).await;
+        let (_outbox, messages, crashed, billing) = relay_with_a_crash(sink(), sink()).await;
 
         // Consumer a reads everything, handles it and dies: it acknowledged neither its
         // failed deliveries nor those it was killed before acknowledging.
@@ -449,10 +456,10 @@ mod redis {
         assert!(read_new(&mut con, &stream, "b", 10).await.is_empty());
         assert_eq!(redelivered, unacked, "b got what a left");
 
-        billing.assert_each_once(&messages).await;
-        billing.assert_counts(crashed.len(), "redis");
+        billing
+            .assert_run(&messages, crashed.len(), "redis", started)
+            .await;
         delete_prefixed(&prefix).await;
-        eprintln!("[redis] {:?}", started.elapsed());
     }
 
     /// Consumer a reads an entry and is still working on it when consumer b claims it
@@ -461,9 +468,7 @@ mod redis {
     async fn two_consumers_on_one_entry_at_once_make_one_effect() {
         let prefix = format!("{}:", unique_name("outbox_inbox"));
         let (mut con, stream, sink) = setup(&prefix).await;
-        let outbox = TestOutbox::new().await;
-        let message = relay_one(&outbox, sink()).await;
-        let billing = Billing::new(&outbox, std::slice::from_ref(&message)).await;
+        let (_outbox, message, billing) = relay_one(sink()).await;
 
         let a = read_new(&mut con, &stream, "a", 10).await;
         let b = take_over(&mut con, &stream, "b").await;
@@ -585,9 +590,8 @@ mod amqp {
     async fn redeliveries_are_processed_once() {
         let started = Instant::now();
         let (connection, queue, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let (messages, crashed) = relay_with_a_crash(&outbox, sink().await, sink().await).await;
-        let billing = Billing::new(&outbox, &messages).await;
+        let (_outbox, messages, crashed, billing) =
+            relay_with_a_crash(sink().await, sink().await).await;
 
         // Consumer a: every delivery at once (prefetch), acknowledged after its commit; a
         // failed handler nacks it back into the queue, so a gets it again. Killed before
@@ -651,10 +655,10 @@ mod amqp {
             .expect("basic.get");
         assert!(left.is_none(), "nothing left: {left:?}");
 
-        billing.assert_each_once(&messages).await;
-        billing.assert_counts(crashed.len(), "amqp");
+        billing
+            .assert_run(&messages, crashed.len(), "amqp", started)
+            .await;
         delete(&connection, &queue).await;
-        eprintln!("[amqp] {:?}", started.elapsed());
     }
 
     /// Consumer a got a message and still works on it when its channel goes (a missed
@@ -662,9 +666,7 @@ mod amqp {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_consumers_on_one_message_at_once_make_one_effect() {
         let (connection, queue, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let message = relay_one(&outbox, sink().await).await;
-        let billing = Billing::new(&outbox, std::slice::from_ref(&message)).await;
+        let (_outbox, message, billing) = relay_one(sink().await).await;
 
         let a = connection.create_channel().await.expect("a channel");
         let first = get(&a, &queue).await;
@@ -780,9 +782,7 @@ mod nats {
     async fn redeliveries_are_processed_once() {
         let started = Instant::now();
         let (js, name, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let (messages, crashed) = relay_with_a_crash(&outbox, sink(), sink()).await;
-        let billing = Billing::new(&outbox, &messages).await;
+        let (_outbox, messages, crashed, billing) = relay_with_a_crash(sink(), sink()).await;
 
         // Consumer a: acknowledges after each commit, naks a delivery whose handler failed
         // (JetStream redelivers it at once), and dies before acknowledging some.
@@ -837,10 +837,10 @@ mod nats {
             "{redelivered} redeliveries, {unacked} left unacknowledged"
         );
 
-        billing.assert_each_once(&messages).await;
-        billing.assert_counts(crashed.len(), "nats");
+        billing
+            .assert_run(&messages, crashed.len(), "nats", started)
+            .await;
         js.delete_stream(&name).await.expect("delete the stream");
-        eprintln!("[nats] {:?}", started.elapsed());
     }
 
     /// Consumer a still works on a message when its acknowledgement wait runs out:
@@ -848,9 +848,7 @@ mod nats {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_consumers_on_one_message_at_once_make_one_effect() {
         let (js, name, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let message = relay_one(&outbox, sink()).await;
-        let billing = Billing::new(&outbox, std::slice::from_ref(&message)).await;
+        let (_outbox, message, billing) = relay_one(sink()).await;
 
         let first = next(&consumer(&name).await).await;
         let second = next(&consumer(&name).await).await;
@@ -945,9 +943,7 @@ mod kafka {
     async fn redeliveries_are_processed_once() {
         let started = Instant::now();
         let (brokers, topic, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let (messages, crashed) = relay_with_a_crash(&outbox, sink(), sink()).await;
-        let billing = Billing::new(&outbox, &messages).await;
+        let (_outbox, messages, crashed, billing) = relay_with_a_crash(sink(), sink()).await;
         let group = unique_name("billing");
         let total = MESSAGES + crashed.len();
 
@@ -1007,9 +1003,9 @@ mod kafka {
         }
         assert!(redelivered > 0, "b read again what a had not committed");
 
-        billing.assert_each_once(&messages).await;
-        billing.assert_counts(crashed.len(), "kafka");
-        eprintln!("[kafka] {:?}", started.elapsed());
+        billing
+            .assert_run(&messages, crashed.len(), "kafka", started)
+            .await;
     }
 
     /// A rebalance gives the partition to consumer b while consumer a still works on its
@@ -1017,9 +1013,7 @@ mod kafka {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_consumers_on_one_record_at_once_make_one_effect() {
         let (brokers, topic, sink) = setup().await;
-        let outbox = TestOutbox::new().await;
-        let message = relay_one(&outbox, sink()).await;
-        let billing = Billing::new(&outbox, std::slice::from_ref(&message)).await;
+        let (_outbox, message, billing) = relay_one(sink()).await;
         let group = unique_name("billing");
 
         let (a, b) = (

@@ -251,19 +251,7 @@ pub async fn outage<F: Fixture>(fixture: &F) {
     outbox.enqueue(&second).await;
     // A batch claimed before the relay noticed the cut fails within the sink's time-outs
     // and is released; after that the health gate holds.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    outbox
-        .wait_for("the batch in flight released", |s| s.in_flight == 0)
-        .await;
-    let stats = outbox.stats().await;
-    assert_eq!(stats.pending, 200, "nothing delivered while cut: {stats:?}");
-    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
-    let attempts = outbox.attempts().await;
-    assert_eq!(attempts.len(), 200);
-    assert!(
-        attempts.iter().all(|&a| a == 0),
-        "an outage charges no attempt: {attempts:?}"
-    );
+    assert_held_by_the_outage(&outbox, second.len(), Duration::from_secs(3)).await;
 
     proxy.restore();
     outbox
@@ -276,6 +264,28 @@ pub async fn outage<F: Fixture>(fixture: &F) {
     assert_eq!(arrived.len(), sent.len(), "everything delivered once");
     assert_once(&arrived, sent.iter().map(|m| m.id));
     assert_key_order(&arrived, &sent);
+}
+
+/// Checks an outage the relay has met: once `settle` has passed (time for a batch claimed
+/// before it to fail within the sink's time-outs) and the batch in flight is released, the
+/// `held` messages all wait pending, none dead-lettered and none charged an attempt.
+pub async fn assert_held_by_the_outage(outbox: &TestOutbox, held: usize, settle: Duration) {
+    tokio::time::sleep(settle).await;
+    outbox
+        .wait_for("the batch in flight released", |s| s.in_flight == 0)
+        .await;
+    let stats = outbox.stats().await;
+    assert_eq!(
+        stats.pending, held as u64,
+        "nothing delivered during the outage: {stats:?}"
+    );
+    assert_eq!(stats.dead_lettered, 0, "{stats:?}");
+    let attempts = outbox.attempts().await;
+    assert_eq!(attempts.len(), held);
+    assert!(
+        attempts.iter().all(|&a| a == 0),
+        "an outage charges no attempt: {attempts:?}"
+    );
 }
 
 /// A relay claims 30 of 50 messages, publishes them and dies before recording the
