@@ -7,7 +7,8 @@
 //!
 //! - [`names`]: which table, schema and database names are allowed.
 //! - [`columns`]: a [`NewMessage`](outbox_core::NewMessage) as the columns of an INSERT,
-//!   and the multi-row INSERT statements.
+//!   the multi-row INSERT statements, and the column lists of the statements that copy a
+//!   row.
 //! - [`rows`]: decoding columns written by hand (the `headers` JSON).
 //! - [`inbox`]: the inbox's rules (consumer names, transactions, purges, its errors).
 //! - [`migrate`]: the versioned-migration runner, over a small [`migrate::Dialect`] trait.
