@@ -179,27 +179,12 @@ impl Default for AmqpConfig {
     }
 }
 
-impl std::fmt::Debug for AmqpConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AmqpConfig")
-            .field("url", &redact_url(&self.url))
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .field("exchange", &self.exchange)
-            .field("routing_key", &self.routing_key)
-            .field("routes", &self.routes)
-            .field("exchange_setup", &self.exchange_setup)
-            .field("exchange_kind", &self.exchange_kind)
-            .field("unroutable", &self.unroutable)
-            .field("app_id", &self.app_id)
-            .field("max_payload", &self.max_payload)
-            .field("connect_timeout", &self.connect_timeout)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("reconnect_backoff", &self.reconnect_backoff)
-            .finish()
-    }
-}
+outbox_core::debug_fields!(AmqpConfig, |config| {
+    url: redact_url(&config.url),
+    tls_ca_file, tls_cert_file, tls_key_file, exchange, routing_key, routes, exchange_setup,
+    exchange_kind, unroutable, app_id, max_payload, connect_timeout, publish_timeout,
+    reconnect_backoff,
+});
 
 impl Settings for AmqpConfig {
     /// Checks every setting; the error is keyed by the bad one, relative to the sink's

@@ -55,3 +55,48 @@ macro_rules! debug_shows_config {
         }
     };
 }
+
+/// Implements `Debug` for a settings struct field by field, as `#[derive(Debug)]` would,
+/// except that a field written `name: expression` is shown as that expression: the way to
+/// hide a secret. The closure-like head names the value being shown:
+///
+/// ```
+/// # use outbox_core::redact_url;
+/// struct MyConfig { url: String, pool_size: u32 }
+/// outbox_core::debug_fields!(MyConfig, |config| {
+///     url: redact_url(&config.url),
+///     pool_size,
+/// });
+/// let config = MyConfig { url: "redis://:s3cret@host".into(), pool_size: 4 };
+/// assert!(!format!("{config:?}").contains("s3cret"));
+/// ```
+///
+/// List every field (in the order they should show): one left out is not shown.
+#[macro_export]
+macro_rules! debug_fields {
+    ($type:ident, |$this:ident| { $($field:ident $(: $shown:expr)?),* $(,)? }) => {
+        impl ::std::fmt::Debug for $type {
+            fn fmt(&self, f: &mut ::std::fmt::Formatter<'_>) -> ::std::fmt::Result {
+                let $this = self;
+                f.debug_struct(::std::stringify!($type))
+                    $(.field(
+                        ::std::stringify!($field),
+                        &$crate::__debug_field!($this.$field $(, $shown)?),
+                    ))*
+                    .finish()
+            }
+        }
+    };
+}
+
+/// One field's value for [`debug_fields!`]: the field itself, or what it is shown as.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __debug_field {
+    ($value:expr) => {
+        $value
+    };
+    ($value:expr, $shown:expr) => {
+        $shown
+    };
+}

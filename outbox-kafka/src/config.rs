@@ -105,32 +105,24 @@ impl Default for KafkaConfig {
     }
 }
 
-impl std::fmt::Debug for KafkaConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let properties: BTreeMap<&str, &str> = self
-            .properties
-            .iter()
-            .map(|(k, v)| {
-                let shown = if is_secret_property(k) {
-                    "***"
-                } else {
-                    v.as_str()
-                };
-                (k.as_str(), shown)
-            })
-            .collect();
-        f.debug_struct("KafkaConfig")
-            .field("bootstrap_servers", &self.bootstrap_servers)
-            .field("topic_template", &self.topic_template)
-            .field("topics", &self.topics)
-            .field("properties", &properties)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("health_timeout", &self.health_timeout)
-            .field("tls_ca_file", &self.tls_ca_file)
-            .field("tls_cert_file", &self.tls_cert_file)
-            .field("tls_key_file", &self.tls_key_file)
-            .finish()
-    }
+outbox_core::debug_fields!(KafkaConfig, |config| {
+    bootstrap_servers, topic_template, topics,
+    properties: shown_properties(&config.properties),
+    publish_timeout, health_timeout, tls_ca_file, tls_cert_file, tls_key_file,
+});
+
+/// `properties` with the value of each secret one ([`is_secret_property`]) hidden.
+fn shown_properties(properties: &BTreeMap<String, String>) -> BTreeMap<&str, &str> {
+    (properties.iter())
+        .map(|(k, v)| {
+            let shown = if is_secret_property(k) {
+                "***"
+            } else {
+                v.as_str()
+            };
+            (k.as_str(), shown)
+        })
+        .collect()
 }
 
 impl Settings for KafkaConfig {

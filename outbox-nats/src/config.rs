@@ -82,35 +82,17 @@ impl Default for NatsConfig {
     }
 }
 
-impl std::fmt::Debug for NatsConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("NatsConfig")
-            .field("url", &redact_servers(&self.url))
-            .field("subject", &self.subject)
-            .field("subject_prefix", &self.subject_prefix)
-            .field("stream", &self.stream)
-            .field("key_header", &self.key_header)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("max_pending_acks", &self.max_pending_acks)
-            .field("token", &self.token.as_ref().map(|_| "***"))
-            .field(
-                "credentials_file",
-                &self.credentials_file.as_deref().map(shown_path),
-            )
-            .field("nkey_file", &self.nkey_file.as_deref().map(shown_path))
-            .field("tls_ca_file", &self.tls_ca_file.as_deref().map(shown_path))
-            .field(
-                "tls_cert_file",
-                &self.tls_cert_file.as_deref().map(shown_path),
-            )
-            .field(
-                "tls_key_file",
-                &self.tls_key_file.as_deref().map(shown_path),
-            )
-            .field("name", &self.name)
-            .finish()
-    }
-}
+outbox_core::debug_fields!(NatsConfig, |config| {
+    url: redact_servers(&config.url),
+    subject, subject_prefix, stream, key_header, publish_timeout, max_pending_acks,
+    token: config.token.as_ref().map(|_| "***"),
+    credentials_file: config.credentials_file.as_deref().map(shown_path),
+    nkey_file: config.nkey_file.as_deref().map(shown_path),
+    tls_ca_file: config.tls_ca_file.as_deref().map(shown_path),
+    tls_cert_file: config.tls_cert_file.as_deref().map(shown_path),
+    tls_key_file: config.tls_key_file.as_deref().map(shown_path),
+    name,
+});
 
 /// How the sink authenticates: a token or a user and password (from `token` or written in a
 /// server URL, `nats://t0ken@host`, `nats://user:pw@host`), or what `credentials_file` or

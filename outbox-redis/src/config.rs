@@ -85,22 +85,11 @@ impl Default for RedisConfig {
     }
 }
 
-impl std::fmt::Debug for RedisConfig {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RedisConfig")
-            .field("url", &redact_url(&self.url))
-            .field("pool_size", &self.pool_size)
-            .field("publish_timeout", &self.publish_timeout)
-            .field("stream_prefix", &self.stream_prefix)
-            .field("stream_template", &self.stream_template)
-            .field("streams", &self.streams)
-            .field("max_len", &self.max_len)
-            .field("dedup_ttl", &self.dedup_ttl)
-            .field("dedup_key_prefix", &self.dedup_key_prefix)
-            .field("max_payload", &self.max_payload)
-            .finish()
-    }
-}
+outbox_core::debug_fields!(RedisConfig, |config| {
+    url: redact_url(&config.url),
+    pool_size, publish_timeout, stream_prefix, stream_template, streams, max_len, dedup_ttl,
+    dedup_key_prefix, max_payload,
+});
 
 impl Settings for RedisConfig {
     /// Checks every setting; the error is keyed by the bad one (the caller places it in its
