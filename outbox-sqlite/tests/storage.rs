@@ -1,7 +1,7 @@
 //! What the SQLite storage promises beyond the conformance suite (which runs in
 //! tests/tests/sqlite.rs), on real database files: the application's transaction, the write
-//! lock, leases, migrations from two processes, the plain-INSERT contract, retention, the
-//! operator's repairs and the registry.
+//! lock, leases, migrations from two processes, the plain-INSERT contract, retention and the
+//! registry.
 
 mod common;
 
@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use common::{TempDir, app_pool, now_ms, storage};
 use outbox_core::{
-    Claim, DeadLetter, DeadLetterFilter, Delivery, ErrorKind, NewMessage, ParkedKey, Receipt,
-    Settlement, Storage, StorageAdmin, StorageRegistry,
+    Claim, DeadLetter, Delivery, ErrorKind, NewMessage, Receipt, Settlement, Storage, StorageAdmin,
+    StorageRegistry,
 };
 use outbox_sqlite::sqlx;
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
@@ -283,138 +283,16 @@ async fn retention_keeps_delivered_rows_with_their_receipt_until_housekeeping() 
     assert_eq!(left, 0);
 }
 
+/// `describe` names the file and the table. The operator's repairs are the testkit's
+/// `admin_the_operators_repairs`, which tests/tests/sqlite.rs runs on this storage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_operators_repairs() {
+async fn describe_names_the_file_and_table() {
     let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
-    let storage = storage(&path, |_| {}).await;
-    assert!(storage.describe().contains("app.db") && storage.describe().ends_with("table outbox"));
-    storage
-        .enqueue(&[
-            NewMessage::new("orders", "a1").key("k"),
-            NewMessage::new("orders", "a2").key("k"),
-            NewMessage::new("audit", "b1").key("j"),
-        ])
-        .await
-        .unwrap();
-    let topics = storage.topic_stats().await.unwrap();
-    assert_eq!(
-        topics
-            .iter()
-            .map(|t| (t.topic.as_str(), t.pending))
-            .collect::<Vec<_>>(),
-        [("audit", 1), ("orders", 2)]
-    );
-    let c = storage.claim("w1", 10, LEASE).await.unwrap();
-    assert_eq!(payloads(&c), ["a1", "a2", "b1"]);
-    let (a1, a2, b1) = (&c.messages[0], &c.messages[1], &c.messages[2]);
-    let settlement = Settlement {
-        dead: vec![DeadLetter {
-            id: a1.id,
-            error: "poison".into(),
-        }],
-        released: vec![a2.id],
-        delivered: vec![Delivery {
-            id: b1.id,
-            receipt: Receipt::new("r"),
-        }],
-        ..Settlement::default()
-    };
-    assert_eq!(storage.settle(&c.token, &settlement).await.unwrap(), 3);
-    assert_eq!(
-        storage.parked_keys().await.unwrap(),
-        [ParkedKey {
-            key: "k".into(),
-            dead_letter: a1.id
-        }]
-    );
-    let stats = storage.stats().await.unwrap();
-    assert_eq!(
-        (stats.pending, stats.dead_lettered, stats.parked_keys),
-        (1, 1, 1)
-    );
-    let topics = storage.topic_stats().await.unwrap();
-    assert_eq!(topics.len(), 1, "audit is gone: {topics:?}");
-    assert_eq!((topics[0].pending, topics[0].dead_lettered), (1, 1));
-
-    let all = DeadLetterFilter::default();
-    let dead = storage.dead_letters(&all, 10).await.unwrap();
-    assert_eq!(dead.len(), 1);
-    assert_eq!(dead[0].message.id, a1.id);
-    assert_eq!(
-        (dead[0].last_error.as_str(), dead[0].message.attempts),
-        ("poison", 1)
-    );
-    let age = chrono::Utc::now() - dead[0].dead_lettered_at;
-    assert!(age.num_seconds().abs() < 60, "{age}");
-    let by_key = |key: &str| DeadLetterFilter {
-        key: Some(key.into()),
-        ..DeadLetterFilter::default()
-    };
+    let storage = storage(&dir.file("app.db"), |_| {}).await;
+    let described = storage.describe();
     assert!(
-        storage
-            .dead_letters(&by_key("j"), 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
-    let by_id = DeadLetterFilter {
-        ids: Some(vec![a1.id]),
-        topic: Some("orders".into()),
-        key: Some("k".into()),
-        ..DeadLetterFilter::default()
-    };
-    assert_eq!(storage.dead_letters(&by_id, 10).await.unwrap().len(), 1);
-
-    assert!(
-        storage
-            .claim("w1", 10, LEASE)
-            .await
-            .unwrap()
-            .messages
-            .is_empty(),
-        "k is parked"
-    );
-    assert_eq!(storage.replay_dead_letters(&[a1.id]).await.unwrap(), 1);
-    assert!(
-        storage.parked_keys().await.unwrap().is_empty(),
-        "replay unparks"
-    );
-    let again = storage.claim("w1", 10, LEASE).await.unwrap();
-    assert_eq!(
-        payloads(&again),
-        ["a1", "a2"],
-        "the replayed head goes first"
-    );
-    assert_eq!(again.messages[0].attempts, 0, "a replay resets attempts");
-
-    // Dead again, then purged: the key stays parked until it is released.
-    let dead = vec![DeadLetter {
-        id: a1.id,
-        error: "still poison".into(),
-    }];
-    let settlement = Settlement {
-        dead,
-        released: vec![a2.id],
-        ..Settlement::default()
-    };
-    storage.settle(&again.token, &settlement).await.unwrap();
-    assert_eq!(storage.purge_dead_letters(&[a1.id]).await.unwrap(), 1);
-    assert_eq!(storage.stats().await.unwrap().dead_lettered, 0);
-    assert_eq!(storage.parked_keys().await.unwrap().len(), 1);
-    assert!(
-        storage
-            .claim("w1", 10, LEASE)
-            .await
-            .unwrap()
-            .messages
-            .is_empty()
-    );
-    assert!(storage.release_parked_key("k").await.unwrap());
-    assert!(!storage.release_parked_key("k").await.unwrap());
-    assert_eq!(
-        payloads(&storage.claim("w1", 10, LEASE).await.unwrap()),
-        ["a2"]
+        described.contains("app.db") && described.ends_with("table outbox"),
+        "{described}"
     );
 }
 

@@ -137,6 +137,7 @@ macro_rules! __storage_checks {
             relay_a_sink_outage_charges_no_attempt_and_everything_arrives_later,
             admin_keys_that_differ_in_any_byte_are_different_keys,
             admin_dead_letter_search_matches_error_text_without_payloads,
+            admin_the_operators_repairs,
         }
     };
 }

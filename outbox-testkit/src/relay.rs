@@ -10,8 +10,11 @@ use std::time::Duration;
 use outbox_core::memory::MemorySink;
 use outbox_core::{
     Backoff, CancellationToken, DeadLetter, DeadLetterFilter, DeadLetterRow, Delivery, Error,
-    Message, NewMessage, QueueStats, Receipt, StorageAdmin, Worker, WorkerConfig,
+    Message, NewMessage, ParkedKey, QueueStats, Receipt, Settlement, StorageAdmin, Worker,
+    WorkerConfig,
 };
+
+use uuid::Uuid;
 
 use crate::storage::fixture;
 use crate::{StorageFixture, StorageHarness, note};
@@ -476,5 +479,221 @@ pub async fn admin_dead_letter_search_matches_error_text_without_payloads(h: &dy
     assert!(
         whole.iter().all(|r| r.message.payload.len() == 1000),
         "{CHECK}: without the flag the payloads are there"
+    );
+}
+
+/// The operator's repairs (`StorageAdmin`, what every CLI command uses), one after the
+/// other: enqueue, figures per topic, dead letters listed by filter, replayed first in their
+/// key, dead again and purged; the parked key listed and released.
+pub async fn admin_the_operators_repairs(h: &dyn StorageHarness) {
+    const CHECK: &str = "admin_the_operators_repairs";
+    let Some(f) = ordered(h, CHECK).await else {
+        return;
+    };
+    let (storage, admin) = (f.storage(), f.admin());
+    let claim = || async {
+        storage
+            .claim("w", 10, LEASE)
+            .await
+            .unwrap_or_else(|e| panic!("{CHECK}: claim: {e}"))
+    };
+    let settle = |c: outbox_core::Claim, settlement: Settlement| {
+        let storage = storage.clone();
+        async move {
+            storage
+                .settle(&c.token, &settlement)
+                .await
+                .unwrap_or_else(|e| panic!("{CHECK}: settle: {e}"))
+        }
+    };
+    let parked = || async {
+        admin
+            .parked_keys()
+            .await
+            .unwrap_or_else(|e| panic!("{CHECK}: parked keys: {e}"))
+    };
+    let topic_figures = || async {
+        admin
+            .topic_stats()
+            .await
+            .unwrap_or_else(|e| panic!("{CHECK}: topic figures: {e}"))
+    };
+    admin
+        .enqueue(&[
+            NewMessage::new("orders", "a1").key("k"),
+            NewMessage::new("orders", "a2").key("k"),
+            NewMessage::new("audit", "b1").key("j"),
+        ])
+        .await
+        .unwrap_or_else(|e| panic!("{CHECK}: enqueue: {e}"));
+    let pending: Vec<_> = topic_figures()
+        .await
+        .into_iter()
+        .map(|t| (t.topic, t.pending))
+        .collect();
+    assert_eq!(
+        pending,
+        [("audit".to_string(), 1), ("orders".to_string(), 2)],
+        "{CHECK}: pending per topic"
+    );
+    let c = claim().await;
+    assert_eq!(
+        payloads(&c.messages),
+        ["a1", "a2", "b1"],
+        "{CHECK}: claimed"
+    );
+    let written = c.messages[0].created_at;
+    let (a1, a2, b1) = (c.messages[0].id, c.messages[1].id, c.messages[2].id);
+    let settlement = Settlement {
+        dead: vec![DeadLetter {
+            id: a1,
+            error: "poison".into(),
+        }],
+        released: vec![a2],
+        delivered: vec![Delivery {
+            id: b1,
+            receipt: Receipt::new("r"),
+        }],
+        ..Settlement::default()
+    };
+    assert_eq!(settle(c, settlement).await, 3, "{CHECK}: settled");
+    assert_eq!(
+        parked().await,
+        [ParkedKey {
+            key: "k".into(),
+            dead_letter: a1
+        }],
+        "{CHECK}: k is parked by a1"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(
+        (stats.pending, stats.dead_lettered, stats.parked_keys),
+        (1, 1, 1),
+        "{CHECK}: {stats:?}"
+    );
+    let topics = topic_figures().await;
+    assert_eq!(topics.len(), 1, "{CHECK}: audit is gone: {topics:?}");
+    assert_eq!(
+        (topics[0].pending, topics[0].dead_lettered),
+        (1, 1),
+        "{CHECK}: {topics:?}"
+    );
+
+    let dead_letters = |filter: DeadLetterFilter| {
+        let admin = admin.clone();
+        async move {
+            admin
+                .dead_letters(&filter, 10)
+                .await
+                .unwrap_or_else(|e| panic!("{CHECK}: dead letters: {e}"))
+        }
+    };
+    let dead = dead_letters(DeadLetterFilter::default()).await;
+    assert_eq!(dead.len(), 1, "{CHECK}: one dead letter");
+    assert_eq!(
+        (
+            dead[0].message.id,
+            dead[0].last_error.as_str(),
+            dead[0].message.attempts
+        ),
+        (a1, "poison", 1),
+        "{CHECK}: the dead letter"
+    );
+    let after = dead[0].dead_lettered_at - written;
+    assert!(
+        after.num_seconds().abs() < 60,
+        "{CHECK}: dead-lettered {after} after it was written"
+    );
+    let filter =
+        |ids: Option<Vec<Uuid>>, topic: Option<&str>, key: Option<&str>| DeadLetterFilter {
+            ids,
+            topic: topic.map(Into::into),
+            key: key.map(Into::into),
+            ..DeadLetterFilter::default()
+        };
+    for (filter, expected) in [
+        (filter(Some(vec![a1]), Some("orders"), Some("k")), 1),
+        (filter(None, None, Some("j")), 0),
+        (filter(None, Some("audit"), None), 0),
+        (filter(Some(vec![b1]), None, None), 0),
+    ] {
+        let described = format!("{filter:?}");
+        assert_eq!(
+            dead_letters(filter).await.len(),
+            expected,
+            "{CHECK}: {described}"
+        );
+    }
+
+    assert!(claim().await.messages.is_empty(), "{CHECK}: k is parked");
+    assert_eq!(
+        admin.replay_dead_letters(&[a1]).await.expect("replay"),
+        1,
+        "{CHECK}: replayed"
+    );
+    if h.traits().replays_unpark_at_once {
+        assert!(parked().await.is_empty(), "{CHECK}: a replay unparks");
+    } else {
+        note(
+            CHECK,
+            "the replayed key is read unparked once it drained, at the end",
+        );
+    }
+    let again = claim().await;
+    assert_eq!(
+        payloads(&again.messages),
+        ["a1", "a2"],
+        "{CHECK}: the replayed head goes first"
+    );
+    assert_eq!(
+        again.messages[0].attempts, 0,
+        "{CHECK}: a replay resets attempts"
+    );
+
+    // Dead again, then purged: the key stays parked until it is released.
+    let settlement = Settlement {
+        dead: vec![DeadLetter {
+            id: a1,
+            error: "still poison".into(),
+        }],
+        released: vec![a2],
+        ..Settlement::default()
+    };
+    assert_eq!(settle(again, settlement).await, 2, "{CHECK}: settled again");
+    assert_eq!(
+        admin.purge_dead_letters(&[a1]).await.expect("purge"),
+        1,
+        "{CHECK}: purged"
+    );
+    let stats = storage.stats().await.expect("stats");
+    assert_eq!(stats.dead_lettered, 0, "{CHECK}: {stats:?}");
+    assert_eq!(parked().await.len(), 1, "{CHECK}: k stays parked");
+    assert!(claim().await.messages.is_empty(), "{CHECK}: k is parked");
+    assert!(
+        admin.release_parked_key("k").await.expect("release"),
+        "{CHECK}: released"
+    );
+    assert!(
+        !admin.release_parked_key("k").await.expect("release again"),
+        "{CHECK}: nothing left to release"
+    );
+    let last = claim().await;
+    assert_eq!(
+        payloads(&last.messages),
+        ["a2"],
+        "{CHECK}: the key flows on"
+    );
+    let delivered = Settlement {
+        delivered: vec![Delivery {
+            id: a2,
+            receipt: Receipt::new("r"),
+        }],
+        ..Settlement::default()
+    };
+    assert_eq!(settle(last, delivered).await, 1, "{CHECK}: delivered");
+    assert!(claim().await.messages.is_empty(), "{CHECK}: drained");
+    assert!(
+        parked().await.is_empty(),
+        "{CHECK}: nothing parked once drained"
     );
 }

@@ -123,7 +123,7 @@ pub trait StorageHarness: Send + Sync {
 
 /// How a harness's writes behave ([`StorageHarness::traits`]): facts of the storage's
 /// database, not of the storage under test, which the checks that model PostgreSQL's
-/// writers need.
+/// writers need; and what the storage's admin listings show when.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct HarnessTraits {
@@ -137,6 +137,10 @@ pub struct HarnessTraits {
     /// one (InnoDB's next-key lock on an id whose deleted entry is not yet purged): the
     /// randomised model, which keeps transactions open while it writes, skips.
     pub writes_beside_open_transactions: bool,
+    /// A replayed dead letter's key leaves the parked keys at the replay: true. False where
+    /// it is listed until its messages have drained (PostgreSQL's log mode, which learns of
+    /// that at a claim): the operator's-repairs check reads the listing once it drained.
+    pub replays_unpark_at_once: bool,
 }
 
 impl Default for HarnessTraits {
@@ -144,6 +148,7 @@ impl Default for HarnessTraits {
         HarnessTraits {
             positions_at_write: true,
             writes_beside_open_transactions: true,
+            replays_unpark_at_once: true,
         }
     }
 }
@@ -163,6 +168,15 @@ impl HarnessTraits {
     pub fn writes_wait_for_open_transactions(self) -> Self {
         HarnessTraits {
             writes_beside_open_transactions: false,
+            ..self
+        }
+    }
+
+    /// A replayed key stays listed parked until it has drained
+    /// ([`replays_unpark_at_once`](Self::replays_unpark_at_once) false).
+    pub fn replays_unpark_when_drained(self) -> Self {
+        HarnessTraits {
+            replays_unpark_at_once: false,
             ..self
         }
     }

@@ -14,7 +14,6 @@ use outbox_mysql::sqlx::{self, MySql, Transaction};
 use outbox_mysql::{MySqlConfig, MySqlStorage, OutboxTable};
 use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
 use outbox_tests::{four_relays_deliver_once_in_key_order, over_keys, payloads, unique_name};
-use uuid::Uuid;
 
 use outbox_tests::mysql_url;
 
@@ -612,168 +611,13 @@ async fn bad_input_is_a_clear_error_naming_the_setting() {
     assert!(error.message().contains("outbox migrate"), "{error}");
 }
 
-/// The operator's side (`StorageAdmin`, what every CLI command uses): enqueue, figures per
-/// topic, dead letters listed by filter, replayed first in their key, purged; parked keys
-/// listed and released.
+/// `describe` names the storage and its server. The operator's repairs are the testkit's
+/// `admin_the_operators_repairs`, which the conformance modules above run.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_operators_repairs() {
-    use outbox_core::{DeadLetter, DeadLetterFilter, Delivery, ParkedKey, Receipt, Settlement};
-    let lease = Duration::from_secs(30);
+async fn describe_names_the_server() {
     let outbox = TestOutbox::with_config(|_| {}).await;
-    let storage = &outbox.storage;
-    assert!(
-        storage.describe().starts_with("mysql mysql://"),
-        "{}",
-        storage.describe()
-    );
-    storage
-        .enqueue(&[
-            NewMessage::new("orders", "a1").key("k"),
-            NewMessage::new("orders", "a2").key("k"),
-            NewMessage::new("audit", "b1").key("j"),
-        ])
-        .await
-        .expect("enqueue");
-    let topics = storage.topic_stats().await.expect("topic figures");
-    let pending: Vec<_> = topics
-        .iter()
-        .map(|t| (t.topic.as_str(), t.pending))
-        .collect();
-    assert_eq!(pending, [("audit", 1), ("orders", 2)]);
-    let claim = storage.claim("w", 10, lease).await.expect("claim");
-    let texts = payloads(&claim.messages);
-    assert_eq!(texts, ["a1", "a2", "b1"]);
-    let (a1, a2, b1) = (
-        claim.messages[0].clone(),
-        claim.messages[1].clone(),
-        claim.messages[2].clone(),
-    );
-    let settlement = Settlement {
-        dead: vec![DeadLetter {
-            id: a1.id,
-            error: "poison".into(),
-        }],
-        released: vec![a2.id],
-        delivered: vec![Delivery {
-            id: b1.id,
-            receipt: Receipt::new("r"),
-        }],
-        ..Settlement::default()
-    };
-    assert_eq!(
-        storage
-            .settle(&claim.token, &settlement)
-            .await
-            .expect("settle"),
-        3
-    );
-    assert_eq!(
-        storage.parked_keys().await.expect("parked keys"),
-        [ParkedKey {
-            key: "k".into(),
-            dead_letter: a1.id
-        }]
-    );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.dead_lettered, stats.parked_keys),
-        (1, 1, 1)
-    );
-    let topics = storage.topic_stats().await.expect("topic figures");
-    assert_eq!(topics.len(), 1, "audit is gone: {topics:?}");
-    assert_eq!((topics[0].pending, topics[0].dead_lettered), (1, 1));
-
-    let dead = storage
-        .dead_letters(&DeadLetterFilter::default(), 10)
-        .await
-        .expect("dead letters");
-    assert_eq!(dead.len(), 1);
-    assert_eq!(
-        (dead[0].message.id, dead[0].last_error.as_str()),
-        (a1.id, "poison")
-    );
-    assert_eq!(dead[0].message.attempts, 1);
-    let filter =
-        |ids: Option<Vec<Uuid>>, topic: Option<&str>, key: Option<&str>| DeadLetterFilter {
-            ids,
-            topic: topic.map(Into::into),
-            key: key.map(Into::into),
-            ..DeadLetterFilter::default()
-        };
-    for (f, expected) in [
-        (filter(Some(vec![a1.id]), Some("orders"), Some("k")), 1),
-        (filter(None, None, Some("j")), 0),
-        (filter(None, Some("audit"), None), 0),
-        (filter(Some(vec![b1.id]), None, None), 0),
-    ] {
-        assert_eq!(
-            storage.dead_letters(&f, 10).await.expect("filtered").len(),
-            expected,
-            "{f:?}"
-        );
-    }
-    assert!(
-        storage
-            .claim("w", 10, lease)
-            .await
-            .expect("claim")
-            .messages
-            .is_empty(),
-        "k is parked"
-    );
-    assert_eq!(
-        storage.replay_dead_letters(&[a1.id]).await.expect("replay"),
-        1
-    );
-    assert!(
-        storage.parked_keys().await.expect("parked").is_empty(),
-        "replay unparks"
-    );
-    let again = storage.claim("w", 10, lease).await.expect("claim");
-    let texts = payloads(&again.messages);
-    assert_eq!(texts, ["a1", "a2"], "the replayed head goes first");
-    assert_eq!(again.messages[0].attempts, 0, "a replay resets attempts");
-
-    // Dead again, then purged: the key stays parked until it is released.
-    let settlement = Settlement {
-        dead: vec![DeadLetter {
-            id: a1.id,
-            error: "still poison".into(),
-        }],
-        released: vec![again.messages[1].id],
-        ..Settlement::default()
-    };
-    assert_eq!(
-        storage
-            .settle(&again.token, &settlement)
-            .await
-            .expect("settle"),
-        2
-    );
-    assert_eq!(
-        storage.purge_dead_letters(&[a1.id]).await.expect("purge"),
-        1
-    );
-    assert_eq!(storage.stats().await.expect("stats").dead_lettered, 0);
-    assert_eq!(storage.parked_keys().await.expect("parked").len(), 1);
-    assert!(
-        storage
-            .claim("w", 10, lease)
-            .await
-            .expect("claim")
-            .messages
-            .is_empty()
-    );
-    assert!(storage.release_parked_key("k").await.expect("release"));
-    assert!(
-        !storage
-            .release_parked_key("k")
-            .await
-            .expect("release again")
-    );
-    let last = storage.claim("w", 10, lease).await.expect("claim");
-    let texts = payloads(&last.messages);
-    assert_eq!(texts, ["a2"]);
+    let described = outbox.storage.describe();
+    assert!(described.starts_with("mysql mysql://"), "{described}");
 }
 
 /// `TABLE_SUFFIXES` lists every table the migrations make, so `drop_sql` removes an outbox

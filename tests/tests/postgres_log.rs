@@ -954,7 +954,7 @@ mod conformance {
     use async_trait::async_trait;
     use outbox_core::{NewMessage, Storage, StorageAdmin};
     use outbox_postgres::PgStorage;
-    use outbox_testkit::{PendingWrite, StorageFixture, StorageHarness};
+    use outbox_testkit::{HarnessTraits, PendingWrite, StorageFixture, StorageHarness};
     use outbox_tests::{PgWrite, on_a_blocking_thread};
 
     use super::LogOutbox;
@@ -1028,6 +1028,10 @@ mod conformance {
 
     #[async_trait]
     impl StorageHarness for LogHarness {
+        fn traits(&self) -> HarnessTraits {
+            HarnessTraits::default().replays_unpark_when_drained()
+        }
+
         async fn fresh(&self, per_key_order: bool) -> Box<dyn StorageFixture> {
             let outbox = on_a_blocking_thread(move || {
                 LogOutbox::new(4, move |c| c.per_key_order = per_key_order)
