@@ -259,13 +259,15 @@ mod tests {
     #[test]
     fn names_follow_the_outbox_rules() {
         assert!(Inbox::new("app", "inbox").is_ok());
-        let err = Inbox::new("app", "bad name").unwrap_err();
-        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
-        assert!(err.to_string().contains("table `bad name`"), "{err}");
-        let err = Inbox::new("Bad", "inbox").unwrap_err();
-        assert!(err.to_string().contains("database `Bad`"), "{err}");
-        let err = Inbox::new("app", "x`; DROP TABLE y; --").unwrap_err();
-        assert!(err.to_string().contains("is not allowed"), "{err}");
+        for (database, table, expected) in [
+            ("app", "bad name", "table `bad name`"),
+            ("Bad", "inbox", "database `Bad`"),
+            ("app", "x`; DROP TABLE y; --", "is not allowed"),
+        ] {
+            let err = Inbox::new(database, table).unwrap_err();
+            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains(expected), "{err}");
+        }
     }
 
     #[test]

@@ -282,13 +282,15 @@ mod tests {
     #[test]
     fn names_follow_the_outbox_rules() {
         assert!(Inbox::new("app", "inbox").is_ok());
-        let err = Inbox::new("app", "bad name").unwrap_err();
-        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
-        assert!(err.to_string().contains("table `bad name`"), "{err}");
-        let err = Inbox::new("Bad", "inbox").unwrap_err();
-        assert!(err.to_string().contains("schema `Bad`"), "{err}");
-        let err = Inbox::new("app", "x\"; DROP TABLE y; --").unwrap_err();
-        assert!(err.to_string().contains("is not allowed"), "{err}");
+        for (schema, table, expected) in [
+            ("app", "bad name", "table `bad name`"),
+            ("Bad", "inbox", "schema `Bad`"),
+            ("app", "x\"; DROP TABLE y; --", "is not allowed"),
+        ] {
+            let err = Inbox::new(schema, table).unwrap_err();
+            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains(expected), "{err}");
+        }
     }
 
     #[test]

@@ -210,11 +210,14 @@ mod tests {
     #[test]
     fn names_follow_the_outbox_rules() {
         assert!(Inbox::new("inbox").is_ok());
-        let err = Inbox::new("bad name").unwrap_err();
-        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
-        assert!(err.to_string().contains("table `bad name`"), "{err}");
-        let err = Inbox::new("sqlite_x").unwrap_err();
-        assert!(err.to_string().contains("is not allowed"), "{err}");
+        for (table, expected) in [
+            ("bad name", "table `bad name`"),
+            ("sqlite_x", "is not allowed"),
+        ] {
+            let err = Inbox::new(table).unwrap_err();
+            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+            assert!(err.to_string().contains(expected), "{err}");
+        }
     }
 
     #[test]
