@@ -49,16 +49,7 @@ impl StorageFixture for PgFixture {
     }
 
     async fn advance(&self, by: Duration) {
-        // The database clock cannot move: move every stored time back instead.
-        let sql = format!(
-            "UPDATE {} SET available_at = available_at - $1 * interval '1 millisecond'",
-            self.0.table.qualified("")
-        );
-        sqlx::query(&sql)
-            .bind(by.as_millis() as i64)
-            .execute(&self.0.pool)
-            .await
-            .expect("moving stored times back");
+        self.0.move_times_back("", "available_at", by).await;
     }
 }
 

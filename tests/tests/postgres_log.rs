@@ -1013,15 +1013,7 @@ mod conformance {
             // ownership on the database's: move both.
             self.relay().advance_clock(by);
             for table in ["_shards", "_relays"] {
-                let sql = format!(
-                    "UPDATE {} SET expires_at = expires_at - $1 * interval '1 millisecond'",
-                    self.0.table.qualified(table)
-                );
-                sqlx::query(&sql)
-                    .bind(by.as_millis() as i64)
-                    .execute(&self.0.pool)
-                    .await
-                    .expect("moving stored times back");
+                self.0.move_times_back(table, "expires_at", by).await;
             }
         }
     }

@@ -99,6 +99,21 @@ impl PgOutbox {
             .expect("queue figures")
     }
 
+    /// Moves the times in `column` of the outbox's table `suffix` (`""` for the outbox
+    /// itself) back by `by`: the database's clock cannot move, so a harness's `advance`
+    /// does this instead.
+    pub async fn move_times_back(&self, suffix: &str, column: &str, by: Duration) {
+        let sql = format!(
+            "UPDATE {} SET {column} = {column} - $1 * interval '1 millisecond'",
+            self.table.qualified(suffix)
+        );
+        sqlx::query(&sql)
+            .bind(by.as_millis() as i64)
+            .execute(&self.pool)
+            .await
+            .expect("moving stored times back");
+    }
+
     /// Dead letters as (id, last error), oldest first.
     pub async fn dead_letters(&self) -> Vec<(uuid::Uuid, String)> {
         dead_letters_of(&*self.storage).await
