@@ -108,7 +108,7 @@ impl Settings for FileConfig {
             // (permissions) shows up as unavailable from the health check.
             _ => {}
         }
-        check_timeout(self.publish_timeout)
+        outbox_core::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
     }
 }
 
@@ -164,7 +164,7 @@ impl Default for StdoutConfig {
 impl Settings for StdoutConfig {
     /// Checks every setting; the error is keyed by the bad one.
     fn validate(&self) -> Result<()> {
-        check_timeout(self.publish_timeout)
+        outbox_core::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
     }
 }
 
@@ -174,18 +174,6 @@ impl StdoutConfig {
         self.publish_timeout = timeout;
         self
     }
-}
-
-fn check_timeout(timeout: Duration) -> Result<()> {
-    if timeout < MIN_TIMEOUT {
-        return Err(Error::setting(
-            "publish_timeout",
-            format!(
-                "is {timeout:?}; it must be at least 10ms (and shorter than the worker's lease)"
-            ),
-        ));
-    }
-    Ok(())
 }
 
 #[cfg(test)]

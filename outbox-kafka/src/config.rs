@@ -182,15 +182,7 @@ impl Settings for KafkaConfig {
             }
         }
 
-        if self.publish_timeout < Duration::from_secs(1) {
-            return Err(Error::setting(
-                "publish_timeout",
-                format!(
-                    "is {:?}; it must be at least 1 s (and shorter than the worker's lease)",
-                    self.publish_timeout
-                ),
-            ));
-        }
+        outbox_core::check_publish_timeout(self.publish_timeout, Duration::from_secs(1))?;
         if self.health_timeout.is_zero() {
             return Err(Error::setting(
                 "health_timeout",

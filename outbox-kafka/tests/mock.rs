@@ -11,10 +11,13 @@ use outbox_kafka::{KafkaConfig, KafkaSink};
 use outbox_test_support::kafka::consume;
 use outbox_test_support::unique_name;
 
-fn cluster(topic: &str, partitions: i32) -> MockCluster<'static, DefaultProducerContext> {
+/// A one-broker mock cluster with a topic of the test's own (named after `name`), of one
+/// partition: the topic and the cluster.
+fn cluster(name: &str) -> (String, MockCluster<'static, DefaultProducerContext>) {
+    let topic = unique_name(name);
     let mock = MockCluster::new(1).expect("mock cluster");
-    mock.create_topic(topic, partitions, 1).expect("mock topic");
-    mock
+    mock.create_topic(&topic, 1, 1).expect("mock topic");
+    (topic, mock)
 }
 
 /// The settings of every sink here: a 3 s delivery time-out, and short librdkafka retry
@@ -83,8 +86,7 @@ async fn payloads(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn retryable_broker_errors_are_retried_by_the_producer_and_written_once() {
-    let topic = unique_name("retry");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("retry");
     let sink = sink(&mock);
     sink.health().await.expect("healthy");
     mock.request_errors(
@@ -156,8 +158,7 @@ async fn fatal_broker_errors_fail_only_their_message_for_good() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_topic_from_metadata_is_permanent() {
-    let topic = unique_name("known");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("known");
     let missing = unique_name("missing");
     mock.topic_error(&missing, Err::RD_KAFKA_RESP_ERR_UNKNOWN_TOPIC_OR_PART)
         .expect("topic error");
@@ -174,8 +175,7 @@ async fn unknown_topic_from_metadata_is_permanent() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
-    let topic = unique_name("down");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("down");
     let sink = sink(&mock);
     delivered(&publish(&sink, &topic, "before").await);
 
@@ -216,8 +216,7 @@ async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
-    let topic = unique_name("desync");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("desync");
     let sink = sink(&mock);
     delivered(&publish(&sink, &topic, "first").await);
     // A sequence gap at the head of the partition (librdkafka can no longer vouch for order
@@ -260,8 +259,7 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
-    let topic = unique_name("silent");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("silent");
     let sink = sink(&mock);
     delivered(&publish(&sink, &topic, "first").await);
 
@@ -304,8 +302,7 @@ async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
 /// (`batch.num.messages=1`), as a key's run longer than a batch would.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_refused_message_does_not_stop_the_later_ones_of_its_partition_so_key_runs_stay_off() {
-    let topic = unique_name("run");
-    let mock = cluster(&topic, 1);
+    let (topic, mock) = cluster("run");
     let sink = KafkaSink::new(config(&mock).property("batch.num.messages", "1")).expect("sink");
     assert!(
         !sink.capabilities().ordered_key_runs,

@@ -231,15 +231,7 @@ impl Settings for NatsConfig {
                 ));
             }
         }
-        if self.publish_timeout < Duration::from_millis(10) {
-            return Err(Error::setting(
-                "publish_timeout",
-                format!(
-                    "is {:?}; it must be at least 10ms (and shorter than the worker's lease)",
-                    self.publish_timeout
-                ),
-            ));
-        }
+        outbox_core::check_publish_timeout(self.publish_timeout, Duration::from_millis(10))?;
         if self.max_pending_acks == 0 {
             return Err(Error::setting(
                 "max_pending_acks",
