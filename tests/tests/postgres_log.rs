@@ -365,39 +365,9 @@ async fn claim_during_a_waiting_cursor_write() -> bool {
     let first = relay.claim("w", 1, LEASE).await.unwrap();
     let round_at = tokio::time::Instant::now();
     assert_eq!(payloads(&first), ["m1"]);
-    let shards_table = outbox.table.qualified("_shards");
-    let mut blocker = outbox.pool.begin().await.unwrap();
-    sqlx::query(&format!("SELECT shard FROM {shards_table} FOR UPDATE"))
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let settling = tokio::spawn({
-        let relay = relay.clone();
-        let delivered = deliveries(&first);
-        let token = first.token;
-        async move { relay.ack(&token, &delivered).await }
-    });
+    let (blocker, settling) = ack_behind_a_shard_lock(&outbox, &relay, &first).await;
     // Wait until the cursor write is queued behind the lock.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND datname = current_database()
-               AND query LIKE '%cursor_xid%' AND query LIKE $1",
-        )
-        .bind(format!("%{}%", outbox.table.schema()))
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the settlement's cursor write never waited on the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    until_a_cursor_write_waits(&outbox, "pid").await;
     if round_at.elapsed() > Duration::from_millis(150) {
         blocker.rollback().await.unwrap();
         assert_eq!(settling.await.unwrap().unwrap(), 1);
@@ -439,6 +409,56 @@ async fn claim_during_a_waiting_cursor_write() -> bool {
     true
 }
 
+/// Locks every shard row in a transaction of its own (returned), then acknowledges `claim`
+/// on `relay` in the background: the settlement's cursor write waits behind the lock.
+async fn ack_behind_a_shard_lock(
+    outbox: &LogOutbox,
+    relay: &Arc<PgStorage>,
+    claim: &Claim,
+) -> (
+    sqlx::Transaction<'static, sqlx::Postgres>,
+    tokio::task::JoinHandle<outbox_core::Result<u64>>,
+) {
+    let shards_table = outbox.table.qualified("_shards");
+    let mut blocker = outbox.pool.begin().await.unwrap();
+    sqlx::query(&format!("SELECT shard FROM {shards_table} FOR UPDATE"))
+        .execute(&mut *blocker)
+        .await
+        .unwrap();
+    let settling = tokio::spawn({
+        let relay = relay.clone();
+        let delivered = deliveries(claim);
+        let token = claim.token;
+        async move { relay.ack(&token, &delivered).await }
+    });
+    (blocker, settling)
+}
+
+/// Polls until a cursor write of `outbox` waits on a lock, selecting `what` of the waiting
+/// backends (`pid`, or `pg_terminate_backend(pid)` to kill them as they are found).
+async fn until_a_cursor_write_waits(outbox: &LogOutbox, what: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let found: i64 = sqlx::query_scalar(&format!(
+            "SELECT count(*) FROM (SELECT {what} FROM pg_stat_activity
+             WHERE wait_event_type = 'Lock' AND datname = current_database()
+               AND query LIKE '%cursor_xid%' AND query LIKE $1) x"
+        ))
+        .bind(format!("%{}%", outbox.table.schema()))
+        .fetch_one(&outbox.pool)
+        .await
+        .unwrap();
+        if found > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the settlement's cursor write never waited on the lock"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
 /// A settlement's cursor write that fails (its connection killed while it waits for a row
 /// lock) loses nothing and hands out nothing twice: the delivered row stays delivered, the
 /// stored cursor stays behind it, the key's next row goes out, and that row's cursor write
@@ -455,38 +475,8 @@ async fn a_failed_cursor_write_is_passed_by_the_next_one() {
     let relay = outbox.another_relay();
     let first = relay.claim("w", 1, LEASE).await.unwrap();
     assert_eq!(payloads(&first), ["m1"]);
-    let shards_table = outbox.table.qualified("_shards");
-    let mut blocker = outbox.pool.begin().await.unwrap();
-    sqlx::query(&format!("SELECT shard FROM {shards_table} FOR UPDATE"))
-        .execute(&mut *blocker)
-        .await
-        .unwrap();
-    let settling = tokio::spawn({
-        let relay = relay.clone();
-        let delivered = deliveries(&first);
-        let token = first.token;
-        async move { relay.ack(&token, &delivered).await }
-    });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let killed: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND datname = current_database()
-               AND query LIKE '%cursor_xid%' AND query LIKE $1) x",
-        )
-        .bind(format!("%{}%", outbox.table.schema()))
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
-        if killed > 0 {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the settlement's cursor write never waited on the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let (blocker, settling) = ack_behind_a_shard_lock(&outbox, &relay, &first).await;
+    until_a_cursor_write_waits(&outbox, "pg_terminate_backend(pid)").await;
     let failed = settling.await.unwrap();
     assert!(failed.is_err(), "the cursor write failed: {failed:?}");
     blocker.rollback().await.unwrap();
