@@ -239,21 +239,38 @@ async fn open_writer(table: &OutboxTable) -> PgConnection {
     conn
 }
 
+/// A migration of `table` on a connection of its own, once its index build waits for the
+/// open writer: the backend's pid and the task, which gives back the result and the
+/// connection (still open, as in a pool).
+async fn migration_waiting_for_the_writer(
+    table: &OutboxTable,
+    observer: &mut PgConnection,
+) -> (
+    i32,
+    tokio::task::JoinHandle<(outbox_core::Result<()>, PgConnection)>,
+) {
+    let mut migrator = connect().await;
+    let pid = backend_pid(&mut migrator).await;
+    let migration = tokio::spawn({
+        let table = table.clone();
+        async move {
+            let result = table.migrate(&mut migrator).await;
+            (result, migrator)
+        }
+    });
+    wait_for_blocked_index_build(observer, pid).await;
+    (pid, migration)
+}
+
 #[tokio::test]
 async fn upgrade_builds_the_index_without_blocking_writers() {
     let (table, _cleanup) = table_at_version_1(20_000).await;
     let mut observer = connect().await;
     let mut open = open_writer(&table).await;
 
-    let mut migrator = connect().await;
-    let pid = backend_pid(&mut migrator).await;
-    let migration = tokio::spawn({
-        let table = table.clone();
-        async move { table.migrate(&mut migrator).await }
-    });
     // The build waits for the open writer. A plain CREATE INDEX would hold (or queue for) a
     // SHARE lock that blocks every new INSERT until it finishes.
-    wait_for_blocked_index_build(&mut observer, pid).await;
+    let (pid, migration) = migration_waiting_for_the_writer(&table, &mut observer).await;
     let blocking: Vec<String> = sqlx::query_scalar(
         "SELECT mode FROM pg_locks WHERE pid = $1 AND relation = to_regclass($2)
              AND mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')",
@@ -283,6 +300,7 @@ async fn upgrade_builds_the_index_without_blocking_writers() {
         .await
         .expect("the migration finishes")
         .expect("migration task")
+        .0
         .expect("migrate");
     assert_eq!(unkeyed_index_valid(&mut observer, &table).await, Some(true));
     assert_eq!(version(&mut observer, &table).await, LATEST);
@@ -309,16 +327,7 @@ async fn interrupted_index_build_is_repaired() {
     let mut open = open_writer(&table).await;
 
     // Interrupt the build while it waits for the open writer.
-    let mut migrator = connect().await;
-    let pid = backend_pid(&mut migrator).await;
-    let migration = tokio::spawn({
-        let table = table.clone();
-        async move {
-            let result = table.migrate(&mut migrator).await;
-            (result, migrator)
-        }
-    });
-    wait_for_blocked_index_build(&mut observer, pid).await;
+    let (pid, migration) = migration_waiting_for_the_writer(&table, &mut observer).await;
     sqlx::query("SELECT pg_cancel_backend($1)")
         .bind(pid)
         .execute(&mut observer)
