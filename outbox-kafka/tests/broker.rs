@@ -14,6 +14,15 @@ fn sink(brokers: &str) -> KafkaSink {
     KafkaSink::new(KafkaConfig::new(brokers)).expect("sink")
 }
 
+/// The brokers, with a topic of the test's own (named after `name`) made there with
+/// `partitions` partitions: the brokers and the topic.
+async fn new_topic(name: &str, partitions: i32) -> (String, String) {
+    let brokers = require_broker();
+    let topic = unique_name(name);
+    create_topic(&brokers, &topic, partitions).await;
+    (brokers, topic)
+}
+
 /// Checks the outcomes of three messages: the first and the last delivered, the middle one
 /// failed for good with an error that contains `needle` (which `why` explains).
 fn assert_only_the_middle_fails(outcomes: &[Outcome], needle: &str, why: &str) {
@@ -55,9 +64,7 @@ fn by_key(records: &[Record]) -> HashMap<String, Vec<&Record>> {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn round_trip_keeps_key_headers_and_payload_bytes() {
-    let brokers = require_broker();
-    let topic = unique_name("rt");
-    create_topic(&brokers, &topic, 3).await;
+    let (brokers, topic) = new_topic("rt", 3).await;
     let sink = sink(&brokers);
     sink.health().await.expect("healthy");
 
@@ -124,9 +131,7 @@ async fn round_trip_keeps_key_headers_and_payload_bytes() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn same_key_same_partition_in_order_across_calls() {
-    let brokers = require_broker();
-    let topic = unique_name("order");
-    create_topic(&brokers, &topic, 3).await;
+    let (brokers, topic) = new_topic("order", 3).await;
     let sink = sink(&brokers);
     let (keys, per_key) = (20, 10);
     let messages = keyed_messages(&topic, keys, per_key);
@@ -161,9 +166,7 @@ async fn same_key_same_partition_in_order_across_calls() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn unknown_topic_is_permanent_and_does_not_stop_the_others() {
-    let brokers = require_broker();
-    let topic = unique_name("known");
-    create_topic(&brokers, &topic, 1).await;
+    let (brokers, topic) = new_topic("known", 1).await;
     let missing = unique_name("missing");
     let sink = sink(&brokers);
     let batch: Vec<Message> = vec![

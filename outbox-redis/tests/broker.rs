@@ -51,6 +51,15 @@ async fn break_stream(prefix: &str) -> String {
     broken
 }
 
+/// A sink of a prefix of its own, de-duplicating when `dedup`, whose `{prefix}broken` stream
+/// is [broken](break_stream): the prefix, the sink and that stream's name.
+async fn sink_with_a_broken_stream(dedup: bool) -> (String, RedisSink, String) {
+    let prefix = prefix().await;
+    let sink = RedisSink::new(deduplicating(config(&url(), &prefix), dedup)).unwrap();
+    let broken = break_stream(&prefix).await;
+    (prefix, sink, broken)
+}
+
 /// Makes `stream` a stream again (by deleting the string [`break_stream`] put there).
 async fn fix_stream(stream: &str) {
     let _: () = client().await.del(stream).await.unwrap();
@@ -175,9 +184,7 @@ async fn keys_keep_their_order_within_a_stream() {
 #[tokio::test]
 async fn wrongtype_dead_letters_only_that_message() {
     for dedup in [false, true] {
-        let prefix = prefix().await;
-        let sink = RedisSink::new(deduplicating(config(&url(), &prefix), dedup)).unwrap();
-        let broken = break_stream(&prefix).await;
+        let (prefix, sink, broken) = sink_with_a_broken_stream(dedup).await;
 
         let batch = vec![
             message("good", "k1", "1"),
@@ -618,9 +625,7 @@ async fn several_messages_of_a_key_in_one_call_land_in_order_in_one_round_trip()
 #[tokio::test]
 async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
     for dedup in [false, true] {
-        let prefix = prefix().await;
-        let sink = RedisSink::new(deduplicating(config(&url(), &prefix), dedup)).unwrap();
-        let broken = break_stream(&prefix).await;
+        let (prefix, sink, broken) = sink_with_a_broken_stream(dedup).await;
         // Key k: two good, one to the broken stream, two good again; key o around it.
         let batch = vec![
             message("good", "k", "k1"),

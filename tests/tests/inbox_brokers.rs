@@ -748,17 +748,20 @@ mod nats {
             .expect("the durable consumer")
     }
 
+    /// Up to `max` messages for `consumer`, those that come within half a second.
+    async fn fetch(consumer: &PullConsumer, max: usize) -> pull::Batch {
+        (consumer.fetch().max_messages(max))
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch")
+    }
+
     /// The next message for `consumer`, waiting up to [`WAIT`].
     async fn next(consumer: &PullConsumer) -> jetstream::Message {
         let deadline = tokio::time::Instant::now() + WAIT;
         loop {
-            let mut batch = consumer
-                .fetch()
-                .max_messages(1)
-                .expires(Duration::from_millis(500))
-                .messages()
-                .await
-                .expect("fetch");
+            let mut batch = fetch(consumer, 1).await;
             if let Some(message) = batch.next().await {
                 return message.expect("a message");
             }
@@ -813,13 +816,7 @@ mod nats {
                 break;
             }
             assert!(tokio::time::Instant::now() < deadline, "left: {info:?}");
-            let mut batch = b
-                .fetch()
-                .max_messages(100)
-                .expires(Duration::from_millis(500))
-                .messages()
-                .await
-                .expect("fetch");
+            let mut batch = fetch(&b, 100).await;
             while let Some(message) = batch.next().await {
                 let message = message.expect("a message");
                 if message.info().expect("JetStream metadata").delivered > 1 {
