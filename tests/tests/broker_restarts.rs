@@ -409,8 +409,15 @@ impl Run {
 /// Checks what the broker holds (message ids in the order its consumer reads them) against
 /// what was enqueued: every message is there, nothing else is, and each key's first
 /// arrivals are in enqueue order (messages without a key have no order to keep). Returns
-/// the number of duplicates.
-fn check_arrivals(name: &str, sent: &[NewMessage], arrived: &[Uuid]) -> usize {
+/// the number of duplicates, which it prints with the run's `report` (`held_in`: where the
+/// broker holds them, for the line).
+fn check_arrivals(
+    name: &str,
+    sent: &[NewMessage],
+    arrived: &[Uuid],
+    report: &[String],
+    held_in: &str,
+) -> usize {
     let position: HashMap<Uuid, (usize, Option<&str>)> = sent
         .iter()
         .enumerate()
@@ -449,6 +456,11 @@ fn check_arrivals(name: &str, sent: &[NewMessage], arrived: &[Uuid]) -> usize {
         &lost[..lost.len().min(5)]
     );
     assert_eq!(arrived.len(), sent.len() + duplicates);
+    eprintln!(
+        "[{name}] {} messages, {duplicates} duplicates in the {held_in}\n  {}",
+        sent.len(),
+        report.join("\n  ")
+    );
     duplicates
 }
 
@@ -622,12 +634,7 @@ async fn redis_restart(name: &'static str, dedup: bool) {
 
     let (sent, report) = run.finish(Duration::from_secs(1)).await;
     let arrived = redis_server::ids(&url, &stream).await;
-    let duplicates = check_arrivals(name, &sent, &arrived);
-    eprintln!(
-        "[{name}] {} messages, {duplicates} duplicates in the stream\n  {}",
-        sent.len(),
-        report.join("\n  ")
-    );
+    let duplicates = check_arrivals(name, &sent, &arrived, &report, "stream");
     if dedup {
         assert_eq!(duplicates, 0, "[{name}] de-duplicated: each message once");
     }
@@ -679,12 +686,7 @@ async fn redis_refusals(name: &'static str, dedup: bool) {
 
     let (sent, report) = run.finish(Duration::from_secs(1)).await;
     let arrived = redis_server::ids(&url, &stream).await;
-    let duplicates = check_arrivals(name, &sent, &arrived);
-    eprintln!(
-        "[{name}] {} messages, {duplicates} duplicates in the stream\n  {}",
-        sent.len(),
-        report.join("\n  ")
-    );
+    let duplicates = check_arrivals(name, &sent, &arrived, &report, "stream");
     // A refused command appends nothing, and a script is refused before its first append or
     // not at all: nothing reported failed is in the stream.
     assert_eq!(duplicates, 0, "[{name}] a refusal appends nothing");
@@ -780,12 +782,7 @@ async fn a_nats_restart_in_the_middle_of_a_run_loses_nothing() {
             headers[outbox_nats::wire::ID].parse().expect("a UUID")
         })
         .collect();
-    let duplicates = check_arrivals("nats-restart", &sent, &arrived);
-    eprintln!(
-        "[nats-restart] {} messages, {duplicates} duplicates in the stream\n  {}",
-        sent.len(),
-        report.join("\n  ")
-    );
+    let duplicates = check_arrivals("nats-restart", &sent, &arrived, &report, "stream");
     // A message published again within the stream's duplicate window (after a lost
     // acknowledgement, or from the client's buffer once it reconnected) is stored once, also
     // across the server's restarts: JetStream rebuilds its window from the stored messages.
@@ -912,10 +909,5 @@ async fn a_rabbitmq_restart_in_the_middle_of_a_run_loses_nothing() {
 
     let (sent, report) = run.finish(Duration::from_secs(1)).await;
     let arrived = amqp_read(&url, &queue, sent.len()).await;
-    let duplicates = check_arrivals("amqp-restart", &sent, &arrived);
-    eprintln!(
-        "[amqp-restart] {} messages, {duplicates} duplicates in the queue\n  {}",
-        sent.len(),
-        report.join("\n  ")
-    );
+    check_arrivals("amqp-restart", &sent, &arrived, &report, "queue");
 }
