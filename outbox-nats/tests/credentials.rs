@@ -188,6 +188,18 @@ async fn publishes_and_reads_back(
     }
 }
 
+/// The server at `url` [refuses](refused) a sink without credentials (its error not showing
+/// our secret, `ours`) and one with the `wrong` ones (not showing theirs, `theirs`).
+async fn refuses_none_and_the_wrong(
+    url: String,
+    wrong: impl FnOnce(&mut NatsConfig),
+    ours: &str,
+    theirs: &str,
+) {
+    refused(&sink(url.clone(), |_| {}), ours).await;
+    refused(&sink(url, wrong), theirs).await;
+}
+
 /// `sink` is refused at once (not after a time-out) as `Unavailable`, the error saying what
 /// to check, and without the secret `hidden`.
 async fn refused(sink: &NatsSink, hidden: &str) {
@@ -275,13 +287,9 @@ async fn a_creds_file_authenticates_to_an_operator_mode_server() {
     );
     publishes_and_reads_back(&with_creds, &stream, "creds").await;
 
-    refused(&sink(server.url(), |_| {}), &seed).await;
     let stranger_seed = stranger.seed().expect("seed");
-    refused(
-        &sink(server.url(), |c| c.credentials_file = Some(theirs.clone())),
-        &stranger_seed,
-    )
-    .await;
+    let wrong = |c: &mut NatsConfig| c.credentials_file = Some(theirs.clone());
+    refuses_none_and_the_wrong(server.url(), wrong, &seed, &stranger_seed).await;
 
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);
@@ -319,12 +327,8 @@ async fn an_nkey_seed_authenticates_to_a_server_that_lists_nkey_users() {
 
     let with_seed = sink(server.url(), |c| c.nkey_file = Some(ours.clone()));
     publishes_and_reads_back(&with_seed, &stream, "nkey").await;
-    refused(&sink(server.url(), |_| {}), &seed).await;
-    refused(
-        &sink(server.url(), |c| c.nkey_file = Some(theirs.clone())),
-        &other_seed,
-    )
-    .await;
+    let wrong = |c: &mut NatsConfig| c.nkey_file = Some(theirs.clone());
+    refuses_none_and_the_wrong(server.url(), wrong, &seed, &other_seed).await;
 
     drop(server);
     let _ = std::fs::remove_dir_all(&dir);

@@ -103,7 +103,7 @@ pub fn url() -> String {
 
 /// The test's own connection, to declare, bind and consume.
 pub struct Broker {
-    _connection: Connection,
+    connection: Connection,
     /// A channel of the connection, for what the helpers do not cover.
     pub channel: Channel,
 }
@@ -116,9 +116,15 @@ impl Broker {
             .unwrap_or_else(|e| Service::Amqp.missing(e));
         let channel = connection.create_channel().await.expect("open a channel");
         Broker {
-            _connection: connection,
+            connection,
             channel,
         }
+    }
+
+    /// The connection, for channels of the test's own (consumers): the queues of
+    /// [`Broker::queue`] are its own, gone when it closes.
+    pub fn connection(&self) -> &Connection {
+        &self.connection
     }
 
     /// A fresh exchange, deleted by the broker once its last queue is gone.

@@ -487,62 +487,19 @@ mod amqp {
     use outbox_amqp::lapin::message::Delivery;
     use outbox_amqp::lapin::options::{
         BasicAckOptions, BasicConsumeOptions, BasicGetOptions, BasicNackOptions, BasicQosOptions,
-        ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions, QueueDeleteOptions,
     };
-    use outbox_amqp::lapin::types::{AMQPValue, FieldTable};
-    use outbox_amqp::lapin::{Channel, Connection, ConnectionProperties, ExchangeKind};
+    use outbox_amqp::lapin::types::FieldTable;
+    use outbox_amqp::lapin::{Channel, ExchangeKind};
     use outbox_amqp::{AmqpConfig, AmqpSink};
-    use outbox_test_support::amqp::url;
+    use outbox_test_support::amqp::{Broker, url};
 
     use super::*;
 
-    /// The test's own connection, a topic exchange and a queue bound to all of it (which
-    /// expires a minute after its last use, should the test not delete it), and a sink
-    /// publishing to the exchange.
-    async fn setup() -> (Connection, String, impl AsyncFn() -> Arc<dyn Sink>) {
-        let address = url();
-        let connect = Connection::connect(&address, ConnectionProperties::default());
-        let connection = match tokio::time::timeout(Duration::from_secs(5), connect).await {
-            Ok(Ok(connection)) => connection,
-            Ok(Err(e)) => Service::Amqp.missing(e),
-            Err(_) => Service::Amqp.missing("no answer within 5 s"),
-        };
-        let channel = connection.create_channel().await.expect("a channel");
-        let exchange = unique_name("outbox_inbox_x");
-        let auto_delete = ExchangeDeclareOptions {
-            auto_delete: true,
-            ..Default::default()
-        };
-        channel
-            .exchange_declare(
-                exchange.as_str().into(),
-                ExchangeKind::Topic,
-                auto_delete,
-                FieldTable::default(),
-            )
-            .await
-            .expect("declare the exchange");
-        let queue = unique_name("outbox_inbox_q");
-        let mut arguments = FieldTable::default();
-        arguments.insert("x-expires".into(), AMQPValue::LongInt(60_000));
-        channel
-            .queue_declare(
-                queue.as_str().into(),
-                QueueDeclareOptions::default(),
-                arguments,
-            )
-            .await
-            .expect("declare the queue");
-        channel
-            .queue_bind(
-                queue.as_str().into(),
-                exchange.as_str().into(),
-                "#".into(),
-                QueueBindOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .expect("bind the queue");
+    /// The test's own connection, a topic exchange and a queue bound to all of it (both
+    /// gone with the connection), and a sink publishing to the exchange.
+    async fn setup() -> (Broker, String, impl AsyncFn() -> Arc<dyn Sink>) {
+        let broker = Broker::connect().await;
+        let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Topic, "#").await;
         let sink = async move || -> Arc<dyn Sink> {
             let template = Template::new(&exchange).expect("a valid template");
             match AmqpSink::connect(AmqpConfig::new(url(), template)).await {
@@ -550,7 +507,7 @@ mod amqp {
                 Err(e) => Service::Amqp.missing(e),
             }
         };
-        (connection, queue, sink)
+        (broker, queue, sink)
     }
 
     fn delivery(delivery: &Delivery) -> (Received, Vec<u8>) {
@@ -578,25 +535,21 @@ mod amqp {
         }
     }
 
-    async fn delete(connection: &Connection, queue: &str) {
-        let channel = connection.create_channel().await.expect("a channel");
-        channel
-            .queue_delete(queue.into(), QueueDeleteOptions::default())
-            .await
-            .expect("delete the queue");
-    }
-
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn redeliveries_are_processed_once() {
         let started = Instant::now();
-        let (connection, queue, sink) = setup().await;
+        let (broker, queue, sink) = setup().await;
         let (_outbox, messages, crashed, billing) =
             relay_with_a_crash(sink().await, sink().await).await;
 
         // Consumer a: every delivery at once (prefetch), acknowledged after its commit; a
         // failed handler nacks it back into the queue, so a gets it again. Killed before
         // acknowledging some, its channel closes and RabbitMQ requeues them.
-        let a = connection.create_channel().await.expect("a channel");
+        let a = broker
+            .connection()
+            .create_channel()
+            .await
+            .expect("a channel");
         a.basic_qos(500, BasicQosOptions::default())
             .await
             .expect("basic.qos");
@@ -636,7 +589,11 @@ mod amqp {
             .expect("close the channel");
 
         // Consumer b gets what a left, one message at a time.
-        let b = connection.create_channel().await.expect("a channel");
+        let b = broker
+            .connection()
+            .create_channel()
+            .await
+            .expect("a channel");
         for _ in 0..unacked {
             let got = get(&b, &queue).await;
             assert!(got.redelivered, "a redelivery");
@@ -658,22 +615,29 @@ mod amqp {
         billing
             .assert_run(&messages, crashed.len(), "amqp", started)
             .await;
-        delete(&connection, &queue).await;
     }
 
     /// Consumer a got a message and still works on it when its channel goes (a missed
     /// heartbeat, say): RabbitMQ gives it to consumer b, and both handle it at once.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn two_consumers_on_one_message_at_once_make_one_effect() {
-        let (connection, queue, sink) = setup().await;
+        let (broker, queue, sink) = setup().await;
         let (_outbox, message, billing) = relay_one(sink().await).await;
 
-        let a = connection.create_channel().await.expect("a channel");
+        let a = broker
+            .connection()
+            .create_channel()
+            .await
+            .expect("a channel");
         let first = get(&a, &queue).await;
         a.close(200, "gone".into())
             .await
             .expect("close the channel");
-        let b = connection.create_channel().await.expect("a channel");
+        let b = broker
+            .connection()
+            .create_channel()
+            .await
+            .expect("a channel");
         let second = get(&b, &queue).await;
         assert!(second.redelivered, "a redelivery");
         let outcomes = billing.race(delivery(&first), delivery(&second)).await;
@@ -683,7 +647,6 @@ mod amqp {
             .await
             .expect("basic.ack");
         billing.assert_each_once(&[message]).await;
-        delete(&connection, &queue).await;
     }
 }
 
