@@ -574,11 +574,7 @@ pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
     let retries: Vec<Retry> = stale
         .messages
         .iter()
-        .map(|m| Retry {
-            id: m.id,
-            delay: Duration::ZERO,
-            error: "late".into(),
-        })
+        .map(|m| retry(m, Duration::ZERO))
         .collect();
     let dead: Vec<DeadLetter> = stale
         .messages

@@ -661,10 +661,7 @@ mod mysql {
     use outbox_tests::mysql_url;
 
     fn missing(error: impl std::fmt::Display) -> ! {
-        panic!(
-            "MySQL or MariaDB must be running at {} (start it with `cargo xtask services`): {error}",
-            mysql_url()
-        )
+        outbox_tests::Service::MySql.missing(error)
     }
 
     /// The database of the test URL.

@@ -18,10 +18,7 @@ use outbox_tests::{four_relays_deliver_once_in_key_order, over_keys, payloads, u
 use outbox_tests::mysql_url;
 
 fn missing(error: impl std::fmt::Display) -> ! {
-    panic!(
-        "MySQL or MariaDB must be running at {} (start it with `cargo xtask services`): {error}",
-        mysql_url()
-    )
+    outbox_tests::Service::MySql.missing(error)
 }
 
 /// An outbox in tables of its own (`t_<random>`), migrated, dropped with the value.
