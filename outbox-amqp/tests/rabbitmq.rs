@@ -39,12 +39,17 @@ fn failure(outcome: &Outcome) -> (ErrorKind, String) {
     }
 }
 
+/// The test's own connection, with a fresh exchange of `kind` and a fresh queue bound to it
+/// with `binding`: the broker and the names of both.
+async fn destination(kind: ExchangeKind, binding: &str) -> (Broker, String, String) {
+    let broker = Broker::connect().await;
+    let (exchange, queue) = broker.exchange_and_queue(kind, binding).await;
+    (broker, exchange, queue)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn properties_headers_and_payload_arrive_exactly() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker
-        .exchange_and_queue(ExchangeKind::Topic, "orders.#")
-        .await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Topic, "orders.#").await;
     let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
 
     let trace = TraceContext {
@@ -194,10 +199,7 @@ async fn publish_around_a_returned_one(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unroutable_messages_fail_as_configured_and_the_others_arrive() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker
-        .exchange_and_queue(ExchangeKind::Direct, "routed")
-        .await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Direct, "routed").await;
     for (setting, expected) in [
         (Unroutable::Retry, ErrorKind::Temporary),
         (Unroutable::DeadLetter, ErrorKind::Permanent),
@@ -346,8 +348,7 @@ async fn declare_creates_exchanges_and_topic_exchanges_are_checked_on_first_use(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_messages_fail_for_good_without_harming_the_batch() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Fanout, "").await;
     let config = AmqpConfig {
         max_payload: 1024,
         ..AmqpConfig::new(url(), template(&exchange))
@@ -379,8 +380,7 @@ async fn oversized_messages_fail_for_good_without_harming_the_batch() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lost_connection_reports_unavailable_and_reconnects() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Fanout, "").await;
     let url = url();
     let proxy = Proxy::start(&host_port(&url)).await;
     let mut config = AmqpConfig::new(through(&url, &proxy.addr()), template(&exchange));
@@ -551,8 +551,7 @@ async fn an_exchange_deleted_while_running_fails_the_message_not_the_connection(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_registry_builds_the_sink_from_the_configuration_table() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker.exchange_and_queue(ExchangeKind::Fanout, "").await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Fanout, "").await;
     let mut registry = outbox_core::SinkRegistry::new();
     outbox_amqp::register(&mut registry);
     assert_eq!(registry.names(), [outbox_amqp::TYPE]);
@@ -598,10 +597,7 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
 /// message of a key, which is what the worker's rounds cost already.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_returned_message_does_not_stop_the_next_one_so_key_runs_stay_off() {
-    let broker = Broker::connect().await;
-    let (exchange, queue) = broker
-        .exchange_and_queue(ExchangeKind::Direct, "routed")
-        .await;
+    let (broker, exchange, queue) = destination(ExchangeKind::Direct, "routed").await;
     let sink = sink(AmqpConfig::new(url(), template(&exchange))).await;
     assert!(
         !sink.capabilities().ordered_key_runs,

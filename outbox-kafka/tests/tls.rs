@@ -413,42 +413,37 @@ fn tls_files_librdkafka_cannot_load_are_refused_at_start_up_naming_the_key() {
     let not_pem = dir.join("not.pem");
     std::fs::write(&not_pem, "not a certificate\n").expect("write");
 
-    let bad_ca = KafkaConfig {
-        tls_ca_file: Some(not_pem.clone()),
-        ..KafkaConfig::new("127.0.0.1:9093")
-    };
-    let error = KafkaSink::new(bad_ca).expect_err("a CA file that is not PEM");
-    assert_eq!(error.kind(), ErrorKind::Config);
-    let text = error.in_section("sink").to_string();
-    assert!(
-        text.contains("sink.tls_ca_file is refused by librdkafka"),
-        "{text}"
-    );
-
-    let bad_cert = KafkaConfig {
-        tls_cert_file: Some(not_pem.clone()),
-        tls_key_file: Some(ours.client_key.clone()),
-        ..KafkaConfig::new("127.0.0.1:9093")
-    };
-    let text = KafkaSink::new(bad_cert)
-        .expect_err("not PEM")
-        .in_section("sink")
-        .to_string();
-    assert!(
-        text.contains("sink.tls_cert_file is refused by librdkafka"),
-        "{text}"
-    );
-
-    // A key that does not belong to the certificate.
-    let mismatched = KafkaConfig {
-        tls_cert_file: Some(ours.client_cert.clone()),
-        tls_key_file: Some(theirs.client_key.clone()),
-        ..KafkaConfig::new("127.0.0.1:9093")
-    };
-    let text = KafkaSink::new(mismatched)
-        .expect_err("mismatched key")
-        .in_section("sink")
-        .to_string();
-    assert!(text.contains("sink.tls_key_file"), "{text}");
+    let local = || KafkaConfig::new("127.0.0.1:9093");
+    for (config, expected) in [
+        (
+            KafkaConfig {
+                tls_ca_file: Some(not_pem.clone()),
+                ..local()
+            },
+            "sink.tls_ca_file is refused by librdkafka",
+        ),
+        (
+            KafkaConfig {
+                tls_cert_file: Some(not_pem.clone()),
+                tls_key_file: Some(ours.client_key.clone()),
+                ..local()
+            },
+            "sink.tls_cert_file is refused by librdkafka",
+        ),
+        // A key that does not belong to the certificate.
+        (
+            KafkaConfig {
+                tls_cert_file: Some(ours.client_cert.clone()),
+                tls_key_file: Some(theirs.client_key.clone()),
+                ..local()
+            },
+            "sink.tls_key_file",
+        ),
+    ] {
+        let error = KafkaSink::new(config).expect_err(expected);
+        assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+        let text = error.in_section("sink").to_string();
+        assert!(text.contains(expected), "{text}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
