@@ -49,7 +49,7 @@ pub(crate) mod tests {
     use std::path::{Path, PathBuf};
     use std::sync::atomic::{AtomicUsize, Ordering};
 
-    use outbox_core::{ErrorKind, Message, NewMessage, Outcome};
+    use outbox_core::{Message, NewMessage, Outcome};
 
     use super::*;
 
@@ -119,37 +119,37 @@ pub(crate) mod tests {
         stdout.health().await.unwrap();
         assert!(!stdout.capabilities().deduplicates);
 
-        let refused = |type_name: &'static str, table: serde_json::Value| {
-            let registry = registry.clone();
-            async move {
-                let error = registry.build(type_name, table).await.err().unwrap();
-                assert_eq!(error.kind(), ErrorKind::Config, "{error}");
-                error.in_section("sink").message().to_string()
-            }
-        };
-        let unknown = refused(TYPE, serde_json::json!({ "path": path, "fsync": false })).await;
-        assert!(
-            unknown.starts_with("sink.fsync: unknown field"),
-            "{unknown}"
-        );
-        let bad = refused(TYPE, serde_json::json!({ "path": path, "sync": "always" })).await;
-        assert!(bad.starts_with("sink.sync: invalid type"), "{bad}");
-        let missing = refused(TYPE, serde_json::json!({})).await;
-        assert!(missing.starts_with("sink.path is missing"), "{missing}");
+        for (type_name, table, expected) in [
+            (
+                TYPE,
+                serde_json::json!({ "path": path, "fsync": false }),
+                "sink.fsync: unknown field",
+            ),
+            (
+                TYPE,
+                serde_json::json!({ "path": path, "sync": "always" }),
+                "sink.sync: invalid type",
+            ),
+            (TYPE, serde_json::json!({}), "sink.path is missing"),
+            (
+                STDOUT_TYPE,
+                serde_json::json!({ "path": path }),
+                "sink.path: unknown field `path`",
+            ),
+            (
+                STDOUT_TYPE,
+                serde_json::json!({ "publish_timeout": "often" }),
+                "sink.publish_timeout: ",
+            ),
+        ] {
+            let error = outbox_testkit::sink_config_error(&registry, type_name, table).await;
+            assert!(error.message().starts_with(expected), "{error}");
+        }
         let gone = dir.path().join("none").join("out.jsonl");
-        let no_dir = refused(TYPE, serde_json::json!({ "path": gone })).await;
+        let table = serde_json::json!({ "path": gone });
+        let no_dir = outbox_testkit::sink_config_error(&registry, TYPE, table).await;
+        let no_dir = no_dir.message();
         assert!(no_dir.starts_with("sink.path `"), "{no_dir}");
         assert!(no_dir.contains("does not exist; create it"), "{no_dir}");
-        let unknown = refused(STDOUT_TYPE, serde_json::json!({ "path": path })).await;
-        assert!(
-            unknown.starts_with("sink.path: unknown field `path`"),
-            "{unknown}"
-        );
-        let bad = refused(
-            STDOUT_TYPE,
-            serde_json::json!({ "publish_timeout": "often" }),
-        )
-        .await;
-        assert!(bad.starts_with("sink.publish_timeout: "), "{bad}");
     }
 }

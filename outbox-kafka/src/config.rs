@@ -506,56 +506,61 @@ mod tests {
 
     #[test]
     fn bad_settings_name_their_key() {
-        assert!(invalid(KafkaConfig::new(" ")).contains("sink.bootstrap_servers is missing"));
-        assert!(invalid(KafkaConfig::new("kafka://k:9092")).contains("URL scheme"));
-        assert!(
-            invalid(KafkaConfig::new("k"))
-                .contains("sink.bootstrap_servers entry `k` is not host:port")
-        );
-        assert!(invalid(KafkaConfig::new("k:0")).contains("not host:port"));
-        assert!(
-            invalid(KafkaConfig::new("k:1").topic_template(template("")))
-                .contains("sink.topic_template is empty")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").topic_template(template("out box.{topic}")))
-                .contains("sink.topic_template `out box.{topic}`")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").topic_template(template("{topic}.{key}")))
-                .contains("sink.topic_template `{topic}.{key}` uses {key}")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").topic("orders", "a/b"))
-                .contains("sink.topics.orders is `a/b`")
-        );
-        let mut c = KafkaConfig::new("k:1");
-        c.publish_timeout = Duration::from_millis(10);
-        assert!(invalid(c).contains("sink.publish_timeout is 10ms"));
-        let mut c = KafkaConfig::new("k:1");
-        c.health_timeout = Duration::ZERO;
-        assert!(invalid(c).contains("sink.health_timeout is 0"));
-        assert!(
-            invalid(KafkaConfig::new("k:1").property("bootstrap.servers", "x:1")).contains(
-                "sink.properties.bootstrap.servers is set by the sink; use bootstrap_servers"
-            )
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").property("message.timeout.ms", "5"))
-                .contains("use publish_timeout")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").property("transactional.id", "t"))
-                .contains("sink.properties.transactional.id")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").property("acks", "0"))
-                .contains("sink.properties.acks is 0")
-        );
-        assert!(
-            invalid(KafkaConfig::new("k:1").property("enable.idempotence", "false"))
-                .contains("max.in.flight.requests.per.connection to 1")
-        );
+        let ok = || KafkaConfig::new("k:1");
+        let property = |name: &str, value: &str| ok().property(name, value);
+        for (config, expected) in [
+            (KafkaConfig::new(" "), "sink.bootstrap_servers is missing"),
+            (KafkaConfig::new("kafka://k:9092"), "URL scheme"),
+            (
+                KafkaConfig::new("k"),
+                "sink.bootstrap_servers entry `k` is not host:port",
+            ),
+            (KafkaConfig::new("k:0"), "not host:port"),
+            (
+                ok().topic_template(template("")),
+                "sink.topic_template is empty",
+            ),
+            (
+                ok().topic_template(template("out box.{topic}")),
+                "sink.topic_template `out box.{topic}`",
+            ),
+            (
+                ok().topic_template(template("{topic}.{key}")),
+                "sink.topic_template `{topic}.{key}` uses {key}",
+            ),
+            (ok().topic("orders", "a/b"), "sink.topics.orders is `a/b`"),
+            (
+                KafkaConfig {
+                    publish_timeout: Duration::from_millis(10),
+                    ..ok()
+                },
+                "sink.publish_timeout is 10ms",
+            ),
+            (
+                KafkaConfig {
+                    health_timeout: Duration::ZERO,
+                    ..ok()
+                },
+                "sink.health_timeout is 0",
+            ),
+            (
+                property("bootstrap.servers", "x:1"),
+                "sink.properties.bootstrap.servers is set by the sink; use bootstrap_servers",
+            ),
+            (property("message.timeout.ms", "5"), "use publish_timeout"),
+            (
+                property("transactional.id", "t"),
+                "sink.properties.transactional.id",
+            ),
+            (property("acks", "0"), "sink.properties.acks is 0"),
+            (
+                property("enable.idempotence", "false"),
+                "max.in.flight.requests.per.connection to 1",
+            ),
+        ] {
+            let message = invalid(config);
+            assert!(message.contains(expected), "{expected}: {message}");
+        }
         KafkaConfig::new("k:1")
             .property("enable.idempotence", "false")
             .property("max.in.flight.requests.per.connection", "1")

@@ -143,8 +143,8 @@ pub fn receipts(outcomes: &[Outcome]) -> Vec<String> {
 
 /// Checks a sink crate's `register` without a broker: it registers `type_name` alone, its
 /// factory builds a sink from `good` (a table that does not connect), and refuses `bad`
-/// with a configuration error whose message starts with `bad_key: ` (errors are keyed by the
-/// setting, relative to the `[sink]` section).
+/// with a configuration error keyed by `bad_key` (relative to the `[sink]` section, so the
+/// relay shows `sink.<bad_key>: …`).
 pub async fn check_sink_register(
     register: fn(&mut SinkRegistry),
     type_name: &str,
@@ -158,14 +158,25 @@ pub async fn check_sink_register(
     if let Err(error) = registry.build(type_name, good).await {
         panic!("{type_name}: the good table was refused: {error}");
     }
-    let Err(error) = registry.build(type_name, bad).await else {
-        panic!("{type_name}: the table with a bad `{bad_key}` was accepted");
+    let error = sink_config_error(&registry, type_name, bad).await;
+    let expected = format!("sink.{bad_key}: ");
+    assert!(error.message().starts_with(&expected), "{error}");
+}
+
+/// The configuration error `registry` refuses to build a `type_name` sink from `table`
+/// with, placed in the `[sink]` section (`sink.<key> …`); panics when the sink is built or
+/// fails with another kind of error.
+pub async fn sink_config_error(
+    registry: &SinkRegistry,
+    type_name: &str,
+    table: serde_json::Value,
+) -> outbox_core::Error {
+    let shown = table.to_string();
+    let Err(error) = registry.build(type_name, table).await else {
+        panic!("{type_name}: {shown} was accepted");
     };
-    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
-    assert!(
-        error.message().starts_with(&format!("{bad_key}: ")),
-        "{error}"
-    );
+    assert_eq!(error.kind(), ErrorKind::Config, "{shown}: {error}");
+    error.in_section("sink")
 }
 
 /// Checks that `T::from_value` refuses each table of `cases` with a configuration error

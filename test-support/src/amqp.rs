@@ -121,10 +121,13 @@ impl Broker {
         }
     }
 
-    /// The connection, for channels of the test's own (consumers): the queues of
-    /// [`Broker::queue`] are its own, gone when it closes.
-    pub fn connection(&self) -> &Connection {
-        &self.connection
+    /// Another channel on the connection, for a consumer of the test's own (the queues of
+    /// [`Broker::queue`] belong to the connection).
+    pub async fn open_channel(&self) -> Channel {
+        self.connection
+            .create_channel()
+            .await
+            .expect("open a channel")
     }
 
     /// A fresh exchange, deleted by the broker once its last queue is gone.

@@ -545,11 +545,7 @@ mod amqp {
         // Consumer a: every delivery at once (prefetch), acknowledged after its commit; a
         // failed handler nacks it back into the queue, so a gets it again. Killed before
         // acknowledging some, its channel closes and RabbitMQ requeues them.
-        let a = broker
-            .connection()
-            .create_channel()
-            .await
-            .expect("a channel");
+        let a = broker.open_channel().await;
         a.basic_qos(500, BasicQosOptions::default())
             .await
             .expect("basic.qos");
@@ -589,11 +585,7 @@ mod amqp {
             .expect("close the channel");
 
         // Consumer b gets what a left, one message at a time.
-        let b = broker
-            .connection()
-            .create_channel()
-            .await
-            .expect("a channel");
+        let b = broker.open_channel().await;
         for _ in 0..unacked {
             let got = get(&b, &queue).await;
             assert!(got.redelivered, "a redelivery");
@@ -624,20 +616,12 @@ mod amqp {
         let (broker, queue, sink) = setup().await;
         let (_outbox, message, billing) = relay_one(sink().await).await;
 
-        let a = broker
-            .connection()
-            .create_channel()
-            .await
-            .expect("a channel");
+        let a = broker.open_channel().await;
         let first = get(&a, &queue).await;
         a.close(200, "gone".into())
             .await
             .expect("close the channel");
-        let b = broker
-            .connection()
-            .create_channel()
-            .await
-            .expect("a channel");
+        let b = broker.open_channel().await;
         let second = get(&b, &queue).await;
         assert!(second.redelivered, "a redelivery");
         let outcomes = billing.race(delivery(&first), delivery(&second)).await;
