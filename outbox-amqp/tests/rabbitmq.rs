@@ -12,7 +12,7 @@ use outbox_amqp::{AmqpConfig, AmqpSink, ExchangeSetup, Unroutable};
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink, Template, TraceContext};
 use outbox_test_support::amqp::{Broker, message_id, text, url};
 use outbox_test_support::{Proxy, free_addr, host_port, through, unique_name};
-use outbox_testkit::sink_config_error;
+use outbox_testkit::refused_sink_build;
 
 /// A template the test knows to be valid (an exchange name, `{topic}`, …).
 fn template(text: &str) -> Template {
@@ -570,12 +570,12 @@ async fn the_registry_builds_the_sink_from_the_configuration_table() {
 
     let missing =
         serde_json::json!({ "url": url(), "exchange": unique_name("outbox_test_missing") });
-    let error = sink_config_error(&registry, "amqp", missing).await;
+    let error = refused_sink_build(&registry, "amqp", missing).await;
     assert!(error.to_string().contains("does not exist"), "{error}");
 
     // Errors are keyed relative to the table; the relay puts the section in front.
     let bad = serde_json::json!({ "url": url(), "exchange": exchange, "publish_timeout": "soon" });
-    let error = sink_config_error(&registry, "amqp", bad).await;
+    let error = refused_sink_build(&registry, "amqp", bad).await;
     assert!(
         error.message().starts_with("sink.publish_timeout: "),
         "{error}"

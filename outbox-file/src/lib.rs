@@ -142,12 +142,12 @@ pub(crate) mod tests {
                 "sink.publish_timeout: ",
             ),
         ] {
-            let error = outbox_testkit::sink_config_error(&registry, type_name, table).await;
+            let error = outbox_testkit::refused_sink_build(&registry, type_name, table).await;
             assert!(error.message().starts_with(expected), "{error}");
         }
         let gone = dir.path().join("none").join("out.jsonl");
         let table = serde_json::json!({ "path": gone });
-        let no_dir = outbox_testkit::sink_config_error(&registry, TYPE, table).await;
+        let no_dir = outbox_testkit::refused_sink_build(&registry, TYPE, table).await;
         let no_dir = no_dir.message();
         assert!(no_dir.starts_with("sink.path `"), "{no_dir}");
         assert!(no_dir.contains("does not exist; create it"), "{no_dir}");

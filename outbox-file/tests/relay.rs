@@ -23,7 +23,7 @@ use outbox_test_support::envelope::assert_envelope;
 use outbox_test_support::relay::TestOutbox;
 use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture};
 use outbox_test_support::{Service, unique_name};
-use outbox_testkit::{Destination, Received, SinkHarness, sink_config_error};
+use outbox_testkit::{Destination, Received, SinkHarness, refused_sink_build};
 
 /// The sinks' time-out in these tests.
 const TIMEOUT: Duration = Duration::from_secs(2);
@@ -494,6 +494,6 @@ async fn the_registry_builds_both_types_from_configuration() {
     assert_eq!(stdout.publish_timeout(), Some(Duration::from_secs(1)));
     stdout.health().await.expect("standard output is writable");
     let missing = serde_json::json!({ "path": scratch.0.join("no/x") });
-    let error = sink_config_error(&registry, outbox_file::TYPE, missing).await;
+    let error = refused_sink_build(&registry, outbox_file::TYPE, missing).await;
     assert!(error.message().starts_with("sink.path `"), "{error}");
 }

@@ -14,7 +14,7 @@ use outbox_test_support::nats::{connect, create_stream, headers, read, url};
 use outbox_test_support::relay::end_to_end::{self, Arrived, Fixture, trace_context};
 use outbox_test_support::relay::{TestOutbox, test_worker_config};
 use outbox_test_support::{Service, through, unique_name};
-use outbox_testkit::{Destination, Received, SinkHarness, sink_config_error};
+use outbox_testkit::{Destination, Received, SinkHarness, refused_sink_build};
 
 /// Every conformance subject starts with this; each destination's stream captures one
 /// subject.
@@ -356,14 +356,14 @@ async fn the_registry_builds_the_sink_from_configuration() {
     assert_eq!(nats.messages(&topic, 1).await[0].payload, b"built");
 
     let unknown = serde_json::json!({ "url": url(), "subjct": "x" });
-    let error = sink_config_error(&registry, outbox_nats::TYPE, unknown).await;
+    let error = refused_sink_build(&registry, outbox_nats::TYPE, unknown).await;
     assert!(
         error.to_string().contains("unknown field `subjct`"),
         "{error}"
     );
     let zero =
         serde_json::json!({ "url": "nats://u:hunter2@127.0.0.1:4222", "publish_timeout": "0s" });
-    let secret = sink_config_error(&registry, outbox_nats::TYPE, zero).await;
+    let secret = refused_sink_build(&registry, outbox_nats::TYPE, zero).await;
     assert!(
         secret.to_string().contains("publish_timeout") && !secret.to_string().contains("hunter2"),
         "{secret}"

@@ -158,7 +158,7 @@ pub async fn check_sink_register(
     if let Err(error) = registry.build(type_name, good).await {
         panic!("{type_name}: the good table was refused: {error}");
     }
-    let error = sink_config_error(&registry, type_name, bad).await;
+    let error = refused_sink_build(&registry, type_name, bad).await;
     let expected = format!("sink.{bad_key}: ");
     assert!(error.message().starts_with(&expected), "{error}");
 }
@@ -166,7 +166,7 @@ pub async fn check_sink_register(
 /// The configuration error `registry` refuses to build a `type_name` sink from `table`
 /// with, placed in the `[sink]` section (`sink.<key> …`); panics when the sink is built or
 /// fails with another kind of error.
-pub async fn sink_config_error(
+pub async fn refused_sink_build(
     registry: &SinkRegistry,
     type_name: &str,
     table: serde_json::Value,
