@@ -63,6 +63,21 @@ fn without_value(problem: &str) -> String {
     format!("{PREFIX}{kind}, expected {expected}")
 }
 
+/// Refuses a sink's `publish_timeout` shorter than `min`, with an error keyed by the setting
+/// (`publish_timeout is 5ms; it must be at least 10ms (and shorter than the worker's lease)`).
+/// For the sinks' [`Settings::validate`].
+pub fn check_publish_timeout(timeout: std::time::Duration, min: std::time::Duration) -> Result<()> {
+    if timeout < min {
+        return Err(Error::setting(
+            "publish_timeout",
+            format!(
+                "is {timeout:?}; it must be at least {min:?} (and shorter than the worker's lease)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// For a backend whose URL's scheme turns TLS on (`rediss://`, `amqps://`): refuses a
 /// `tls_*` file given with a `url` that does not start with `tls_scheme`, then checks the
 /// files as [`check_tls_files`] does.

@@ -38,21 +38,6 @@ pub use tokio_util::sync::CancellationToken;
 #[cfg(feature = "runner")]
 pub use worker::{RunHealth, Worker, WorkerConfig};
 
-/// Refuses a sink's `publish_timeout` shorter than `min`, with an error keyed by the setting
-/// (`publish_timeout is 5ms; it must be at least 10ms (and shorter than the worker's lease)`).
-/// For the sinks' [`Settings::validate`](config::Settings::validate).
-pub fn check_publish_timeout(timeout: std::time::Duration, min: std::time::Duration) -> Result<()> {
-    if timeout < min {
-        return Err(Error::setting(
-            "publish_timeout",
-            format!(
-                "is {timeout:?}; it must be at least {min:?} (and shorter than the worker's lease)"
-            ),
-        ));
-    }
-    Ok(())
-}
-
 /// Implements `Debug` for a backend type that shows only its `config` field:
 /// `outbox_core::debug_shows_config!(MySink);` prints `MySink { config: …, .. }`.
 ///

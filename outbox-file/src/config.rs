@@ -108,7 +108,7 @@ impl Settings for FileConfig {
             // (permissions) shows up as unavailable from the health check.
             _ => {}
         }
-        outbox_core::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
+        outbox_core::config::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
     }
 }
 
@@ -164,7 +164,7 @@ impl Default for StdoutConfig {
 impl Settings for StdoutConfig {
     /// Checks every setting; the error is keyed by the bad one.
     fn validate(&self) -> Result<()> {
-        outbox_core::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
+        outbox_core::config::check_publish_timeout(self.publish_timeout, MIN_TIMEOUT)
     }
 }
 

@@ -182,7 +182,7 @@ impl Settings for KafkaConfig {
             }
         }
 
-        outbox_core::check_publish_timeout(self.publish_timeout, Duration::from_secs(1))?;
+        outbox_core::config::check_publish_timeout(self.publish_timeout, Duration::from_secs(1))?;
         if self.health_timeout.is_zero() {
             return Err(Error::setting(
                 "health_timeout",

@@ -55,13 +55,7 @@ pub struct MySqlStorage {
     seqs: std::sync::Mutex<HashMap<Uuid, i64>>,
 }
 
-impl std::fmt::Debug for MySqlStorage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("MySqlStorage")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(MySqlStorage);
 
 /// A delay or lease as the microseconds the statements add to the database's clock,
 /// saturating at [`MAX_DELAY`].

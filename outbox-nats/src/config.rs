@@ -231,7 +231,10 @@ impl Settings for NatsConfig {
                 ));
             }
         }
-        outbox_core::check_publish_timeout(self.publish_timeout, Duration::from_millis(10))?;
+        outbox_core::config::check_publish_timeout(
+            self.publish_timeout,
+            Duration::from_millis(10),
+        )?;
         if self.max_pending_acks == 0 {
             return Err(Error::setting(
                 "max_pending_acks",

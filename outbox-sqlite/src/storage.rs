@@ -49,13 +49,7 @@ pub struct SqliteStorage {
     seqs: std::sync::Mutex<HashMap<Uuid, i64>>,
 }
 
-impl std::fmt::Debug for SqliteStorage {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("SqliteStorage")
-            .field("config", &self.config)
-            .finish_non_exhaustive()
-    }
-}
+outbox_core::debug_shows_config!(SqliteStorage);
 
 /// A write in progress: this process's turn, the write transaction and the database's
 /// clock when it began. End it with [`SqliteStorage::finish`].
