@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use outbox_core::{
-    Claim, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement, Storage, StorageAdmin,
-    TraceContext,
+    Claim, ClaimToken, DeadLetter, Delivery, NewMessage, Receipt, Retry, Settlement, Storage,
+    StorageAdmin, TraceContext,
 };
 use uuid::Uuid;
 
@@ -228,12 +228,58 @@ async fn claim(storage: &dyn Storage, worker: &str, limit: usize, lease: Duratio
         .unwrap_or_else(|e| panic!("claim by {worker}: {e}"))
 }
 
+/// Waits out the [`SHORT`] leases and delays, then claims as `worker`.
+async fn claim_after_wait(storage: &dyn Storage, worker: &str) -> Claim {
+    tokio::time::sleep(WAIT_OUT).await;
+    claim(storage, worker, 10, LEASE).await
+}
+
+/// Claims nothing as `worker` now (else fails with `held`), and what is due once the
+/// [`SHORT`] leases and delays have run out.
+async fn claimed_only_after_wait(storage: &dyn Storage, worker: &str, held: &str) -> Claim {
+    let now = claim(storage, worker, 10, LEASE).await;
+    assert!(now.messages.is_empty(), "{held}");
+    claim_after_wait(storage, worker).await
+}
+
 /// Acknowledges every message of `claim`; returns how many the storage changed.
 async fn ack_all(storage: &dyn Storage, claim: &Claim) -> u64 {
-    storage
-        .ack(&claim.token, &deliveries(claim))
-        .await
-        .expect("ack")
+    acked(storage, &claim.token, &deliveries(claim)).await
+}
+
+/// The storage's writes under a claim's token as the checks make them: each returns how many
+/// messages the storage changed, and a storage error fails the check, naming the call.
+macro_rules! writes {
+    ($($name:ident: $call:ident($($arg:ident: $ty:ty),*);)+) => {$(
+        async fn $name(storage: &dyn Storage, token: &ClaimToken, $($arg: $ty),*) -> u64 {
+            let done = storage.$call(token, $($arg),*).await;
+            done.unwrap_or_else(|e| panic!("{}: {e}", stringify!($call)))
+        }
+    )+};
+}
+
+writes! {
+    acked: ack(delivered: &[Delivery]);
+    retried: retry(failed: &[Retry]);
+    dead_lettered: dead_letter(dead: &[DeadLetter]);
+    released: release(ids: &[Uuid]);
+    settled: settle(settlement: &Settlement);
+    extended: extend_lease(ids: &[Uuid], lease: Duration);
+}
+
+/// Reads the storage's figures (`stats()`) and asserts the named ones, showing them all on a
+/// failure: `assert_figures!(storage, pending: 0, in_flight: 1; "{check}: held")`.
+macro_rules! assert_figures {
+    ($storage:expr, $($field:ident: $want:expr),+; $($message:tt)+) => {{
+        let stats = $storage.stats().await.expect("stats");
+        assert_eq!(
+            ($(stats.$field,)+),
+            ($($want,)+),
+            "{}: {stats:?}",
+            format_args!($($message)+)
+        );
+        stats
+    }};
 }
 
 fn dead_letter(m: &outbox_core::Message, error: &str) -> DeadLetter {
@@ -251,18 +297,24 @@ async fn assert_drained(storage: &dyn Storage, check: &str) {
     }
 }
 
-/// As an operator would: claims the head of key `k` (`head`), dead-letters it and releases
-/// the parked key; returns the dead letter's id.
-async fn dead_letter_and_release(f: &dyn StorageFixture, head: &str, check: &str) -> Uuid {
-    let storage = f.storage();
-    let c = claim(&*storage, "w1", 1, LEASE).await;
+/// Claims the head of key `k` alone (`head`) and dead-letters it; returns its id and how
+/// many messages the storage changed.
+async fn dead_letter_head(storage: &dyn Storage, head: &str, check: &str) -> (Uuid, u64) {
+    let c = claim(storage, "w1", 1, LEASE).await;
     assert_eq!(payloads(&c), [head], "{check}: the head");
-    storage
-        .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
-        .await
-        .expect("dead");
+    let dead = dead_letter(&c.messages[0], "poison");
+    (
+        c.messages[0].id,
+        dead_lettered(storage, &c.token, &[dead]).await,
+    )
+}
+
+/// As an operator would: dead-letters the head of key `k` (`head`) and releases the parked
+/// key; returns the dead letter's id.
+async fn dead_letter_and_release(f: &dyn StorageFixture, head: &str, check: &str) -> Uuid {
+    let (dead, _) = dead_letter_head(&*f.storage(), head, check).await;
     assert!(f.release_parked_key("k").await, "{check}: k was parked");
-    c.messages[0].id
+    dead
 }
 
 /// A fixture whose capabilities are checked to be what the check needs.
@@ -278,10 +330,24 @@ pub(crate) async fn fixture(
     }
 }
 
+/// A fresh fixture of the harness and its storage.
+async fn fresh(
+    h: &dyn StorageHarness,
+    per_key_order: bool,
+) -> (Box<dyn StorageFixture>, Arc<dyn Storage>) {
+    let f = h.fresh(per_key_order).await;
+    let storage = f.storage();
+    (f, storage)
+}
+
+/// A [`fixture`] and its storage, or the check returns, saying why.
 macro_rules! fixture_or_skip {
     ($h:expr, $per_key_order:expr, $check:expr) => {
         match fixture($h, $per_key_order).await {
-            Some(f) => f,
+            Some(f) => {
+                let storage = f.storage();
+                (f, storage)
+            }
             None => {
                 super::note(
                     $check,
@@ -309,8 +375,7 @@ pub async fn storage_declares_what_was_asked(h: &dyn StorageHarness) {
 
 /// A committed transaction's messages are claimed; a rolled-back one's never are.
 pub async fn storage_commit_delivers_rollback_does_not(h: &dyn StorageHarness) {
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.begin(&[msg("rolled back 1"), msg("rolled back 2")])
         .await
         .rollback()
@@ -365,8 +430,7 @@ pub async fn storage_fields_survive_exactly(h: &dyn StorageHarness) {
 
 /// Claims return messages without a key in enqueue order, at most `limit` at a time, each once.
 pub async fn storage_claims_in_enqueue_order_up_to_the_limit(h: &dyn StorageHarness) {
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     assert!(
         claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
         "an empty storage claims nothing"
@@ -390,45 +454,22 @@ pub async fn storage_claims_in_enqueue_order_up_to_the_limit(h: &dyn StorageHarn
 
 /// Acknowledged messages are gone; `ack` counts what it changed.
 pub async fn storage_ack_removes_messages(h: &dyn StorageHarness) {
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[msg("a"), msg("b"), msg("c")]).await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(
-        storage
-            .ack(&c.token, &deliveries(&c)[..2])
-            .await
-            .expect("ack"),
+        acked(&*storage, &c.token, &deliveries(&c)[..2]).await,
         2,
         "ack count"
     );
     assert_eq!(
-        storage
-            .ack(&c.token, &deliveries(&c)[..2])
-            .await
-            .expect("ack again"),
+        acked(&*storage, &c.token, &deliveries(&c)[..2]).await,
         0,
         "a second ack changes nothing"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight),
-        (0, 1),
-        "after acking two of three: {stats:?}"
-    );
-    assert_eq!(
-        storage
-            .ack(&c.token, &deliveries(&c)[2..])
-            .await
-            .expect("ack"),
-        1
-    );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight, stats.dead_lettered),
-        (0, 0, 0),
-        "all acked: {stats:?}"
-    );
+    assert_figures!(storage, pending: 0, in_flight: 1; "after acking two of three");
+    assert_eq!(acked(&*storage, &c.token, &deliveries(&c)[2..]).await, 1);
+    assert_figures!(storage, pending: 0, in_flight: 0, dead_lettered: 0; "all acked");
     assert!(
         claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
         "acked messages are never claimed again"
@@ -437,8 +478,7 @@ pub async fn storage_ack_removes_messages(h: &dyn StorageHarness) {
 
 /// `retry` charges an attempt and makes the message due after its delay, not before.
 pub async fn storage_retry_charges_an_attempt_and_waits(h: &dyn StorageHarness) {
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[msg("flaky")]).await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     let retry = Retry {
@@ -447,16 +487,12 @@ pub async fn storage_retry_charges_an_attempt_and_waits(h: &dyn StorageHarness) 
         error: "broker said no".into(),
     };
     assert_eq!(
-        storage.retry(&c.token, &[retry]).await.expect("retry"),
+        retried(&*storage, &c.token, &[retry]).await,
         1,
         "retry count"
     );
-    assert!(
-        claim(&*storage, "w1", 10, LEASE).await.messages.is_empty(),
-        "a retried message waits out its delay"
-    );
-    tokio::time::sleep(WAIT_OUT).await;
-    let again = claim(&*storage, "w1", 10, LEASE).await;
+    let held = "a retried message waits out its delay";
+    let again = claimed_only_after_wait(&*storage, "w1", held).await;
     assert_eq!(
         ids(&again),
         ids(&c),
@@ -467,12 +503,11 @@ pub async fn storage_retry_charges_an_attempt_and_waits(h: &dyn StorageHarness) 
 
 /// `release` gives messages back at once without charging an attempt.
 pub async fn storage_release_charges_nothing(h: &dyn StorageHarness) {
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[keyed("k", "1"), keyed("k", "2")]).await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(
-        storage.release(&c.token, &ids(&c)).await.expect("release"),
+        released(&*storage, &c.token, &ids(&c)).await,
         2,
         "release count"
     );
@@ -491,8 +526,7 @@ pub async fn storage_release_charges_nothing(h: &dyn StorageHarness) {
 /// With per-key order, a dead-lettered message parks the rest of its key; other keys go on.
 pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHarness) {
     let check = "dead letter with key order";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
         .await;
     let c = claim(&*storage, "w1", 1, LEASE).await;
@@ -500,10 +534,7 @@ pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHar
     f.enqueue(&[keyed("fine", "f1")]).await;
     let dead = dead_letter(&c.messages[0], "cannot be delivered");
     assert_eq!(
-        storage
-            .dead_letter(&c.token, &[dead])
-            .await
-            .expect("dead_letter"),
+        dead_lettered(&*storage, &c.token, &[dead]).await,
         1,
         "{check}: count"
     );
@@ -513,9 +544,7 @@ pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHar
         ["f1"],
         "{check}: the poisoned key is parked, the other key goes on"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(stats.dead_lettered, 1, "{check}: {stats:?}");
-    assert_eq!(stats.parked_keys, 1, "{check}: {stats:?}");
+    let stats = assert_figures!(storage, dead_lettered: 1, parked_keys: 1; "{check}");
     assert_eq!(
         stats.pending, 1,
         "{check}: a parked message still counts as pending: {stats:?}"
@@ -525,17 +554,13 @@ pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHar
 /// Without per-key order, a dead letter parks nothing.
 pub async fn storage_dead_letter_without_key_order_parks_nothing(h: &dyn StorageHarness) {
     let check = "dead letter without key order";
-    let f = fixture_or_skip!(h, false, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, false, check);
     f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
         .await;
     let c = claim(&*storage, "w1", 1, LEASE).await;
     let dead = dead_letter(&c.messages[0], "cannot be delivered");
     assert_eq!(
-        storage
-            .dead_letter(&c.token, &[dead])
-            .await
-            .expect("dead_letter"),
+        dead_lettered(&*storage, &c.token, &[dead]).await,
         1,
         "{check}: count"
     );
@@ -544,24 +569,17 @@ pub async fn storage_dead_letter_without_key_order_parks_nothing(h: &dyn Storage
         ["p2"],
         "{check}"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.dead_lettered, stats.parked_keys),
-        (1, 0),
-        "{check}: {stats:?}"
-    );
+    assert_figures!(storage, dead_lettered: 1, parked_keys: 0; "{check}");
 }
 
 /// Once a claim's lease expired and another worker claimed its messages, every write under
 /// the old token changes nothing; the new claim's writes go through.
 pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
     let check = "fencing";
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[msg("a"), msg("b")]).await;
     let stale = claim(&*storage, "w1", 10, SHORT).await;
-    tokio::time::sleep(WAIT_OUT).await;
-    let fresh = claim(&*storage, "w2", 10, LEASE).await;
+    let fresh = claim_after_wait(&*storage, "w2").await;
     assert_eq!(
         ids(&fresh),
         ids(&stale),
@@ -583,32 +601,22 @@ pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
         .collect();
     assert_eq!(ack_all(&*storage, &stale).await, 0, "{check}: stale ack");
     assert_eq!(
-        storage.retry(&stale.token, &retries).await.expect("retry"),
+        retried(&*storage, &stale.token, &retries).await,
         0,
         "{check}: stale retry"
     );
     assert_eq!(
-        storage
-            .dead_letter(&stale.token, &dead)
-            .await
-            .expect("dead_letter"),
+        dead_lettered(&*storage, &stale.token, &dead).await,
         0,
         "{check}: stale dead letter"
     );
     assert_eq!(
-        storage
-            .release(&stale.token, &ids(&stale))
-            .await
-            .expect("release"),
+        released(&*storage, &stale.token, &ids(&stale)).await,
         0,
         "{check}: stale release"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.in_flight, stats.dead_lettered),
-        (2, 0),
-        "{check}: the stale writes changed something: {stats:?}"
-    );
+    assert_figures!(storage, in_flight: 2, dead_lettered: 0;
+        "{check}: the stale writes changed something");
     assert_eq!(
         ack_all(&*storage, &fresh).await,
         2,
@@ -619,17 +627,12 @@ pub async fn storage_fences_stale_claims(h: &dyn StorageHarness) {
 /// A claimed message is not claimed again while its lease lasts, and is once it expires.
 pub async fn storage_leases_expire(h: &dyn StorageHarness) {
     let check = "lease expiry";
-    let f = h.fresh(false).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, false).await;
     f.enqueue(&[msg("a")]).await;
     let first = claim(&*storage, "w1", 10, SHORT).await;
     assert_eq!(first.messages.len(), 1, "{check}");
-    assert!(
-        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
-        "{check}: claimed again during its lease"
-    );
-    tokio::time::sleep(WAIT_OUT).await;
-    let second = claim(&*storage, "w2", 10, LEASE).await;
+    let held = format!("{check}: claimed again during its lease");
+    let second = claimed_only_after_wait(&*storage, "w2", &held).await;
     assert_eq!(
         ids(&second),
         ids(&first),
@@ -645,8 +648,7 @@ pub async fn storage_leases_expire(h: &dyn StorageHarness) {
 /// to retry, and come in order after it.
 pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarness) {
     let check = "key order";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     f.enqueue(&[keyed("k", "k1"), keyed("k", "k2")]).await;
     let head = claim(&*storage, "w1", 1, LEASE).await;
     assert_eq!(payloads(&head), ["k1"], "{check}: the first claim");
@@ -664,16 +666,9 @@ pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarne
         delay: SHORT,
         error: "nack".into(),
     };
-    assert_eq!(
-        storage.retry(&head.token, &[retry]).await.expect("retry"),
-        1
-    );
-    assert!(
-        claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
-        "{check}: k2 must wait while k1 waits to retry"
-    );
-    tokio::time::sleep(WAIT_OUT).await;
-    let again = claim(&*storage, "w2", 10, LEASE).await;
+    assert_eq!(retried(&*storage, &head.token, &[retry]).await, 1);
+    let held = format!("{check}: k2 must wait while k1 waits to retry");
+    let again = claimed_only_after_wait(&*storage, "w2", &held).await;
     assert_eq!(
         payloads(&again),
         ["k1", "k2", "k3"],
@@ -684,8 +679,7 @@ pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarne
 /// Without per-key order, a key's messages do not wait for each other.
 pub async fn storage_without_key_order_keys_do_not_block(h: &dyn StorageHarness) {
     let check = "no key order";
-    let f = fixture_or_skip!(h, false, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, false, check);
     f.enqueue(&[keyed("k", "k1"), keyed("k", "k2")]).await;
     assert_eq!(
         payloads(&claim(&*storage, "w1", 1, LEASE).await),
@@ -705,8 +699,7 @@ pub async fn storage_without_key_order_keys_do_not_block(h: &dyn StorageHarness)
 /// lease); the next claims go on with the key, in order.
 pub async fn storage_a_claim_takes_at_most_max_per_key_of_a_key(h: &dyn StorageHarness) {
     let check = "max_per_key";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let Some(cap) = storage.capabilities().max_per_key else {
         super::note(
             check,
@@ -749,8 +742,7 @@ pub async fn storage_a_claim_takes_at_most_max_per_key_of_a_key(h: &dyn StorageH
 /// committed after later ones were claimed and acknowledged is still claimed.
 pub async fn storage_out_of_order_commits_lose_nothing(h: &dyn StorageHarness) {
     let check = "out-of-order commits";
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     let sent: Vec<NewMessage> = (0..12).map(|i| msg(&format!("{i}"))).collect();
     let mut open = Vec::new();
     for m in &sent {
@@ -779,23 +771,13 @@ pub async fn storage_out_of_order_commits_lose_nothing(h: &dyn StorageHarness) {
 /// `stats` counts pending, in-flight and dead-lettered messages and the oldest pending one.
 pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
     let check = "stats";
-    let f = h.fresh(false).await;
-    let storage = f.storage();
-    let empty = storage.stats().await.expect("stats");
-    assert_eq!(
-        (empty.pending, empty.in_flight, empty.dead_lettered),
-        (0, 0, 0),
-        "{check}: empty: {empty:?}"
-    );
+    let (f, storage) = fresh(h, false).await;
+    let empty =
+        assert_figures!(storage, pending: 0, in_flight: 0, dead_lettered: 0; "{check}: empty");
     assert_eq!(empty.oldest_pending, None, "{check}: empty");
     let sent: Vec<NewMessage> = (0..5).map(|i| msg(&format!("{i}"))).collect();
     f.enqueue(&sent).await;
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight),
-        (5, 0),
-        "{check}: five enqueued: {stats:?}"
-    );
+    let stats = assert_figures!(storage, pending: 5, in_flight: 0; "{check}: five enqueued");
     assert_eq!(
         stats.oldest_pending.map(|t| t.timestamp_micros()),
         Some(sent[0].created_at.timestamp_micros()),
@@ -803,35 +785,18 @@ pub async fn storage_stats_count_the_queue(h: &dyn StorageHarness) {
     );
     let c = claim(&*storage, "w1", 2, LEASE).await;
     let dead = dead_letter(&c.messages[1], "bad");
-    storage
-        .dead_letter(&c.token, &[dead])
-        .await
-        .expect("dead_letter");
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight, stats.dead_lettered),
-        (3, 1, 1),
-        "{check}: after claiming two and dead-lettering one: {stats:?}"
-    );
+    dead_lettered(&*storage, &c.token, &[dead]).await;
+    let stats = assert_figures!(storage, pending: 3, in_flight: 1, dead_lettered: 1;
+        "{check}: after claiming two and dead-lettering one");
     assert_eq!(
         stats.oldest_pending.map(|t| t.timestamp_micros()),
         Some(sent[2].created_at.timestamp_micros()),
         "{check}: the oldest pending message, in-flight ones not counted"
     );
     assert_eq!(stats.retrying, 0, "{check}: nothing failed yet: {stats:?}");
-    storage
-        .retry(
-            &c.token,
-            &[retry(&c.messages[0], Duration::from_secs(3600))],
-        )
-        .await
-        .expect("retry");
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight, stats.retrying),
-        (4, 0, 1),
-        "{check}: a refused message waits to retry, counted as pending and retrying: {stats:?}"
-    );
+    retried(&*storage, &c.token, &[retry(&c.messages[0], LONG)]).await;
+    assert_figures!(storage, pending: 4, in_flight: 0, retrying: 1;
+        "{check}: a refused message waits to retry, counted as pending and retrying");
     // Counted and stored by the first call, read back by the second where figures are shared.
     for call in ["counts", "reads"] {
         let shared = storage
@@ -853,8 +818,7 @@ pub async fn storage_shared_stats_count_once_per_interval(h: &dyn StorageHarness
     let check = "shared stats";
     // Long enough that the second read surely falls inside it on a loaded machine.
     const INTERVAL: Duration = Duration::from_secs(2);
-    let f = h.fresh(false).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, false).await;
     let other = f.replica().unwrap_or_else(|| storage.clone());
     f.enqueue(&[msg("a"), msg("b")]).await;
     let first = storage.shared_stats(INTERVAL).await.expect("shared_stats");
@@ -910,8 +874,7 @@ pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
         );
         return;
     }
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let a = f.begin(&[keyed("k", "a")]).await;
     f.enqueue(&[keyed("k", "b")]).await;
     if storage.capabilities().waits_for_older_transactions {
@@ -931,10 +894,7 @@ pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
     }
     let first = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&first), ["b"], "{check}: A has not committed yet");
-    storage
-        .retry(&first.token, &[retry(&first.messages[0], SHORT)])
-        .await
-        .expect("retry");
+    retried(&*storage, &first.token, &[retry(&first.messages[0], SHORT)]).await;
     f.enqueue(&[keyed("k", "c")]).await;
     a.commit().await;
     let second = claim(&*storage, "w1", 10, LEASE).await;
@@ -948,8 +908,7 @@ pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
         "{check}: a second relay may take nothing of the key while a is in flight and b waits"
     );
     ack_all(&*storage, &second).await;
-    tokio::time::sleep(WAIT_OUT).await;
-    let third = claim(&*storage, "w2", 10, LEASE).await;
+    let third = claim_after_wait(&*storage, "w2").await;
     assert_eq!(
         payloads(&third),
         ["b", "c"],
@@ -961,8 +920,7 @@ pub async fn storage_a_late_commit_does_not_let_later_messages_pass_a_retry(
 /// ran out: the messages behind the retry stay behind it once the lease is over.
 pub async fn storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h: &dyn StorageHarness) {
     let check = "rows behind a retry after the lease";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let sent: Vec<NewMessage> = (1..=4).map(|i| keyed("k", &format!("m{i}"))).collect();
     f.enqueue(&sent).await;
     // The relay delivered m1 and m2 was refused; only the retry was written before it died
@@ -970,10 +928,7 @@ pub async fn storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h: &d
     let c = claim(&*storage, "w1", 10, SHORT).await;
     assert_eq!(payloads(&c), ["m1", "m2", "m3", "m4"], "{check}: the claim");
     assert_eq!(
-        storage
-            .retry(&c.token, &[retry(&c.messages[1], LONG)])
-            .await
-            .expect("retry"),
+        retried(&*storage, &c.token, &[retry(&c.messages[1], LONG)]).await,
         1
     );
     tokio::time::sleep(WAIT_OUT).await;
@@ -999,10 +954,7 @@ pub async fn storage_messages_behind_a_retry_wait_after_the_lease_runs_out(h: &d
         ..Settlement::default()
     };
     assert_eq!(
-        storage
-            .settle(&late.token, &settlement)
-            .await
-            .expect("settle"),
+        settled(&*storage, &late.token, &settlement).await,
         3,
         "{check}: a late settlement is accepted while nobody claimed the rows"
     );
@@ -1019,8 +971,7 @@ pub async fn storage_a_late_settlement_counts_unless_the_rows_were_claimed_since
     h: &dyn StorageHarness,
 ) {
     let check = "late settlement";
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[keyed("a", "a1"), keyed("b", "b1")]).await;
     let c = claim(&*storage, "w1", 10, SHORT).await;
     assert_eq!(c.messages.len(), 2, "{check}: the first claim");
@@ -1040,12 +991,9 @@ pub async fn storage_a_late_settlement_counts_unless_the_rows_were_claimed_since
         .find(|m| m.payload == b"a1")
         .expect("a1 was claimed")
         .id;
-    storage.release(&other.token, &[a1]).await.expect("release");
+    released(&*storage, &other.token, &[a1]).await;
     assert_eq!(
-        storage
-            .ack(&c.token, &deliveries(&c))
-            .await
-            .expect("late ack"),
+        acked(&*storage, &c.token, &deliveries(&c)).await,
         0,
         "{check}: every row was claimed since (a1 then released): the late ack changes nothing"
     );
@@ -1054,20 +1002,12 @@ pub async fn storage_a_late_settlement_counts_unless_the_rows_were_claimed_since
     assert_eq!(payloads(&c), ["a1"], "{check}: the released a1");
     tokio::time::sleep(WAIT_OUT).await;
     assert_eq!(
-        storage
-            .ack(&c.token, &deliveries(&c))
-            .await
-            .expect("late ack"),
+        acked(&*storage, &c.token, &deliveries(&c)).await,
         1,
         "{check}: a late ack whose rows nobody claimed since is accepted"
     );
     // The relay's own figures: what it holds in flight (log mode keeps that in its memory).
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight),
-        (0, 1),
-        "{check}: only b1 left, held: {stats:?}"
-    );
+    assert_figures!(storage, pending: 0, in_flight: 1; "{check}: only b1 left, held");
 }
 
 /// An operator replays a dead letter after releasing its key: it goes first in its key, and
@@ -1076,8 +1016,7 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
     h: &dyn StorageHarness,
 ) {
     let check = "replay behind a retry";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     f.enqueue(&[keyed("k", "m1"), keyed("k", "m2"), keyed("k", "m3")])
         .await;
     let dead = dead_letter_and_release(&*f, "m1", check).await;
@@ -1088,10 +1027,7 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
         released: vec![rest.messages[1].id],
         ..Settlement::default()
     };
-    storage
-        .settle(&rest.token, &settlement)
-        .await
-        .expect("settle");
+    settled(&*storage, &rest.token, &settlement).await;
     assert_eq!(f.replay_dead_letters(&[dead]).await, 1, "{check}: replayed");
     let next = claim(&*storage, "w2", 10, LEASE).await;
     assert_eq!(
@@ -1113,8 +1049,7 @@ pub async fn storage_a_dead_letter_replayed_after_its_key_drained_goes_first(
     h: &dyn StorageHarness,
 ) {
     let check = "replay after the key drained";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     f.enqueue(&[keyed("k", "m1")]).await;
     let dead = dead_letter_and_release(&*f, "m1", check).await;
     f.enqueue(&[keyed("k", "m2")]).await;
@@ -1138,8 +1073,7 @@ pub async fn storage_a_dead_letter_replayed_after_its_key_drained_goes_first(
 /// letters, and the replay does not park it again.
 pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &dyn StorageHarness) {
     let check = "replay of a released key's dead letter";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let mut dead = Vec::new();
     for payload in ["k1", "k2"] {
         f.enqueue(&[keyed("k", payload)]).await;
@@ -1156,9 +1090,8 @@ pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &d
         ["k2"],
         "{check}: the replayed k2 is delivered while k1 stays a dead letter"
     );
-    f.enqueue(&[keyed("k", "k3")]).await;
     assert_eq!(
-        drain(&*storage, "k", check).await,
+        enqueue_and_drain(&*f, "k3", check).await,
         ["k3"],
         "{check}: and the key flows on"
     );
@@ -1171,21 +1104,11 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
     h: &dyn StorageHarness,
 ) {
     let check = "replaying one of two dead letters";
-    let f = fixture_or_skip!(h, true, check);
-    let storage = f.storage();
+    let (f, storage) = fixture_or_skip!(h, true, check);
     f.enqueue(&[keyed("k", "k1"), keyed("k", "k2"), keyed("k", "k3")])
         .await;
-    let c = claim(&*storage, "w1", 1, LEASE).await;
-    assert_eq!(payloads(&c), ["k1"], "{check}: the head");
-    let first = c.messages[0].id;
-    assert_eq!(
-        storage
-            .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
-            .await
-            .expect("dead_letter"),
-        1,
-        "{check}: k1 dead-lettered"
-    );
+    let (first, count) = dead_letter_head(&*storage, "k1", check).await;
+    assert_eq!(count, 1, "{check}: k1 dead-lettered");
     f.enqueue(&[keyed("k", "k4"), msg("free")]).await;
     assert_eq!(
         payloads(&claim(&*storage, "w1", 10, LEASE).await),
@@ -1193,17 +1116,8 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
         "{check}: a parked key gives nothing, a message enqueued after parking included"
     );
     assert!(f.release_parked_key("k").await, "{check}: k was parked");
-    let c = claim(&*storage, "w1", 1, LEASE).await;
-    assert_eq!(payloads(&c), ["k2"], "{check}: after the release");
-    let second = c.messages[0].id;
-    assert_eq!(
-        storage
-            .dead_letter(&c.token, &[dead_letter(&c.messages[0], "poison")])
-            .await
-            .expect("dead_letter"),
-        1,
-        "{check}: k2 dead-lettered"
-    );
+    let (second, count) = dead_letter_head(&*storage, "k2", check).await;
+    assert_eq!(count, 1, "{check}: k2 dead-lettered");
     let admin = f.admin();
     assert_eq!(
         f.replay_dead_letters(&[first]).await,
@@ -1215,8 +1129,7 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
         Vec::<String>::new(),
         "{check}: k2 is still a dead letter of k, so k stays parked after k1's replay"
     );
-    let stats = admin.stats().await.expect("stats");
-    assert_eq!(stats.parked_keys, 1, "{check}: k still parked: {stats:?}");
+    assert_figures!(admin, parked_keys: 1; "{check}: k still parked");
     assert_eq!(
         f.replay_dead_letters(&[second]).await,
         1,
@@ -1236,19 +1149,14 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
         Vec::<String>::new(),
         "{check}: k's messages were handed out once"
     );
-    let stats = admin.stats().await.expect("stats");
-    assert_eq!(
-        stats.parked_keys, 0,
-        "{check}: k is unparked once drained: {stats:?}"
-    );
+    assert_figures!(admin, parked_keys: 0; "{check}: k is unparked once drained");
 }
 
 /// `settle` writes deliveries, retries, dead letters and releases of one batch in one call,
 /// each only under the claim's token.
 pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
     let check = "settle";
-    let f = h.fresh(false).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, false).await;
     f.enqueue(&[msg("a"), msg("b"), msg("c"), msg("d")]).await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     let m = &c.messages;
@@ -1259,23 +1167,19 @@ pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
         released: vec![m[3].id],
     };
     assert_eq!(
-        storage.settle(&c.token, &settlement).await.expect("settle"),
+        settled(&*storage, &c.token, &settlement).await,
         4,
         "{check}: count"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.in_flight, stats.dead_lettered),
-        (2, 0, 1),
-        "{check}: b waits to retry, c is dead, d is back: {stats:?}"
-    );
+    assert_figures!(storage, pending: 2, in_flight: 0, dead_lettered: 1;
+        "{check}: b waits to retry, c is dead, d is back");
     assert_eq!(
         payloads(&claim(&*storage, "w1", 10, LEASE).await),
         ["d"],
         "{check}: only the released message is due"
     );
     assert_eq!(
-        storage.settle(&c.token, &settlement).await.expect("settle"),
+        settled(&*storage, &c.token, &settlement).await,
         0,
         "{check}: settling again changes nothing"
     );
@@ -1285,15 +1189,11 @@ pub async fn storage_settle_writes_the_whole_outcome(h: &dyn StorageHarness) {
 /// renews nothing once the claim was taken over.
 pub async fn storage_extend_lease_holds_the_claim(h: &dyn StorageHarness) {
     let check = "extend lease";
-    let f = h.fresh(true).await;
-    let storage = f.storage();
+    let (f, storage) = fresh(h, true).await;
     f.enqueue(&[msg("a"), keyed("k", "b")]).await;
     let c = claim(&*storage, "w1", 10, SHORT).await;
     assert_eq!(
-        storage
-            .extend_lease(&c.token, &ids(&c), LEASE)
-            .await
-            .expect("extend"),
+        extended(&*storage, &c.token, &ids(&c), LEASE).await,
         2,
         "{check}: both renewed"
     );
@@ -1302,19 +1202,12 @@ pub async fn storage_extend_lease_holds_the_claim(h: &dyn StorageHarness) {
         claim(&*storage, "w2", 10, LEASE).await.messages.is_empty(),
         "{check}: claimed again although the lease was renewed"
     );
-    let short = storage
-        .extend_lease(&c.token, &ids(&c), SHORT)
-        .await
-        .expect("extend");
+    let short = extended(&*storage, &c.token, &ids(&c), SHORT).await;
     assert_eq!(short, 2, "{check}: renewed for a short lease");
-    tokio::time::sleep(WAIT_OUT).await;
-    let taken = claim(&*storage, "w2", 10, LEASE).await;
+    let taken = claim_after_wait(&*storage, "w2").await;
     assert_eq!(ids(&taken), ids(&c), "{check}: taken over after the lease");
     assert_eq!(
-        storage
-            .extend_lease(&c.token, &ids(&c), LEASE)
-            .await
-            .expect("extend"),
+        extended(&*storage, &c.token, &ids(&c), LEASE).await,
         0,
         "{check}: a taken-over claim renews nothing"
     );
@@ -1336,7 +1229,7 @@ async fn retry_j1_dead_k1(f: &dyn StorageFixture, check: &str) -> Uuid {
         ..Settlement::default()
     };
     assert_eq!(
-        storage.settle(&c.token, &settlement).await.expect("settle"),
+        settled(&*storage, &c.token, &settlement).await,
         3,
         "{check}: settled"
     );
@@ -1363,6 +1256,12 @@ async fn drain(storage: &dyn Storage, key: &str, check: &str) -> Vec<String> {
     panic!("{check}: the storage never drained");
 }
 
+/// Writes `payload` as a message of key `k`, then drains the storage (see [`drain`]).
+async fn enqueue_and_drain(f: &dyn StorageFixture, payload: &str, check: &str) -> Vec<String> {
+    f.enqueue(&[keyed("k", payload)]).await;
+    drain(&*f.storage(), "k", check).await
+}
+
 /// A released key's dead letter stays where it is across a restart (with the relay stopping
 /// and with it dying), and a purged one is gone for good: neither is delivered after the
 /// restart, nor the message that was delivered after the release, while another key still
@@ -1371,10 +1270,9 @@ pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
     h: &dyn StorageHarness,
 ) {
     let check = "released and purged across restarts";
-    let f = fixture_or_skip!(h, true, check);
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let dead = retry_j1_dead_k1(&*f, check).await;
     assert!(f.release_parked_key("k").await, "{check}: k was parked");
-    let storage = f.storage();
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&c), ["k2"], "{check}: k2 flows after the release");
     ack_all(&*storage, &c).await;
@@ -1382,8 +1280,7 @@ pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
         super::note(check, "skipped: the storage lives in one process");
         return;
     }
-    f.enqueue(&[keyed("k", "k3")]).await;
-    let after = drain(&*f.storage(), "k", check).await;
+    let after = enqueue_and_drain(&*f, "k3", check).await;
     assert_eq!(
         after,
         ["k3"],
@@ -1392,8 +1289,7 @@ pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
     assert_eq!(f.purge_dead_letters(&[dead]).await, 1, "{check}: purged");
     assert!(f.restart(false).await, "{check}: restarted once");
     f.advance(2 * LONG).await;
-    f.enqueue(&[keyed("k", "k4")]).await;
-    let after = drain(&*f.storage(), "k", check).await;
+    let after = enqueue_and_drain(&*f, "k4", check).await;
     assert_eq!(
         after,
         ["k4"],
@@ -1409,10 +1305,10 @@ pub async fn storage_a_replay_after_a_restart_delivers_the_key_once_in_order(
     h: &dyn StorageHarness,
 ) {
     let check = "replay after a restart";
-    let f = fixture_or_skip!(h, true, check);
+    let (f, storage) = fixture_or_skip!(h, true, check);
     let dead = retry_j1_dead_k1(&*f, check).await;
     f.enqueue(&[keyed("k", "k3")]).await;
-    let c = claim(&*f.storage(), "w1", 10, LEASE).await;
+    let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&c), Vec::<String>::new(), "{check}: k is parked");
     if !f.restart(true).await {
         super::note(check, "skipped: the storage lives in one process");
@@ -1431,12 +1327,8 @@ pub async fn storage_a_replay_after_a_restart_delivers_the_key_once_in_order(
         ["k1", "k2", "k3"],
         "{check}: the replayed k1 first, then k2 and k3, once each"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.parked_keys, stats.dead_lettered),
-        (0, 0),
-        "{check}: k is unparked once drained: {stats:?}"
-    );
+    assert_figures!(storage, parked_keys: 0, dead_lettered: 0;
+        "{check}: k is unparked once drained");
     assert!(f.restart(true).await, "{check}: restarted once");
     f.advance(2 * LONG).await;
     let storage = f.storage();
@@ -1445,10 +1337,5 @@ pub async fn storage_a_replay_after_a_restart_delivers_the_key_once_in_order(
         Vec::<String>::new(),
         "{check}: nothing of k is delivered again after another restart"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.parked_keys),
-        (0, 0),
-        "{check}: nothing left: {stats:?}"
-    );
+    assert_figures!(storage, pending: 0, parked_keys: 0; "{check}: nothing left");
 }
