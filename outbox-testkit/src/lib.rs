@@ -42,6 +42,22 @@
 use std::future::Future;
 use std::pin::Pin;
 
+/// Reads a storage's figures (`stats()` of a `Storage` or a `StorageAdmin`) and asserts the
+/// named ones, showing them all on a failure:
+/// `assert_figures!(storage, pending: 0, in_flight: 1; "{check}: held")`.
+macro_rules! assert_figures {
+    ($storage:expr, $($field:ident: $want:expr),+; $($message:tt)+) => {{
+        let stats = $storage.stats().await.unwrap_or_else(|e| panic!("stats: {e}"));
+        assert_eq!(
+            ($(stats.$field,)+),
+            ($($want,)+),
+            "{}: {stats:?}",
+            format_args!($($message)+)
+        );
+        stats
+    }};
+}
+
 mod inbox;
 mod model;
 mod relay;

@@ -116,12 +116,15 @@ async fn stats_of(check: &str, admin: &dyn StorageAdmin) -> QueueStats {
         .unwrap_or_else(|e| panic!("{check}: stats: {e}"))
 }
 
-/// Every dead letter, oldest first; panics naming the check when they cannot be read.
-async fn dead_letters_of(check: &str, admin: &dyn StorageAdmin) -> Vec<DeadLetterRow> {
-    admin
+/// The one dead letter there is; panics naming the check when the dead letters cannot be
+/// read or there is not exactly one.
+async fn the_dead_letter(check: &str, admin: &dyn StorageAdmin) -> DeadLetterRow {
+    let mut dead = admin
         .dead_letters(&DeadLetterFilter::default(), 10)
         .await
-        .unwrap_or_else(|e| panic!("{check}: dead letters: {e}"))
+        .unwrap_or_else(|e| panic!("{check}: dead letters: {e}"));
+    assert_eq!(dead.len(), 1, "{check}: {dead:?}");
+    dead.remove(0)
 }
 
 /// The payloads the sink published for `key`, in order.
@@ -165,17 +168,15 @@ pub async fn relay_retries_then_dead_letters_and_parks_the_key(h: &dyn StorageHa
     f.enqueue(&[keyed("p", "p3")]).await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(tries.load(Ordering::SeqCst), 3, "{CHECK}: publishes of p1");
-    let dead = dead_letters_of(CHECK, &*admin).await;
-    assert_eq!(dead.len(), 1, "{CHECK}: {dead:?}");
+    let dead = the_dead_letter(CHECK, &*admin).await;
     assert_eq!(
-        dead[0].message.attempts, 3,
+        dead.message.attempts, 3,
         "{CHECK}: attempts recorded on the dead letter"
     );
     assert!(
-        dead[0].last_error.contains("gave up after 3 attempts")
-            && dead[0].last_error.contains("said no"),
+        dead.last_error.contains("gave up after 3 attempts") && dead.last_error.contains("said no"),
         "{CHECK}: the reason says how many attempts and why: {}",
-        dead[0].last_error
+        dead.last_error
     );
     assert_eq!(
         published_of(&sink, "f").len(),
@@ -194,7 +195,7 @@ pub async fn relay_retries_then_dead_letters_and_parks_the_key(h: &dyn StorageHa
         "{CHECK}: one key parked, p2 and p3 pending, p1 dead: {stats:?}"
     );
     poisoned.store(false, Ordering::SeqCst);
-    assert_eq!(f.replay_dead_letters(&[dead[0].message.id]).await, 1);
+    assert_eq!(f.replay_dead_letters(&[dead.message.id]).await, 1);
     wait_for(&*admin, "drained after the replay", |s| {
         s.pending == 0 && s.in_flight == 0 && s.parked_keys == 0 && s.dead_lettered == 0
     })
@@ -226,14 +227,10 @@ pub async fn relay_a_permanent_failure_is_dead_lettered_at_once_and_release_lets
     let relay = RelayTask::start(CHECK, &*f, sink.clone(), 5);
     let admin = f.admin();
     wait_for(&*admin, "the key parked", |s| s.parked_keys == 1).await;
-    let dead = dead_letters_of(CHECK, &*admin).await;
-    assert_eq!(dead.len(), 1, "{CHECK}: {dead:?}");
+    let dead = the_dead_letter(CHECK, &*admin).await;
+    assert_eq!(dead.message.attempts, 1, "{CHECK}: one attempt, no retry");
     assert_eq!(
-        dead[0].message.attempts, 1,
-        "{CHECK}: one attempt, no retry"
-    );
-    assert_eq!(
-        dead[0].last_error,
+        dead.last_error,
         Error::permanent("message too large").to_string(),
         "{CHECK}: the reason is the sink's"
     );
@@ -565,12 +562,7 @@ pub async fn admin_the_operators_repairs(h: &dyn StorageHarness) {
         }],
         "{CHECK}: k is parked by a1"
     );
-    let stats = storage.stats().await.expect("stats");
-    assert_eq!(
-        (stats.pending, stats.dead_lettered, stats.parked_keys),
-        (1, 1, 1),
-        "{CHECK}: {stats:?}"
-    );
+    assert_figures!(storage, pending: 1, dead_lettered: 1, parked_keys: 1; "{CHECK}");
     let topics = topic_figures().await;
     assert_eq!(topics.len(), 1, "{CHECK}: audit is gone: {topics:?}");
     assert_eq!(

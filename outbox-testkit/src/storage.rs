@@ -267,21 +267,6 @@ writes! {
     extended: extend_lease(ids: &[Uuid], lease: Duration);
 }
 
-/// Reads the storage's figures (`stats()`) and asserts the named ones, showing them all on a
-/// failure: `assert_figures!(storage, pending: 0, in_flight: 1; "{check}: held")`.
-macro_rules! assert_figures {
-    ($storage:expr, $($field:ident: $want:expr),+; $($message:tt)+) => {{
-        let stats = $storage.stats().await.expect("stats");
-        assert_eq!(
-            ($(stats.$field,)+),
-            ($($want,)+),
-            "{}: {stats:?}",
-            format_args!($($message)+)
-        );
-        stats
-    }};
-}
-
 fn dead_letter(m: &outbox_core::Message, error: &str) -> DeadLetter {
     DeadLetter {
         id: m.id,
