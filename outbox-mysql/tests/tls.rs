@@ -4,15 +4,15 @@
 //! certificate. A storage that trusts another CA, one without a client certificate and one
 //! without TLS are refused.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use outbox_core::{ErrorKind, NewMessage, Settlement, Storage, StorageAdmin};
+use outbox_core::{ErrorKind, NewMessage, Storage, StorageAdmin};
 use outbox_mysql::{MySqlConfig, MySqlStorage};
-use outbox_test_support::deliveries;
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::postgres_server::run;
+use outbox_test_support::tls::{Pki, two_authorities};
+use outbox_test_support::{deliveries, free_port};
 
 /// `mariadbd` on a data directory of its own under `dir`, listening on 127.0.0.1 with TLS
 /// required, and on a Unix socket for the setup; killed on drop.
@@ -26,26 +26,20 @@ struct TlsMariaDb {
 impl TlsMariaDb {
     fn start(dir: &Path, pki: &Pki) -> TlsMariaDb {
         let data = dir.join("data");
-        let install = Command::new("mariadb-install-db")
+        let mut install = Command::new("mariadb-install-db");
+        install
             .arg("--no-defaults")
             .arg(format!("--datadir={}", data.display()))
             .args([
                 "--auth-root-authentication-method=normal",
                 "--user=root",
                 "--skip-test-db",
-            ])
-            .output()
-            .expect("mariadb-install-db is installed (cargo xtask services installs MariaDB)");
-        assert!(
-            install.status.success(),
-            "mariadb-install-db failed: {}{}",
-            String::from_utf8_lossy(&install.stdout),
-            String::from_utf8_lossy(&install.stderr)
+            ]);
+        run(
+            install,
+            "mariadb-install-db (cargo xtask services installs MariaDB)",
         );
-        let port = TcpListener::bind("127.0.0.1:0")
-            .and_then(|l| l.local_addr())
-            .expect("a free port")
-            .port();
+        let port = free_port();
         let socket = dir.join("mariadb.sock");
         let log = dir.join("error.log");
         let path = |option: &str, file: &Path| format!("--{option}={}", file.display());
@@ -137,10 +131,7 @@ fn config(url: String) -> MySqlConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_go_over_verified_tls_and_anything_less_is_refused() {
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_mysql_tls"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_mysql_tls");
     let started = Instant::now();
     let server = TlsMariaDb::start(&dir, &ours);
     eprintln!("private MariaDB with TLS ready in {:?}", started.elapsed());
@@ -169,17 +160,9 @@ async fn messages_go_over_verified_tls_and_anything_less_is_refused() {
         .expect("claim over TLS");
     let payloads: Vec<&[u8]> = claim.messages.iter().map(|m| &m.payload[..]).collect();
     assert_eq!(payloads, [&b"paid"[..], &b"shipped"[..]]);
-    let settlement = Settlement {
-        delivered: deliveries(&claim.messages, |_| "r".into()),
-        ..Settlement::default()
-    };
-    assert_eq!(
-        storage
-            .settle(&claim.token, &settlement)
-            .await
-            .expect("settle"),
-        2
-    );
+    let delivered = deliveries(&claim.messages, |_| "r".into());
+    let acked = storage.ack(&claim.token, &delivered).await.expect("settle");
+    assert_eq!(acked, 2);
     let stats = storage.stats().await.expect("stats over TLS");
     assert_eq!((stats.pending, stats.in_flight), (0, 0), "{stats:?}");
 

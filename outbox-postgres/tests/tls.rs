@@ -14,7 +14,7 @@ use outbox_core::memory::MemorySink;
 use outbox_core::{CancellationToken, ErrorKind, NewMessage, Storage, Worker, WorkerConfig};
 use outbox_postgres::{PgStorage, PostgresConfig};
 use outbox_test_support::postgres_server::PostgresServer;
-use outbox_test_support::tls::{Pki, pki};
+use outbox_test_support::tls::{Pki, two_authorities};
 
 /// A PostgreSQL server in `dir` (which holds the certificates), listening on 127.0.0.1 and
 /// 127.0.0.2 with TLS only, `pki`'s server certificate, and client certificates of `pki`'s
@@ -66,10 +66,7 @@ async fn refused(config: PostgresConfig, why: &str) -> (ErrorKind, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("outbox_pg_tls"));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    let ours = pki(&dir, "ours");
-    let theirs = pki(&dir, "theirs");
+    let (dir, ours, theirs) = two_authorities("outbox_pg_tls");
     let server = tls_postgres(&dir, &ours);
 
     // No sslmode in the URL: the CA file makes it verify-full.
@@ -142,19 +139,6 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
     let stats = storage.stats().await.expect("queue figures");
     assert_eq!((stats.pending, stats.in_flight), (0, 0), "{stats:?}");
 
-    // A storage that trusts another CA refuses the server's certificate.
-    let (kind, error) = refused(
-        config(
-            server.url("127.0.0.1", "postgres", ""),
-            &theirs,
-            Some(&ours),
-        ),
-        "the server's certificate must be refused",
-    )
-    .await;
-    assert_eq!(kind, ErrorKind::Unavailable, "{error}");
-    assert!(error.contains("invalid peer certificate"), "{error}");
-
     // The certificate names localhost too; verify-ca needs the CA file as well.
     for (host, query) in [("localhost", ""), ("127.0.0.1", "?sslmode=verify-ca")] {
         PgStorage::new(config(
@@ -188,41 +172,53 @@ async fn messages_are_relayed_over_verified_tls_and_the_rest_is_refused() {
         );
     }
 
-    // The server refuses a client without a certificate, and one whose certificate another
-    // CA signed.
-    let (kind, error) = refused(
-        config(server.url("127.0.0.1", "postgres", ""), &ours, None),
-        "a client without a certificate must be refused",
-    )
-    .await;
-    assert!(
-        error.contains("connection requires a valid client certificate"),
-        "{error}"
-    );
-    // A refused login is the configuration's fault, and says what to check.
-    assert_eq!(kind, ErrorKind::Config, "{error}");
-    assert!(
-        error.contains("client certificate that pg_hba.conf asks for"),
-        "{error}"
-    );
-    let (_, error) = refused(
-        config(
-            server.url("127.0.0.1", "postgres", ""),
-            &ours,
-            Some(&theirs),
+    // Refused, each with its kind and what its error says: a storage that trusts another CA
+    // (it refuses the server's certificate); a client without a certificate (a refused login
+    // is the configuration's fault, and says what to check) and one whose certificate another
+    // CA signed (the server refuses them); a connection without TLS (pg_hba.conf has no line
+    // for it).
+    let url = |query: &str| server.url("127.0.0.1", "postgres", query);
+    let refusals = [
+        (
+            "the server's certificate must be refused",
+            config(url(""), &theirs, Some(&ours)),
+            Some(ErrorKind::Unavailable),
+            &["invalid peer certificate"][..],
         ),
-        "a client certificate of another CA must be refused",
-    )
-    .await;
-    assert!(error.contains("UnknownCA"), "{error}");
-
-    // A connection without TLS is refused: pg_hba.conf has no line for it.
-    let plain = PostgresConfig {
-        connect_timeout: Duration::from_secs(5),
-        ..PostgresConfig::new(server.url("127.0.0.1", "postgres", "?sslmode=disable"))
-    };
-    let (_, error) = refused(plain, "a connection without TLS must be refused").await;
-    assert!(error.contains("no encryption"), "{error}");
+        (
+            "a client without a certificate must be refused",
+            config(url(""), &ours, None),
+            Some(ErrorKind::Config),
+            &[
+                "connection requires a valid client certificate",
+                "client certificate that pg_hba.conf asks for",
+            ][..],
+        ),
+        (
+            "a client certificate of another CA must be refused",
+            config(url(""), &ours, Some(&theirs)),
+            None,
+            &["UnknownCA"][..],
+        ),
+        (
+            "a connection without TLS must be refused",
+            PostgresConfig {
+                connect_timeout: Duration::from_secs(5),
+                ..PostgresConfig::new(url("?sslmode=disable"))
+            },
+            None,
+            &["no encryption"][..],
+        ),
+    ];
+    for (why, config, expected_kind, texts) in refusals {
+        let (kind, error) = refused(config, why).await;
+        if let Some(expected) = expected_kind {
+            assert_eq!(kind, expected, "{why}: {error}");
+        }
+        for text in texts {
+            assert!(error.contains(text), "{why}: {text:?} not in {error}");
+        }
+    }
 
     drop(storage);
     drop(server);
