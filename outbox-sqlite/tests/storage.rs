@@ -8,13 +8,14 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{TempDir, app_pool, now_ms, storage};
+use common::{TempDir, app_db, app_pool, count, now_ms, storage};
 use outbox_core::{
     Claim, DeadLetter, Delivery, ErrorKind, NewMessage, Receipt, Settlement, Storage, StorageAdmin,
     StorageRegistry,
 };
 use outbox_sqlite::sqlx;
-use outbox_sqlite::{SqliteConfig, SqliteStorage};
+use outbox_sqlite::sqlx::SqliteConnection;
+use outbox_sqlite::{OutboxTable, SqliteConfig, SqliteStorage};
 use outbox_test_support::text;
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -30,8 +31,7 @@ fn deliveries(claim: &Claim) -> Vec<Delivery> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wait_for_it() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = Arc::new(storage(&path, |_| {}).await);
     let app = app_pool(&path).await;
     sqlx::query("CREATE TABLE orders (id INTEGER PRIMARY KEY, state TEXT NOT NULL)")
@@ -42,14 +42,7 @@ async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wai
 
     // The domain write and the message in one transaction, which holds the write lock.
     let mut tx = app.begin_with("BEGIN IMMEDIATE").await.unwrap();
-    sqlx::query("INSERT INTO orders (id, state) VALUES (1, 'paid')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    table
-        .enqueue(&mut tx, &NewMessage::new("orders", "paid").key("order-1"))
-        .await
-        .unwrap();
+    pay_order(&mut tx, &table, 1, "paid").await;
     // Readers go on meanwhile (WAL), and see nothing of it.
     let stats = storage.stats().await.expect("stats while a writer is open");
     assert_eq!(
@@ -76,17 +69,7 @@ async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wai
 
     // A rolled-back transaction leaves neither its domain write nor its message.
     let mut tx = app.begin_with("BEGIN IMMEDIATE").await.unwrap();
-    sqlx::query("INSERT INTO orders (id, state) VALUES (2, 'paid')")
-        .execute(&mut *tx)
-        .await
-        .unwrap();
-    table
-        .enqueue(
-            &mut tx,
-            &NewMessage::new("orders", "rolled back").key("order-2"),
-        )
-        .await
-        .unwrap();
+    pay_order(&mut tx, &table, 2, "rolled back").await;
     tx.rollback().await.unwrap();
     assert!(
         storage
@@ -96,17 +79,24 @@ async fn an_application_transaction_is_invisible_until_it_commits_and_claims_wai
             .messages
             .is_empty()
     );
-    let orders: i64 = sqlx::query_scalar("SELECT count(*) FROM orders")
-        .fetch_one(&app)
+    assert_eq!(count(&app, "orders").await, 1);
+}
+
+/// In the application's transaction `tx`: order `id` is paid (the domain write), and its
+/// message (key `order-<id>`, payload `payload`) is enqueued.
+async fn pay_order(tx: &mut SqliteConnection, table: &OutboxTable, id: i64, payload: &str) {
+    sqlx::query("INSERT INTO orders (id, state) VALUES (?1, 'paid')")
+        .bind(id)
+        .execute(&mut *tx)
         .await
         .unwrap();
-    assert_eq!(orders, 1);
+    let message = NewMessage::new("orders", payload).key(format!("order-{id}"));
+    table.enqueue(tx, &message).await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_write_lock() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = Arc::new(storage(&path, |_| {}).await);
     storage.enqueue(&[NewMessage::new("t", "m")]).await.unwrap();
     let app = app_pool(&path).await;
@@ -133,8 +123,7 @@ async fn a_lease_runs_from_the_claim_not_from_the_wait_for_the_write_lock() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_write_lock_held_past_busy_timeout_is_unavailable_not_a_crash() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = storage(&path, |c| c.busy_timeout = Duration::from_millis(200)).await;
     storage.enqueue(&[NewMessage::new("t", "m")]).await.unwrap();
     let app = app_pool(&path).await;
@@ -154,8 +143,7 @@ async fn a_write_lock_held_past_busy_timeout_is_unavailable_not_a_crash() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrations_from_two_processes_at_once_run_once() {
     for _ in 0..5 {
-        let dir = TempDir::new("outbox-sqlite");
-        let path = dir.file("app.db");
+        let (_dir, path) = app_db();
         // Two storages with their own connections, as two relay processes have.
         let a = SqliteStorage::new(SqliteConfig::new(&path)).unwrap();
         let b = SqliteStorage::new(SqliteConfig::new(&path)).unwrap();
@@ -179,8 +167,7 @@ async fn migrations_from_two_processes_at_once_run_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn any_language_enqueues_with_a_plain_insert() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = storage(&path, |_| {}).await;
     let app = app_pool(&path).await;
     // The least a writer gives: topic and payload.
@@ -239,8 +226,7 @@ async fn any_language_enqueues_with_a_plain_insert() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retention_keeps_delivered_rows_with_their_receipt_until_housekeeping() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (dir, path) = app_db();
     let storage = storage(&path, |c| c.retention = Some(Duration::from_secs(3600))).await;
     storage
         .enqueue(&[NewMessage::new("t", "a"), NewMessage::new("t", "b")])
@@ -276,11 +262,8 @@ async fn retention_keeps_delivered_rows_with_their_receipt_until_housekeeping() 
     plain.enqueue(&[NewMessage::new("t", "x")]).await.unwrap();
     let c = plain.claim("w1", 10, LEASE).await.unwrap();
     plain.ack(&c.token, &deliveries(&c)).await.unwrap();
-    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_delivered")
-        .fetch_one(&app_pool(&dir.file("plain.db")).await)
-        .await
-        .unwrap();
-    assert_eq!(left, 0);
+    let plain_app = app_pool(&dir.file("plain.db")).await;
+    assert_eq!(count(&plain_app, "outbox_delivered").await, 0);
 }
 
 /// `describe` names the file and the table. The operator's repairs are the testkit's
@@ -330,8 +313,7 @@ async fn keys_take_turns_and_a_claim_takes_at_most_max_per_key_of_one() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_id_is_a_permanent_error_of_the_enqueue() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = storage(&path, |_| {}).await;
     let message = NewMessage::new("t", "once");
     storage
@@ -388,8 +370,7 @@ async fn the_registry_builds_a_working_storage() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_is_written_whole_or_not_at_all() {
-    let dir = TempDir::new("outbox-sqlite");
-    let path = dir.file("app.db");
+    let (_dir, path) = app_db();
     let storage = storage(&path, |c| c.retention = Some(Duration::from_secs(3600))).await;
     storage
         .enqueue(&[

@@ -2,13 +2,20 @@
 
 #![allow(dead_code)]
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use outbox_sqlite::sqlx::sqlite::{SqliteConnectOptions, SqlitePool, SqlitePoolOptions};
 use outbox_sqlite::{SqliteConfig, SqliteStorage};
 // A directory of a test's own under the system's temporary directory, removed when dropped.
 pub use outbox_test_support::TempDir;
+
+/// A directory of the test's own and the path of the database file `app.db` in it.
+pub fn app_db() -> (TempDir, PathBuf) {
+    let dir = TempDir::new("outbox-sqlite");
+    let path = dir.file("app.db");
+    (dir, path)
+}
 
 /// A relay's storage on `path` with `adjust`ed settings, opened and migrated.
 pub async fn storage(path: &Path, adjust: impl FnOnce(&mut SqliteConfig)) -> SqliteStorage {
@@ -40,4 +47,12 @@ pub async fn now_ms(pool: &SqlitePool) -> i64 {
     .fetch_one(pool)
     .await
     .expect("reading the clock")
+}
+
+/// How many rows `table` has, read on `pool`.
+pub async fn count(pool: &SqlitePool, table: &str) -> i64 {
+    outbox_sqlite::sqlx::query_scalar(&format!("SELECT count(*) FROM {table}"))
+        .fetch_one(pool)
+        .await
+        .expect("counting rows")
 }
