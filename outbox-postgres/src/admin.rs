@@ -57,13 +57,9 @@ impl StorageAdmin for PgStorage {
         filter: &DeadLetterFilter,
         limit: usize,
     ) -> Result<Vec<DeadLetterRow>> {
-        let rows = sqlx::query(&self.shared.sql.find_dead_letters)
-            .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-            .bind(filter.ids.as_deref())
-            .bind(filter.topic.as_deref())
-            .bind(filter.key.as_deref())
-            .bind(filter.last_error.as_deref())
-            .bind(filter.without_payloads)
+        let search = sqlx::query(&self.shared.sql.find_dead_letters);
+        let ids = filter.ids.as_deref();
+        let rows = outbox_sql::bind_dead_letter_filter!(search, filter, limit, ids)
             .fetch_all(self.pool())
             .await
             .map_err(|e| db_error("cannot list dead letters", e))?;

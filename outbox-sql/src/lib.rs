@@ -14,7 +14,8 @@
 //! - [`migrate`]: the versioned-migration runner, over a small [`migrate::Dialect`] trait.
 //! - [`config`]: the limits and checks of settings every SQL storage has.
 //! - [`lock_name`], [`fnv1a`], [`first_of_each`], [`saturating_millis`],
-//!   [`saturating_micros`], [`missing_table_or_column`]: small helpers.
+//!   [`saturating_micros`], [`missing_table_or_column`], [`bind_dead_letter_filter!`]: small
+//!   helpers.
 #![deny(missing_docs)]
 
 pub mod columns;
@@ -73,6 +74,31 @@ pub fn saturating_micros(d: Duration) -> i64 {
 /// SQLSTATE: its storage reads its own error codes.)
 pub fn missing_table_or_column(sqlstate: Option<&str>) -> bool {
     matches!(sqlstate, Some("42P01" | "42703" | "42S02" | "42S22"))
+}
+
+/// Binds the [`DeadLetterFilter`](outbox_core::DeadLetterFilter) `$filter` and the limit
+/// `$limit` (a `usize`) to the sqlx query `$query`, a dead-letter search that takes them as
+/// its six placeholders (PostgreSQL, SQLite), in their order: the limit (at most
+/// `i64::MAX`), `$ids` (the filter's ids as the dialect binds a list), the topic, the key,
+/// the text in the last error, and whether to leave the payloads out. A part of the filter
+/// that is `None` binds NULL, which the statement reads as "any". `$filter` is evaluated
+/// more than once: pass a name.
+///
+/// ```text
+/// let ids = filter.ids.as_deref();
+/// let query = outbox_sql::bind_dead_letter_filter!(sqlx::query(&sql), filter, limit, ids);
+/// ```
+#[macro_export]
+macro_rules! bind_dead_letter_filter {
+    ($query:expr, $filter:expr, $limit:expr, $ids:expr) => {
+        $query
+            .bind(i64::try_from($limit).unwrap_or(i64::MAX))
+            .bind($ids)
+            .bind($filter.topic.as_deref())
+            .bind($filter.key.as_deref())
+            .bind($filter.last_error.as_deref())
+            .bind($filter.without_payloads)
+    };
 }
 
 #[cfg(test)]
