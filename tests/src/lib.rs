@@ -31,6 +31,21 @@ pub fn over_keys(total: usize, keys: usize) -> Vec<outbox_core::NewMessage> {
         .collect()
 }
 
+/// `n` messages without a key on the topic `t`, whose payloads count from `0`.
+pub fn numbered(n: usize) -> Vec<outbox_core::NewMessage> {
+    (0..n)
+        .map(|i| outbox_core::NewMessage::new("t", i.to_string()))
+        .collect()
+}
+
+/// Messages on the topic `t` with the key `key` and these payloads, in order.
+pub fn keyed(key: &str, payloads: &[&str]) -> Vec<outbox_core::NewMessage> {
+    payloads
+        .iter()
+        .map(|p| outbox_core::NewMessage::new("t", *p).key(key))
+        .collect()
+}
+
 /// Asserts that every key of `by_key` (payloads per key, as [`by_key`] reads them) holds the
 /// payloads of [`over_keys`]`(total, keys)`, all of them, in order.
 pub fn assert_key_order(
@@ -126,15 +141,42 @@ pub async fn open_sqlite(config: outbox_sqlite::SqliteConfig) -> outbox_sqlite::
 }
 
 /// Drops a MySQL outbox's tables (every one its migrations make:
-/// [`outbox_mysql::OutboxTable::drop_sql`]) from any context, a `Drop` inside a test's runtime
-/// included (through [`clean_up`]); errors are ignored, as in a clean-up.
+/// [`outbox_mysql::OutboxTable::drop_sql`]) from any context (see [`run_on_mysql`]).
 pub fn drop_mysql_tables(table: &outbox_mysql::OutboxTable) {
-    let sql = table.drop_sql();
+    run_on_mysql(vec![table.drop_sql()]);
+}
+
+/// Runs `statements` in turn on one connection to the MySQL server of [`mysql_url`], from any
+/// context, a `Drop` inside a test's runtime included (through [`clean_up`]), after a lock
+/// timeout of 5 s (a failed test may hold its transaction open: give up rather than wait);
+/// errors are ignored, as in a clean-up. MySQL's [`run_on_postgres`].
+pub fn run_on_mysql(statements: Vec<String>) {
+    use outbox_mysql::sqlx::{Connection, MySqlConnection};
     let url = mysql_url();
     clean_up(async move {
-        let pool = outbox_mysql::sqlx::MySqlPool::connect(&url).await.ok()?;
-        outbox_mysql::sqlx::query(&sql).execute(&pool).await.ok()
+        let mut conn = MySqlConnection::connect(&url).await.ok()?;
+        let timeout = "SET SESSION lock_wait_timeout = 5".to_string();
+        for statement in std::iter::once(timeout).chain(statements) {
+            let _ = outbox_mysql::sqlx::query(&statement)
+                .execute(&mut conn)
+                .await;
+        }
+        Some(())
     });
+}
+
+/// A pool of at most `max_connections` to `url`, a server of `service`; a server that does
+/// not answer fails the test with its address ([`Service::missing`]).
+pub async fn pool<DB: sqlx::Database>(
+    service: Service,
+    url: &str,
+    max_connections: u32,
+) -> sqlx::Pool<DB> {
+    sqlx::pool::PoolOptions::<DB>::new()
+        .max_connections(max_connections)
+        .connect(url)
+        .await
+        .unwrap_or_else(|e| service.missing(e))
 }
 
 /// Bad input to a storage is a clear error, never a panic: `message` (after a good one, in

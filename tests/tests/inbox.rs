@@ -16,7 +16,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use outbox_core::Result;
 use outbox_testkit::{InboxFixture, InboxHarness, InboxTransaction};
-use outbox_tests::{clean_up, postgres_url, unique_name};
+use outbox_tests::{Service, postgres_url, unique_name};
 use uuid::Uuid;
 
 /// How long a racing transaction is watched to be sure it waits for the first one.
@@ -24,15 +24,21 @@ const RACE_WAIT: Duration = Duration::from_millis(300);
 
 /// What the three SQL inbox fixtures share, so each storage writes only its own SQL: the
 /// consumer's transaction (`Tx`), the harness and the `InboxFixture` methods that only call the
-/// inbox. `$fixture` has `pool`, `inbox`, `new()`, `effects_table()` and `inbox_named(table)`;
-/// `insert` records a business change (`{}` is the effects table) with the id as `bind_id`
-/// makes it; the fixture's other methods follow in braces.
+/// inbox or run one statement. `$fixture` has `pool`, `inbox`, `new()`, `effects_table()`,
+/// `inbox_table()`, `migrations_table(table)` and `inbox_named(table)`. In the statements
+/// `{}` is the table: `insert` records a business change, `count` counts the rows of
+/// (consumer, id) and `backdate` moves a record's time back by its first parameter (the age
+/// as `bind_age` makes it); the id is bound as `bind_id` makes it. The fixture's other
+/// methods follow in braces.
 macro_rules! sql_inbox_fixture {
     (
         $fixture:ident,
         $db:ty,
         insert: $insert:literal,
+        count: $count:literal,
+        backdate: $backdate:literal,
         bind_id: $bind_id:expr,
+        bind_age: $bind_age:expr,
         { $($own:tt)* }
     ) => {
         /// A consumer's transaction on the fixture's inbox and business table.
@@ -108,7 +114,45 @@ macro_rules! sql_inbox_fixture {
                 self.inbox_named(table).map(drop)
             }
 
+            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
+                self.count(&self.effects_table(), consumer, id).await
+            }
+
+            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
+                self.count(&self.inbox_table(), consumer, id).await > 0
+            }
+
+            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
+                sqlx::query(&format!($backdate, self.inbox_table()))
+                    .bind(($bind_age)(by))
+                    .bind(consumer)
+                    .bind(($bind_id)(id))
+                    .execute(&self.pool)
+                    .await
+                    .expect("backdate");
+            }
+
+            async fn versions(&self, table: &str) -> i64 {
+                let sql = format!("SELECT COUNT(*) FROM {}", self.migrations_table(table));
+                sqlx::query_scalar(&sql)
+                    .fetch_one(&self.pool)
+                    .await
+                    .expect("read versions")
+            }
+
             $($own)*
+        }
+
+        impl $fixture {
+            /// The rows of (consumer, id) in `table`.
+            async fn count(&self, table: &str, consumer: &str, id: Uuid) -> i64 {
+                sqlx::query_scalar(&format!($count, table))
+                    .bind(consumer)
+                    .bind(($bind_id)(id))
+                    .fetch_one(&self.pool)
+                    .await
+                    .unwrap_or_else(|e| panic!("count in {table}: {e}"))
+            }
         }
 
         outbox_testkit::inbox_conformance_tests!(Harness);
@@ -117,7 +161,7 @@ macro_rules! sql_inbox_fixture {
 
 mod postgres {
     use outbox_postgres::Inbox;
-    use outbox_postgres::sqlx::postgres::{PgPool, PgPoolOptions};
+    use outbox_postgres::sqlx::postgres::PgPool;
     use outbox_postgres::sqlx::{self, Connection, PgConnection, Postgres, Transaction};
 
     use super::*;
@@ -131,21 +175,12 @@ mod postgres {
 
     impl Drop for Pg {
         fn drop(&mut self) {
-            let drop = format!(r#"DROP SCHEMA IF EXISTS "{}" CASCADE"#, self.schema);
-            clean_up(async move {
-                let mut conn = PgConnection::connect(&postgres_url()).await.ok()?;
-                // A failed test may hold its transaction open: give up rather than wait.
-                sqlx::query("SET lock_timeout = '5s'")
-                    .execute(&mut conn)
-                    .await
-                    .ok()?;
-                sqlx::query(&drop).execute(&mut conn).await.ok()
-            });
+            outbox_tests::drop_schemas(std::slice::from_ref(&self.schema));
         }
     }
 
     fn missing(error: impl std::fmt::Display) -> ! {
-        outbox_tests::Service::Postgres.missing(error)
+        Service::Postgres.missing(error)
     }
 
     impl Pg {
@@ -157,6 +192,10 @@ mod postgres {
             format!(r#""{}"."{}""#, self.schema, self.inbox.table())
         }
 
+        fn migrations_table(&self, table: &str) -> String {
+            format!(r#""{}"."{table}_migrations""#, self.schema)
+        }
+
         fn inbox_named(&self, table: &str) -> Result<Inbox> {
             Inbox::new(&self.schema, table)
         }
@@ -164,11 +203,7 @@ mod postgres {
 
     impl Pg {
         pub async fn new() -> Pg {
-            let pool = PgPoolOptions::new()
-                .max_connections(8)
-                .connect(&postgres_url())
-                .await
-                .unwrap_or_else(|e| missing(e));
+            let pool = outbox_tests::pool(Service::Postgres, &postgres_url(), 8).await;
             let schema = unique_name("inbox");
             let inbox = Inbox::new(&schema, "inbox").expect("valid names");
             let mut conn = pool.acquire().await.unwrap_or_else(|e| missing(e));
@@ -193,62 +228,18 @@ mod postgres {
         Pg,
         Postgres,
         insert: "INSERT INTO {} (consumer, message_id) VALUES ($1, $2)",
+        count: "SELECT count(*) FROM {} WHERE consumer = $1 AND message_id = $2",
+        backdate: "UPDATE {} SET processed_at = processed_at - $1 * interval '1 second' \
+                   WHERE consumer = $2 AND message_id = $3",
         bind_id: |id: Uuid| id,
+        bind_age: |by: Duration| by.as_secs_f64(),
         {
-            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-                sqlx::query_scalar(&format!(
-                    "SELECT count(*) FROM {} WHERE consumer = $1 AND message_id = $2",
-                    self.effects_table()
-                ))
-                .bind(consumer)
-                .bind(id)
-                .fetch_one(&self.pool)
-                .await
-                .expect("count effects")
-            }
-
-            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-                sqlx::query_scalar(&format!(
-                    "SELECT EXISTS (SELECT FROM {} WHERE consumer = $1 AND message_id = $2)",
-                    self.inbox_table()
-                ))
-                .bind(consumer)
-                .bind(id)
-                .fetch_one(&self.pool)
-                .await
-                .expect("read the inbox")
-            }
-
-            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-                sqlx::query(&format!(
-                    "UPDATE {} SET processed_at = processed_at - $3 * interval '1 second' \
-                     WHERE consumer = $1 AND message_id = $2",
-                    self.inbox_table()
-                ))
-                .bind(consumer)
-                .bind(id)
-                .bind(by.as_secs_f64())
-                .execute(&self.pool)
-                .await
-                .expect("backdate");
-            }
-
             async fn migrate(&self, table: &str) -> Result<()> {
                 let inbox = self.inbox_named(table)?;
                 let mut conn = PgConnection::connect(&postgres_url())
                     .await
                     .unwrap_or_else(|e| missing(e));
                 inbox.migrate(&mut conn).await
-            }
-
-            async fn versions(&self, table: &str) -> i64 {
-                sqlx::query_scalar(&format!(
-                    r#"SELECT count(*) FROM "{}"."{table}_migrations""#,
-                    self.schema
-                ))
-                .fetch_one(&self.pool)
-                .await
-                .expect("read versions")
             }
 
             fn business_table(&self) -> String {
@@ -379,20 +370,13 @@ mod postgres {
                 ids[rng.usize(..ids.len())],
             );
             let fails = rng.u8(..100) < 30;
-            let mut tx = s.begin().await;
-            let new = tx.process(&key.0, key.1).await.expect("process");
+            let new = deliver(&s, &key, fails).await;
             assert_eq!(
                 new,
                 !committed.contains(&key),
                 "step {step} (seed {seed}): process said {new} for {key:?}"
             );
-            if new {
-                tx.record_effect(&key.0, key.1).await;
-            }
-            if fails {
-                tx.rollback().await;
-            } else {
-                tx.commit().await;
+            if !fails {
                 committed.insert(key);
             }
         }
@@ -420,16 +404,7 @@ mod postgres {
                         let Some((key, fails)) = queue.lock().expect("queue").pop() else {
                             return outcomes;
                         };
-                        let mut tx = s.begin().await;
-                        let new = tx.process(&key.0, key.1).await.expect("process");
-                        if new {
-                            tx.record_effect(&key.0, key.1).await;
-                        }
-                        if fails {
-                            tx.rollback().await;
-                        } else {
-                            tx.commit().await;
-                        }
+                        let new = deliver(&s, &key, fails).await;
                         outcomes.push((key, new, !fails));
                     }
                 })
@@ -455,6 +430,23 @@ mod postgres {
             );
         }
         check_model(&s, &consumers, &ids, &committed, seed).await;
+    }
+
+    /// One delivery of `key` = (consumer, id): the handler runs if `process` says the id is
+    /// new, and the transaction rolls back if the handler `fails`, else commits. What
+    /// `process` said.
+    async fn deliver(s: &Pg, key: &(String, Uuid), fails: bool) -> bool {
+        let mut tx = s.begin().await;
+        let new = tx.process(&key.0, key.1).await.expect("process");
+        if new {
+            tx.record_effect(&key.0, key.1).await;
+        }
+        if fails {
+            tx.rollback().await;
+        } else {
+            tx.commit().await;
+        }
+        new
     }
 
     /// The database agrees with the model: one committed handler run and one record per
@@ -513,6 +505,14 @@ mod sqlite {
             "effects".into()
         }
 
+        fn inbox_table(&self) -> String {
+            self.inbox.table().to_string()
+        }
+
+        fn migrations_table(&self, table: &str) -> String {
+            format!(r#""{table}_migrations""#)
+        }
+
         fn inbox_named(&self, table: &str) -> Result<Inbox> {
             Inbox::new(table)
         }
@@ -550,40 +550,11 @@ mod sqlite {
         Lite,
         Sqlite,
         insert: "INSERT INTO {} (consumer, message_id) VALUES (?, ?)",
+        count: "SELECT count(*) FROM {} WHERE consumer = ? AND message_id = ?",
+        backdate: "UPDATE {} SET processed_at = processed_at - ? WHERE consumer = ? AND message_id = ?",
         bind_id: |id: Uuid| id.to_string(),
+        bind_age: |by: Duration| by.as_millis() as i64,
         {
-            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-                sqlx::query_scalar("SELECT count(*) FROM effects WHERE consumer = ? AND message_id = ?")
-                    .bind(consumer)
-                    .bind(id.to_string())
-                    .fetch_one(&self.pool)
-                    .await
-                    .expect("count effects")
-            }
-
-            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-                sqlx::query_scalar(
-                    "SELECT count(*) > 0 FROM inbox WHERE consumer = ? AND message_id = ?",
-                )
-                .bind(consumer)
-                .bind(id.to_string())
-                .fetch_one(&self.pool)
-                .await
-                .expect("read the inbox")
-            }
-
-            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-                sqlx::query(
-                    "UPDATE inbox SET processed_at = processed_at - ? \
-                     WHERE consumer = ? AND message_id = ?",
-                )
-                .bind(by.as_millis() as i64)
-                .bind(consumer)
-                .bind(id.to_string())
-                .execute(&self.pool)
-                .await
-                .expect("backdate");
-            }
 
             async fn migrate(&self, table: &str) -> Result<()> {
                 let inbox = self.inbox_named(table)?;
@@ -591,13 +562,6 @@ mod sqlite {
                     .await
                     .expect("open the SQLite database");
                 inbox.migrate(&mut conn).await
-            }
-
-            async fn versions(&self, table: &str) -> i64 {
-                sqlx::query_scalar(&format!(r#"SELECT count(*) FROM "{table}_migrations""#))
-                    .fetch_one(&self.pool)
-                    .await
-                    .expect("read versions")
             }
 
             fn business_table(&self) -> String {
@@ -653,7 +617,7 @@ mod sqlite {
 
 mod mysql {
     use outbox_mysql::Inbox;
-    use outbox_mysql::sqlx::mysql::{MySqlPool, MySqlPoolOptions};
+    use outbox_mysql::sqlx::mysql::MySqlPool;
     use outbox_mysql::sqlx::{self, Connection, MySql, MySqlConnection, Transaction};
 
     use super::*;
@@ -661,7 +625,7 @@ mod mysql {
     use outbox_tests::mysql_url;
 
     fn missing(error: impl std::fmt::Display) -> ! {
-        outbox_tests::Service::MySql.missing(error)
+        Service::MySql.missing(error)
     }
 
     /// The database of the test URL.
@@ -682,7 +646,7 @@ mod mysql {
 
     impl Drop for My {
         fn drop(&mut self) {
-            let mut tables = vec![self.effects_table(), self.inbox.table().to_string()];
+            let mut tables = vec![self.effects_table(), self.inbox_table()];
             tables.extend(self.made.lock().map(|m| m.clone()).unwrap_or_default());
             // A table named twice fails the whole DROP.
             tables.sort();
@@ -691,22 +655,21 @@ mod mysql {
                 .iter()
                 .flat_map(|t| [format!("`{t}`"), format!("`{t}_migrations`")])
                 .collect();
-            let drop = format!("DROP TABLE IF EXISTS {}", tables.join(", "));
-            clean_up(async move {
-                let mut conn = MySqlConnection::connect(&mysql_url()).await.ok()?;
-                // A failed test may hold its transaction open: give up rather than wait.
-                sqlx::query("SET SESSION lock_wait_timeout = 5")
-                    .execute(&mut conn)
-                    .await
-                    .ok()?;
-                sqlx::query(&drop).execute(&mut conn).await.ok()
-            });
+            outbox_tests::run_on_mysql(vec![format!("DROP TABLE IF EXISTS {}", tables.join(", "))]);
         }
     }
 
     impl My {
         fn effects_table(&self) -> String {
             format!("{}_effects", self.prefix)
+        }
+
+        fn inbox_table(&self) -> String {
+            self.inbox.table().to_string()
+        }
+
+        fn migrations_table(&self, table: &str) -> String {
+            format!("`{table}_migrations`")
         }
 
         fn inbox_named(&self, table: &str) -> Result<Inbox> {
@@ -716,11 +679,7 @@ mod mysql {
 
     impl My {
         pub async fn new() -> My {
-            let pool = MySqlPoolOptions::new()
-                .max_connections(8)
-                .connect(&mysql_url())
-                .await
-                .unwrap_or_else(|e| missing(e));
+            let pool = outbox_tests::pool(Service::MySql, &mysql_url(), 8).await;
             let prefix = unique_name("t");
             let inbox = Inbox::new(&database(), &format!("{prefix}_inbox")).expect("valid names");
             let my = My {
@@ -748,46 +707,12 @@ mod mysql {
         My,
         MySql,
         insert: "INSERT INTO `{}` (consumer, message_id) VALUES (?, ?)",
+        count: "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
+        backdate: "UPDATE `{}` SET processed_at = processed_at - INTERVAL ? SECOND \
+                   WHERE consumer = ? AND message_id = ?",
         bind_id: |id: Uuid| id.to_string(),
+        bind_age: |by: Duration| by.as_secs() as i64,
         {
-            async fn effects(&self, consumer: &str, id: Uuid) -> i64 {
-                sqlx::query_scalar(&format!(
-                    "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
-                    self.effects_table()
-                ))
-                .bind(consumer)
-                .bind(id.to_string())
-                .fetch_one(&self.pool)
-                .await
-                .expect("count effects")
-            }
-
-            async fn recorded(&self, consumer: &str, id: Uuid) -> bool {
-                let n: i64 = sqlx::query_scalar(&format!(
-                    "SELECT COUNT(*) FROM `{}` WHERE consumer = ? AND message_id = ?",
-                    self.inbox.table()
-                ))
-                .bind(consumer)
-                .bind(id.to_string())
-                .fetch_one(&self.pool)
-                .await
-                .expect("read the inbox");
-                n > 0
-            }
-
-            async fn backdate(&self, consumer: &str, id: Uuid, by: Duration) {
-                sqlx::query(&format!(
-                    "UPDATE `{}` SET processed_at = processed_at - INTERVAL ? SECOND \
-                     WHERE consumer = ? AND message_id = ?",
-                    self.inbox.table()
-                ))
-                .bind(by.as_secs() as i64)
-                .bind(consumer)
-                .bind(id.to_string())
-                .execute(&self.pool)
-                .await
-                .expect("backdate");
-            }
 
             async fn migrate(&self, table: &str) -> Result<()> {
                 let inbox = self.inbox_named(table)?;
@@ -798,13 +723,6 @@ mod mysql {
                     .await
                     .unwrap_or_else(|e| missing(e));
                 inbox.migrate(&mut conn).await
-            }
-
-            async fn versions(&self, table: &str) -> i64 {
-                sqlx::query_scalar(&format!("SELECT COUNT(*) FROM `{table}_migrations`"))
-                    .fetch_one(&self.pool)
-                    .await
-                    .expect("read versions")
             }
 
             fn business_table(&self) -> String {

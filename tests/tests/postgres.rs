@@ -12,8 +12,8 @@ use outbox_core::{
 };
 use outbox_postgres::{DEFAULT_MAX_PER_KEY as MAX_PER_KEY, OutboxTable, PgStorage, PostgresConfig};
 use outbox_tests::{
-    TestOutbox, by_key, four_relays_deliver_once_in_key_order, over_keys, postgres_url,
-    test_worker_config, text,
+    TestOutbox, by_key, deliveries, four_relays_deliver_once_in_key_order, keyed, numbered,
+    over_keys, postgres_url, test_worker_config, text,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -53,11 +53,7 @@ async fn message_fields_survive_storage_exactly() {
         NewMessage::new("empty", Vec::new()),
     ];
     outbox.enqueue(&messages).await;
-    let claim = outbox
-        .storage
-        .claim("w", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let claim = outbox.claim("w", 10, Duration::from_secs(30)).await;
     assert_eq!(claim.messages.len(), 3);
     for (sent, got) in messages.iter().zip(&claim.messages) {
         assert_eq!(got.id, sent.id);
@@ -150,11 +146,7 @@ async fn a_stalled_relays_late_writes_are_refused() {
         .collect();
     outbox.enqueue(&messages).await;
     // A relay claims, then stalls (or dies) past its lease without acknowledging.
-    let stale = outbox
-        .storage
-        .claim("stalled", 10, Duration::from_secs(1))
-        .await
-        .unwrap();
+    let stale = outbox.claim("stalled", 10, Duration::from_secs(1)).await;
     assert_eq!(stale.messages.len(), 5);
     let sink = Arc::new(MemorySink::new());
     let relay = outbox.relay("healthy", sink.clone());
@@ -168,14 +160,7 @@ async fn a_stalled_relays_late_writes_are_refused() {
     assert_eq!(sink.published().len(), 5);
 
     // The stalled relay wakes up: none of its writes may touch the rows any more.
-    let deliveries: Vec<Delivery> = stale
-        .messages
-        .iter()
-        .map(|m| Delivery {
-            id: m.id,
-            receipt: Receipt::new("late"),
-        })
-        .collect();
+    let deliveries = deliveries(&stale.messages, |_| "late".into());
     assert_eq!(
         outbox.storage.ack(&stale.token, &deliveries).await.unwrap(),
         0
@@ -196,17 +181,9 @@ async fn a_stalled_relays_late_writes_are_refused() {
 
     // While a newer claim holds a row, the stale token cannot complete it either.
     outbox.enqueue(&[NewMessage::new("t", "again")]).await;
-    let first = outbox
-        .storage
-        .claim("a", 10, Duration::from_millis(1))
-        .await
-        .unwrap();
+    let first = outbox.claim("a", 10, Duration::from_millis(1)).await;
     tokio::time::sleep(Duration::from_millis(20)).await;
-    let second = outbox
-        .storage
-        .claim("b", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let second = outbox.claim("b", 10, Duration::from_secs(30)).await;
     assert_eq!(second.messages.len(), 1);
     let late_ack = [Delivery {
         id: first.messages[0].id,
@@ -235,24 +212,11 @@ async fn a_stalled_relays_late_writes_are_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
     let outbox = TestOutbox::new().await;
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "k1").key("k"),
-            NewMessage::new("t", "k2").key("k"),
-        ])
-        .await;
-    let first = outbox
-        .storage
-        .claim("a", 1, Duration::from_secs(30))
-        .await
-        .unwrap();
+    outbox.enqueue(&keyed("k", &["k1", "k2"])).await;
+    let first = outbox.claim("a", 1, Duration::from_secs(30)).await;
     assert_eq!(text(&first.messages[0].payload), "k1");
     outbox.enqueue(&[NewMessage::new("t", "free")]).await;
-    let second = outbox
-        .storage
-        .claim("b", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let second = outbox.claim("b", 10, Duration::from_secs(30)).await;
     let got: Vec<String> = second.messages.iter().map(|m| text(&m.payload)).collect();
     assert_eq!(got, ["free"], "k2 must wait while k1 is in flight");
     // After a retry is scheduled, k2 still waits for k1.
@@ -262,11 +226,7 @@ async fn a_claimed_key_blocks_its_later_messages_for_other_relays() {
         error: "nack".into(),
     }];
     assert_eq!(outbox.storage.retry(&first.token, &retry).await.unwrap(), 1);
-    let third = outbox
-        .storage
-        .claim("c", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let third = outbox.claim("c", 10, Duration::from_secs(30)).await;
     assert!(
         third.messages.is_empty(),
         "k2 overtook a message waiting to retry"
@@ -289,7 +249,7 @@ async fn a_busy_key_does_not_hold_other_keys_back() {
     outbox
         .enqueue(&[NewMessage::new("t", "cold-0").key("cold")])
         .await;
-    let claim = outbox.storage.claim("w", 20, LEASE).await.unwrap();
+    let claim = outbox.claim("w", 20, LEASE).await;
     let got = payloads(&claim);
     assert!(
         got.contains(&"cold-0".to_string()),
@@ -313,21 +273,14 @@ async fn keys_take_turns_across_claims() {
     outbox.enqueue(&messages).await;
     let mut turns = Vec::new();
     for _ in 0..(48 / MAX_PER_KEY) {
-        let claim = outbox.storage.claim("w", MAX_PER_KEY, LEASE).await.unwrap();
+        let claim = outbox.claim("w", MAX_PER_KEY, LEASE).await;
         let got = payloads(&claim);
         let key = got[0].split('-').next().unwrap().to_string();
         assert!(
             got.iter().all(|p| p.starts_with(&format!("{key}-"))),
             "one key fills a claim of {MAX_PER_KEY}: {got:?}"
         );
-        let deliveries: Vec<Delivery> = claim
-            .messages
-            .iter()
-            .map(|m| Delivery {
-                id: m.id,
-                receipt: Receipt::new("r"),
-            })
-            .collect();
+        let deliveries = deliveries(&claim.messages, |_| "r".into());
         outbox.storage.ack(&claim.token, &deliveries).await.unwrap();
         turns.push((key, got[0].clone()));
     }
@@ -357,7 +310,7 @@ async fn messages_without_a_key_take_turns_with_keyed_ones() {
         .collect();
     outbox.enqueue(&unkeyed).await;
     outbox.enqueue(&keyed).await;
-    let claim = outbox.storage.claim("w", 10, LEASE).await.unwrap();
+    let claim = outbox.claim("w", 10, LEASE).await;
     let got = payloads(&claim);
     assert_eq!(
         got.iter().filter(|p| p.starts_with("u-")).count(),
@@ -371,7 +324,7 @@ async fn messages_without_a_key_take_turns_with_keyed_ones() {
         ["u-0", "u-1", "u-2", "u-3", "u-4"],
         "messages without a key go oldest first"
     );
-    let rest = outbox.storage.claim("w", 100, LEASE).await.unwrap();
+    let rest = outbox.claim("w", 100, LEASE).await;
     assert_eq!(rest.messages.len(), 10, "the rest in the next claim");
 }
 
@@ -451,13 +404,7 @@ async fn writers_do_not_notify_while_the_relay_is_busy() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // A full batch means the relay is busy: it tells writers to stop notifying.
-    outbox
-        .enqueue(
-            &(0..500)
-                .map(|i| NewMessage::new("t", i.to_string()))
-                .collect::<Vec<_>>(),
-        )
-        .await;
+    outbox.enqueue(&numbered(500)).await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     let mut saw_busy = false;
     while sink.published().len() < 500 {
@@ -480,20 +427,8 @@ async fn delivered_rows_can_be_kept_with_their_receipt_then_purged() {
             NewMessage::new("t", "b"),
         ])
         .await;
-    let claim = outbox
-        .storage
-        .claim("w", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
-    let deliveries: Vec<Delivery> = claim
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| Delivery {
-            id: m.id,
-            receipt: Receipt::new(format!("1-{i}")),
-        })
-        .collect();
+    let claim = outbox.claim("w", 10, Duration::from_secs(30)).await;
+    let deliveries = deliveries(&claim.messages, |m| format!("1-{}", text(&m.payload)));
     assert_eq!(
         outbox.storage.ack(&claim.token, &deliveries).await.unwrap(),
         2
@@ -504,7 +439,7 @@ async fn delivered_rows_can_be_kept_with_their_receipt_then_purged() {
             .fetch_all(&outbox.pool)
             .await
             .unwrap();
-    assert_eq!(receipts, ["1-0", "1-1"]);
+    assert_eq!(receipts, ["1-a", "1-b"]);
     assert_eq!(outbox.stats().await.pending, 0);
     tokio::time::sleep(Duration::from_millis(600)).await;
     outbox.storage.maintain().await.unwrap();
@@ -518,18 +453,8 @@ async fn delivered_rows_can_be_kept_with_their_receipt_then_purged() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_figures_match_the_table() {
     let outbox = TestOutbox::new().await;
-    outbox
-        .enqueue(
-            &(0..7)
-                .map(|i| NewMessage::new("t", i.to_string()))
-                .collect::<Vec<_>>(),
-        )
-        .await;
-    let claim = outbox
-        .storage
-        .claim("w", 3, Duration::from_secs(30))
-        .await
-        .unwrap();
+    outbox.enqueue(&numbered(7)).await;
+    let claim = outbox.claim("w", 3, Duration::from_secs(30)).await;
     assert_eq!(claim.messages.len(), 3);
     let stats = outbox.stats().await;
     assert_eq!((stats.pending, stats.in_flight), (4, 3));
@@ -573,15 +498,8 @@ async fn migrations_are_idempotent_and_a_plain_insert_is_enough_to_enqueue() {
     let outbox = TestOutbox::new().await;
     outbox.storage.migrate().await.unwrap();
     // Another language enqueues with plain SQL: only topic and payload are required.
-    sqlx::query(&format!("INSERT INTO {} (topic, payload, partition_key, headers) VALUES ('t', 'hi', 'k', '{{\"n\": 1}}')", outbox.table.qualified("")))
-        .execute(&outbox.pool)
-        .await
-        .unwrap();
-    let claim = outbox
-        .storage
-        .claim("w", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    outbox.execute(&format!("INSERT INTO {} (topic, payload, partition_key, headers) VALUES ('t', 'hi', 'k', '{{\"n\": 1}}')", outbox.table.qualified(""))).await;
+    let claim = outbox.claim("w", 10, Duration::from_secs(30)).await;
     assert_eq!(claim.messages[0].payload, b"hi");
     assert_eq!(claim.messages[0].headers["n"], "1");
 }
@@ -679,18 +597,9 @@ async fn a_late_commit_and_one_refusal_keep_key_order_through_a_relay() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_settlement_is_written_whole_or_not_at_all() {
     let outbox = TestOutbox::new().await;
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "m1").key("k"),
-            NewMessage::new("t", "m2").key("k"),
-            NewMessage::new("t", "m3").key("k"),
-        ])
-        .await;
+    outbox.enqueue(&keyed("k", &["m1", "m2", "m3"])).await;
     let storage = &outbox.storage;
-    let c = storage
-        .claim("w1", 10, Duration::from_secs(30))
-        .await
-        .unwrap();
+    let c = outbox.claim("w1", 10, Duration::from_secs(30)).await;
     assert_eq!(c.messages.len(), 3);
     let settlement = outbox_core::Settlement {
         delivered: vec![Delivery {
@@ -776,10 +685,9 @@ async fn tables_never_migrated_are_a_schema_error_that_says_what_to_run() {
 async fn shared_stats_without_the_stats_table_count_here() {
     let outbox = TestOutbox::new().await;
     outbox.enqueue(&[NewMessage::new("t", b"x".to_vec())]).await;
-    sqlx::query(&format!("DROP TABLE {}", outbox.table.qualified("_stats")))
-        .execute(&outbox.pool)
-        .await
-        .unwrap();
+    outbox
+        .execute(&format!("DROP TABLE {}", outbox.table.qualified("_stats")))
+        .await;
     let stats = outbox
         .storage
         .shared_stats(Duration::from_secs(5))
@@ -796,10 +704,9 @@ async fn shared_stats_without_the_retrying_column_count_here() {
     let outbox = TestOutbox::new().await;
     outbox.enqueue(&[NewMessage::new("t", b"x".to_vec())]).await;
     let stats = outbox.table.qualified("_stats");
-    sqlx::query(&format!("ALTER TABLE {stats} DROP COLUMN retrying"))
-        .execute(&outbox.pool)
-        .await
-        .unwrap();
+    outbox
+        .execute(&format!("ALTER TABLE {stats} DROP COLUMN retrying"))
+        .await;
     for turn in ["its turn to count", "another relay counted"] {
         let figures = outbox
             .storage

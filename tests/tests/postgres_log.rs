@@ -18,8 +18,8 @@ use outbox_core::{
 use outbox_postgres::{LogStart, PgStorage, PostgresConfig, StorageMode};
 use outbox_test_support::through;
 use outbox_tests::{
-    LogOutbox, Proxy, Relay, assert_key_order, by_key, host_port, over_keys, test_worker_config,
-    text,
+    LogOutbox, Proxy, Relay, assert_key_order, by_key, host_port, keyed, over_keys,
+    test_worker_config, text,
 };
 
 const LEASE: Duration = Duration::from_secs(30);
@@ -79,11 +79,7 @@ async fn a_late_commit_behind_the_cursor_is_delivered_a_rollback_never_is() {
         ["early"],
         "E's row is readable while L is open"
     );
-    outbox
-        .storage
-        .ack(&first.token, &deliveries(&first))
-        .await
-        .unwrap();
+    outbox.ack(&first).await;
     let seq_of = format!(
         "SELECT seq FROM {} WHERE convert_from(payload, 'UTF8') = $1",
         outbox.table.qualified("")
@@ -107,11 +103,7 @@ async fn a_late_commit_behind_the_cursor_is_delivered_a_rollback_never_is() {
     rolled_back.rollback().await.unwrap();
     let second = claim_some(&outbox.storage, Duration::from_secs(10)).await;
     assert_eq!(payloads(&second), ["late"], "the late commit is delivered");
-    outbox
-        .storage
-        .ack(&second.token, &deliveries(&second))
-        .await
-        .unwrap();
+    outbox.ack(&second).await;
     let third = claim_some(&outbox.storage, Duration::from_millis(500)).await;
     assert!(
         third.messages.is_empty(),
@@ -354,11 +346,7 @@ async fn a_claim_goes_on_while_a_settlements_cursor_write_waits() {
 async fn claim_during_a_waiting_cursor_write() -> bool {
     let outbox = log_outbox(1).await;
     outbox
-        .enqueue(&[
-            NewMessage::new("t", "m1").key("k"),
-            NewMessage::new("t", "m2").key("k"),
-            NewMessage::new("t", "n1").key("j"),
-        ])
+        .enqueue(&[keyed("k", &["m1", "m2"]), keyed("j", &["n1"])].concat())
         .await;
     let relay = outbox.another_relay();
     // This claim runs the relay's round (taking the shard): the next is 250 ms away.
@@ -466,12 +454,7 @@ async fn until_a_cursor_write_waits(outbox: &LogOutbox, what: &str) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failed_cursor_write_is_passed_by_the_next_one() {
     let outbox = log_outbox(1).await;
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "m1").key("k"),
-            NewMessage::new("t", "m2").key("k"),
-        ])
-        .await;
+    outbox.enqueue(&keyed("k", &["m1", "m2"])).await;
     let relay = outbox.another_relay();
     let first = relay.claim("w", 1, LEASE).await.unwrap();
     assert_eq!(payloads(&first), ["m1"]);
@@ -523,13 +506,12 @@ async fn a_stale_owners_cursor_writes_are_refused() {
     assert_eq!(first.messages.len(), 6);
     assert_eq!(stale.owned_shards().await.len(), 1);
     // The stale relay's lease (30 s in claim_some) is shortened as a stall would let it run out.
-    sqlx::query(&format!(
-        "UPDATE {} SET expires_at = now() - interval '1 second'",
-        outbox.table.qualified("_shards")
-    ))
-    .execute(&outbox.pool)
-    .await
-    .unwrap();
+    outbox
+        .execute(&format!(
+            "UPDATE {} SET expires_at = now() - interval '1 second'",
+            outbox.table.qualified("_shards")
+        ))
+        .await;
     let fresh = outbox.another_relay();
     let taken = fresh.claim("w2", 3, LEASE).await.unwrap();
     assert_eq!(
@@ -618,13 +600,7 @@ async fn every_claims_shards_stay_held_until_its_lease_has_run_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
     let outbox = log_outbox(2).await;
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "bad").key("k"),
-            NewMessage::new("t", "k-1").key("k"),
-            NewMessage::new("t", "k-2").key("k"),
-        ])
-        .await;
+    outbox.enqueue(&keyed("k", &["bad", "k-1", "k-2"])).await;
     // Nothing read yet: the key's three rows are past its shard's cursor.
     assert_eq!(
         outbox.storage.log_waiting_behind("k").await.unwrap(),
@@ -663,10 +639,7 @@ async fn releasing_a_parked_key_lets_its_kept_messages_flow_in_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sink_outage_charges_nothing_and_moves_no_cursor() {
     let outbox = log_outbox(4).await;
-    let messages: Vec<NewMessage> = (0..50)
-        .map(|i| NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 5)))
-        .collect();
-    outbox.enqueue(&messages).await;
+    outbox.enqueue(&over_keys(50, 5)).await;
     let sink = Arc::new(MemorySink::new());
     sink.set_up(false);
     let relay = outbox.relay("w", sink.clone());
@@ -737,17 +710,9 @@ async fn retention_keeps_delivered_rows_for_that_long() {
         .enqueue(&[NewMessage::new("t", "a"), NewMessage::new("t", "b")])
         .await;
     let claim = claim_some(&outbox.storage, Duration::from_secs(10)).await;
-    outbox
-        .storage
-        .ack(&claim.token, &deliveries(&claim))
-        .await
-        .unwrap();
+    outbox.ack(&claim).await;
     outbox.storage.maintain().await.unwrap();
-    let count = format!("SELECT count(*) FROM {}", outbox.table.qualified(""));
-    let rows: i64 = sqlx::query_scalar(&count)
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
+    let rows = outbox.log_rows().await;
     assert_eq!(rows, 2, "kept for the retention");
     // Age the rows. The log is append-only: its xid check refuses every UPDATE of a row
     // (the row keeps its writer's id), so lift it for this one.
@@ -765,10 +730,7 @@ async fn retention_keeps_delivered_rows_for_that_long() {
     .await
     .unwrap();
     outbox.storage.maintain().await.unwrap();
-    let rows: i64 = sqlx::query_scalar(&count)
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
+    let rows = outbox.log_rows().await;
     assert_eq!(rows, 0, "removed once older than the retention");
 }
 
@@ -807,13 +769,10 @@ async fn a_table_migrated_for_one_mode_is_refused_by_the_other_and_a_plain_inser
     assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
 
     // The writers' contract of docs/storage/postgres.md, unchanged.
-    sqlx::query(&format!(
+    outbox.execute(&format!(
         "INSERT INTO {} (topic, partition_key, payload, headers) VALUES ('orders', 'o-1', '\\x7b7d', '{{\"a\": \"b\"}}')",
         outbox.table.qualified("")
-    ))
-    .execute(&outbox.pool)
-    .await
-    .unwrap();
+    )).await;
     let claim = claim_some(&outbox.storage, Duration::from_secs(10)).await;
     assert_eq!(claim.messages.len(), 1);
     assert_eq!(claim.messages[0].payload, b"{}");
@@ -1104,12 +1063,7 @@ async fn a_relay_started_while_the_database_is_unreachable_waits_then_delivers()
     let storage = Arc::new(PgStorage::new(config).expect("valid configuration"));
     let sink = Arc::new(MemorySink::new());
     let relay = outbox.relay_on(storage, test_worker_config("w"), sink.clone());
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "a").key("k"),
-            NewMessage::new("t", "b").key("k"),
-        ])
-        .await;
+    outbox.enqueue(&keyed("k", &["a", "b"])).await;
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert!(sink.published().is_empty());
     assert!(
@@ -1210,7 +1164,7 @@ async fn a_log_table_from_a_cluster_further_ahead_is_refused_until_migrate_rebas
         .await;
     let c = claim_some(&outbox.storage, Duration::from_secs(20)).await;
     assert_eq!(payloads(&c), ["delivered"]);
-    outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+    outbox.ack(&c).await;
     outbox.storage.stop().await.unwrap();
     outbox
         .enqueue(&[NewMessage::new("t", "pending").key("k")])
@@ -1352,7 +1306,7 @@ async fn housekeeping_deletes_in_short_transactions() {
         let c = claim_some(&outbox.storage, Duration::from_secs(20)).await;
         assert!(!c.messages.is_empty(), "claims stopped at {delivered}");
         delivered += c.messages.len();
-        outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+        outbox.ack(&c).await;
     }
     let outbox_table = outbox.table.qualified("");
     let mut locker = outbox.pool.begin().await.unwrap();
@@ -1364,13 +1318,9 @@ async fn housekeeping_deletes_in_short_transactions() {
     .unwrap();
     let storage = outbox.storage.clone();
     let cleanup = tokio::spawn(async move { storage.maintain().await });
-    let count = format!("SELECT count(*) FROM {outbox_table}");
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let left: i64 = sqlx::query_scalar(&count)
-            .fetch_one(&outbox.pool)
-            .await
-            .unwrap();
+        let left = outbox.log_rows().await;
         if left <= 1000 {
             break;
         }
@@ -1386,10 +1336,7 @@ async fn housekeeping_deletes_in_short_transactions() {
     );
     locker.rollback().await.unwrap();
     cleanup.await.unwrap().expect("housekeeping");
-    let left: i64 = sqlx::query_scalar(&count)
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
+    let left = outbox.log_rows().await;
     assert_eq!(left, 0, "every delivered row removed");
 }
 
@@ -1400,11 +1347,7 @@ async fn a_slow_count_of_the_queue_does_not_hold_claims() {
     let outbox = log_outbox(2).await;
     outbox.enqueue(&[NewMessage::new("t", "m1").key("k")]).await;
     let first = claim_some(&outbox.storage, Duration::from_secs(20)).await;
-    outbox
-        .storage
-        .ack(&first.token, &deliveries(&first))
-        .await
-        .unwrap();
+    outbox.ack(&first).await;
     // Written before the lock: the lock takes a transaction id (it is logged for
     // standbys), which holds the readable horizon until it ends.
     outbox.enqueue(&[NewMessage::new("t", "m2").key("k")]).await;
@@ -1421,7 +1364,7 @@ async fn a_slow_count_of_the_queue_does_not_hold_claims() {
     tokio::time::sleep(Duration::from_millis(200)).await;
     let claimed = tokio::time::timeout(Duration::from_secs(5), async {
         let c = claim_some(&outbox.storage, Duration::from_secs(5)).await;
-        outbox.storage.ack(&c.token, &deliveries(&c)).await.unwrap();
+        outbox.ack(&c).await;
         payloads(&c)
     })
     .await
@@ -1438,12 +1381,7 @@ async fn a_slow_count_of_the_queue_does_not_hold_claims() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_taken_back_loads_its_draining_keys_held_rows_again() {
     let outbox = log_outbox(1).await;
-    outbox
-        .enqueue(&[
-            NewMessage::new("t", "k1").key("k"),
-            NewMessage::new("t", "k2").key("k"),
-        ])
-        .await;
+    outbox.enqueue(&keyed("k", &["k1", "k2"])).await;
     let a = outbox.storage.clone();
     let c = claim_some(&a, Duration::from_secs(20)).await;
     assert_eq!(payloads(&c), ["k1", "k2"]);
@@ -1462,12 +1400,11 @@ async fn a_shard_taken_back_loads_its_draining_keys_held_rows_again() {
     assert_eq!(payloads(&on_a), ["k2"]);
     // A stalls past its lease; B takes the shard, gives k2 back, and stops.
     let shards_table = outbox.table.qualified("_shards");
-    sqlx::query(&format!(
-        "UPDATE {shards_table} SET expires_at = now() - interval '1 second'"
-    ))
-    .execute(&outbox.pool)
-    .await
-    .unwrap();
+    outbox
+        .execute(&format!(
+            "UPDATE {shards_table} SET expires_at = now() - interval '1 second'"
+        ))
+        .await;
     let b = outbox.another_relay();
     let on_b = claim_some(&b, Duration::from_secs(10)).await;
     assert_eq!(payloads(&on_b), ["k2"], "B loads the held row");

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::{
-    Backoff, CancellationToken, NewMessage, QueueStats, Sink, Storage, StorageAdmin, Worker,
+    Backoff, CancellationToken, Claim, NewMessage, QueueStats, Sink, Storage, StorageAdmin, Worker,
     WorkerConfig,
 };
 use outbox_postgres::sqlx::{
@@ -90,6 +90,31 @@ impl PgOutbox {
     /// Starts a relay with the given settings.
     pub fn relay_with(&self, config: WorkerConfig, sink: Arc<dyn Sink>) -> Relay {
         Relay::start(config, self.storage.clone(), sink)
+    }
+
+    /// A claim of at most `limit` messages by `worker` for `lease`, as a relay makes it; an
+    /// error fails the test.
+    pub async fn claim(&self, worker: &str, limit: usize, lease: Duration) -> Claim {
+        Storage::claim(&*self.storage, worker, limit, lease)
+            .await
+            .unwrap_or_else(|e| panic!("claim by {worker}: {e}"))
+    }
+
+    /// Acknowledges every message of `claim` (receipt `r`) on this outbox's storage; the
+    /// count of rows it settled.
+    pub async fn ack(&self, claim: &Claim) -> u64 {
+        let delivered = crate::deliveries(&claim.messages, |_| "r".into());
+        Storage::ack(&*self.storage, &claim.token, &delivered)
+            .await
+            .unwrap_or_else(|e| panic!("ack: {e}"))
+    }
+
+    /// Runs the statement `sql` on the application's pool; an error fails the test.
+    pub async fn execute(&self, sql: &str) {
+        sqlx::query(sql)
+            .execute(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"));
     }
 
     /// Queue figures, as this outbox's storage sees them.
