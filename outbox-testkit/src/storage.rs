@@ -198,6 +198,17 @@ fn keyed(key: &str, payload: &str) -> NewMessage {
     NewMessage::new("conformance", payload).key(key)
 }
 
+/// Messages of key `key` with these payloads, in order.
+fn of_key(key: &str, payloads: &[&str]) -> Vec<NewMessage> {
+    payloads.iter().map(|p| keyed(key, p)).collect()
+}
+
+/// Writes `p1` and `p2` of key `poison` and claims one message.
+async fn claim_one_of_poison(f: &dyn StorageFixture) -> Claim {
+    f.enqueue(&of_key("poison", &["p1", "p2"])).await;
+    claim(&*f.storage(), "w1", 1, LEASE).await
+}
+
 fn payloads(claim: &Claim) -> Vec<String> {
     claim
         .messages
@@ -489,7 +500,7 @@ pub async fn storage_retry_charges_an_attempt_and_waits(h: &dyn StorageHarness) 
 /// `release` gives messages back at once without charging an attempt.
 pub async fn storage_release_charges_nothing(h: &dyn StorageHarness) {
     let (f, storage) = fresh(h, true).await;
-    f.enqueue(&[keyed("k", "1"), keyed("k", "2")]).await;
+    f.enqueue(&of_key("k", &["1", "2"])).await;
     let c = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(
         released(&*storage, &c.token, &ids(&c)).await,
@@ -512,9 +523,7 @@ pub async fn storage_release_charges_nothing(h: &dyn StorageHarness) {
 pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHarness) {
     let check = "dead letter with key order";
     let (f, storage) = fixture_or_skip!(h, true, check);
-    f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
-        .await;
-    let c = claim(&*storage, "w1", 1, LEASE).await;
+    let c = claim_one_of_poison(&*f).await;
     assert_eq!(payloads(&c), ["p1"], "{check}: the first claim");
     f.enqueue(&[keyed("fine", "f1")]).await;
     let dead = dead_letter(&c.messages[0], "cannot be delivered");
@@ -540,9 +549,7 @@ pub async fn storage_dead_letter_parks_the_key_with_key_order(h: &dyn StorageHar
 pub async fn storage_dead_letter_without_key_order_parks_nothing(h: &dyn StorageHarness) {
     let check = "dead letter without key order";
     let (f, storage) = fixture_or_skip!(h, false, check);
-    f.enqueue(&[keyed("poison", "p1"), keyed("poison", "p2")])
-        .await;
-    let c = claim(&*storage, "w1", 1, LEASE).await;
+    let c = claim_one_of_poison(&*f).await;
     let dead = dead_letter(&c.messages[0], "cannot be delivered");
     assert_eq!(
         dead_lettered(&*storage, &c.token, &[dead]).await,
@@ -634,7 +641,7 @@ pub async fn storage_leases_expire(h: &dyn StorageHarness) {
 pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarness) {
     let check = "key order";
     let (f, storage) = fixture_or_skip!(h, true, check);
-    f.enqueue(&[keyed("k", "k1"), keyed("k", "k2")]).await;
+    f.enqueue(&of_key("k", &["k1", "k2"])).await;
     let head = claim(&*storage, "w1", 1, LEASE).await;
     assert_eq!(payloads(&head), ["k1"], "{check}: the first claim");
     // Which key goes first is the storage's choice; within a key it is enqueue order.
@@ -665,7 +672,7 @@ pub async fn storage_holds_a_key_back_while_its_head_is_out(h: &dyn StorageHarne
 pub async fn storage_without_key_order_keys_do_not_block(h: &dyn StorageHarness) {
     let check = "no key order";
     let (f, storage) = fixture_or_skip!(h, false, check);
-    f.enqueue(&[keyed("k", "k1"), keyed("k", "k2")]).await;
+    f.enqueue(&of_key("k", &["k1", "k2"])).await;
     assert_eq!(
         payloads(&claim(&*storage, "w1", 1, LEASE).await),
         ["k1"],
@@ -1002,8 +1009,7 @@ pub async fn storage_a_replayed_head_does_not_let_later_messages_pass_a_retry(
 ) {
     let check = "replay behind a retry";
     let (f, storage) = fixture_or_skip!(h, true, check);
-    f.enqueue(&[keyed("k", "m1"), keyed("k", "m2"), keyed("k", "m3")])
-        .await;
+    f.enqueue(&of_key("k", &["m1", "m2", "m3"])).await;
     let dead = dead_letter_and_release(&*f, "m1", check).await;
     let rest = claim(&*storage, "w1", 10, LEASE).await;
     assert_eq!(payloads(&rest), ["m2", "m3"], "{check}: after the release");
@@ -1075,11 +1081,7 @@ pub async fn storage_a_replayed_dead_letter_of_a_released_key_is_delivered(h: &d
         ["k2"],
         "{check}: the replayed k2 is delivered while k1 stays a dead letter"
     );
-    assert_eq!(
-        enqueue_and_drain(&*f, "k3", check).await,
-        ["k3"],
-        "{check}: and the key flows on"
-    );
+    only_it_flows(&*f, "k3", check, "and the key flows on").await;
 }
 
 /// A key with two dead letters (the second written after a release): replaying the first
@@ -1090,8 +1092,7 @@ pub async fn storage_replaying_one_of_two_dead_letters_keeps_the_key_parked(
 ) {
     let check = "replaying one of two dead letters";
     let (f, storage) = fixture_or_skip!(h, true, check);
-    f.enqueue(&[keyed("k", "k1"), keyed("k", "k2"), keyed("k", "k3")])
-        .await;
+    f.enqueue(&of_key("k", &["k1", "k2", "k3"])).await;
     let (first, count) = dead_letter_head(&*storage, "k1", check).await;
     assert_eq!(count, 1, "{check}: k1 dead-lettered");
     f.enqueue(&[keyed("k", "k4"), msg("free")]).await;
@@ -1241,10 +1242,12 @@ async fn drain(storage: &dyn Storage, key: &str, check: &str) -> Vec<String> {
     panic!("{check}: the storage never drained");
 }
 
-/// Writes `payload` as a message of key `k`, then drains the storage (see [`drain`]).
-async fn enqueue_and_drain(f: &dyn StorageFixture, payload: &str, check: &str) -> Vec<String> {
+/// Writes `payload` as a message of key `k` and drains the storage (see [`drain`]): of key
+/// `k`, only it is delivered (else fails saying `why` it should have been alone).
+async fn only_it_flows(f: &dyn StorageFixture, payload: &str, check: &str, why: &str) {
     f.enqueue(&[keyed("k", payload)]).await;
-    drain(&*f.storage(), "k", check).await
+    let after = drain(&*f.storage(), "k", check).await;
+    assert_eq!(after, [payload], "{check}: {why}");
 }
 
 /// A released key's dead letter stays where it is across a restart (with the relay stopping
@@ -1265,21 +1268,14 @@ pub async fn storage_a_released_or_purged_dead_letter_stays_out_across_restarts(
         super::note(check, "skipped: the storage lives in one process");
         return;
     }
-    let after = enqueue_and_drain(&*f, "k3", check).await;
-    assert_eq!(
-        after,
-        ["k3"],
-        "{check}: after a restart only k3 of key k is delivered (k1 is a dead letter, k2 was delivered)"
-    );
+    let why =
+        "after a restart only k3 of key k is delivered (k1 is a dead letter, k2 was delivered)";
+    only_it_flows(&*f, "k3", check, why).await;
     assert_eq!(f.purge_dead_letters(&[dead]).await, 1, "{check}: purged");
     assert!(f.restart(false).await, "{check}: restarted once");
     f.advance(2 * LONG).await;
-    let after = enqueue_and_drain(&*f, "k4", check).await;
-    assert_eq!(
-        after,
-        ["k4"],
-        "{check}: after a purge and a relay that died, only k4 of key k is delivered"
-    );
+    let why = "after a purge and a relay that died, only k4 of key k is delivered";
+    only_it_flows(&*f, "k4", check, why).await;
 }
 
 /// A dead letter replayed after a restart, while its key's later messages were kept back

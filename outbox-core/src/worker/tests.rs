@@ -19,18 +19,72 @@ fn config() -> WorkerConfig {
     }
 }
 
-fn start(
-    config: WorkerConfig,
-    storage: Arc<dyn Storage>,
-    sink: Arc<dyn Sink>,
-) -> (CancellationToken, tokio::task::JoinHandle<()>) {
+/// A worker running in the background; [`Running::stop`] stops it.
+struct Running {
+    shutdown: CancellationToken,
+    handle: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Asks the worker to shut down and waits until its task has ended.
+    async fn stop(self) {
+        self.shutdown.cancel();
+        self.handle.await.expect("worker task");
+    }
+}
+
+fn start(config: WorkerConfig, storage: Arc<dyn Storage>, sink: Arc<dyn Sink>) -> Running {
     let worker = Worker::new(config, storage, sink).unwrap();
     let shutdown = CancellationToken::new();
     let handle = tokio::spawn({
         let shutdown = shutdown.clone();
         async move { worker.run(shutdown).await }
     });
-    (shutdown, handle)
+    Running { shutdown, handle }
+}
+
+/// Settings under which the worker, within a test, claims only when woken up or after a full
+/// batch: its poll interval is an hour.
+fn no_polls() -> WorkerConfig {
+    WorkerConfig {
+        poll_interval: Duration::from_secs(3600),
+        ..config()
+    }
+}
+
+/// [`no_polls`] with batches of `batch_size`.
+fn batches_of(batch_size: usize) -> WorkerConfig {
+    WorkerConfig {
+        batch_size,
+        ..no_polls()
+    }
+}
+
+/// Writes a0, b0, a1, b1, a2, b2 (keys `a` and `b`).
+fn enqueue_keys_a_and_b(storage: &MemoryStorage) {
+    for i in 0..3 {
+        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
+        storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
+    }
+}
+
+/// How many messages the sink has published once `wait` has passed.
+async fn published_after(sink: &MemorySink, wait: Duration) -> usize {
+    sleep(wait).await;
+    sink.published().len()
+}
+
+/// `n` messages without a key, numbered `{prefix}0` to `{prefix}{n - 1}`.
+fn numbered(prefix: &str, n: usize) -> impl Iterator<Item = NewMessage> {
+    (0..n).map(move |i| NewMessage::new("t", format!("{prefix}{i}")))
+}
+
+/// An in-memory storage that keeps per-key order or not, and an in-memory sink.
+fn memory(per_key_order: bool) -> (Arc<MemoryStorage>, Arc<MemorySink>) {
+    (
+        Arc::new(MemoryStorage::new(per_key_order)),
+        Arc::new(MemorySink::new()),
+    )
 }
 
 fn text(payload: &[u8]) -> String {
@@ -69,8 +123,7 @@ fn times_of_attempts(
 
 #[tokio::test(start_paused = true)]
 async fn retries_follow_the_backoff_then_dead_letter() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     let times = times_of_attempts(&sink, |_| true);
     storage.enqueue(NewMessage::new("t", "x").key("k"));
     let cfg = WorkerConfig {
@@ -78,10 +131,9 @@ async fn retries_follow_the_backoff_then_dead_letter() {
         poll_interval: Duration::from_millis(100),
         ..config()
     };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     sleep(Duration::from_secs(30)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
 
     // Attempts at 0, then after waits of 1, 2, 4, 8 s (each seen at the next poll).
     let secs: Vec<u64> = times.lock().unwrap().iter().map(|d| d.as_secs()).collect();
@@ -149,12 +201,7 @@ impl Storage for DownStorage {
 #[tokio::test(start_paused = true)]
 async fn failed_runs_restart_after_doubling_waits() {
     let storage = Arc::new(DownStorage::new(None));
-    let worker = Worker::new(config(), storage.clone(), Arc::new(MemorySink::new())).unwrap();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    let worker = start(config(), storage.clone(), Arc::new(MemorySink::new()));
     sleep(Duration::from_millis(7500)).await;
     let calls: Vec<u64> = storage
         .calls
@@ -167,8 +214,7 @@ async fn failed_runs_restart_after_doubling_waits() {
     assert_eq!(calls, [0, 1, 3, 7]);
     // Shutdown during a restart wait returns at once.
     let asked = Instant::now();
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(asked.elapsed(), Duration::ZERO);
 }
 
@@ -179,10 +225,9 @@ async fn failed_runs_restart_after_doubling_waits() {
 #[tokio::test(start_paused = true)]
 async fn the_restart_wait_resets_after_a_run_that_lasted_a_minute() {
     let storage = Arc::new(DownStorage::new(Some(3)));
-    let (shutdown, handle) = start(config(), storage.clone(), Arc::new(MemorySink::new()));
+    let worker = start(config(), storage.clone(), Arc::new(MemorySink::new()));
     sleep(Duration::from_millis(66_500)).await;
-    shutdown.cancel();
-    handle.await.expect("worker task");
+    worker.stop().await;
     let starts: Vec<u64> = storage
         .calls
         .lock()
@@ -195,30 +240,23 @@ async fn the_restart_wait_resets_after_a_run_that_lasted_a_minute() {
 
 #[tokio::test(start_paused = true)]
 async fn shutdown_while_waiting_returns_at_once() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
-    let cfg = WorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        ..config()
-    };
-    let (shutdown, handle) = start(cfg, storage, sink.clone());
+    let (storage, sink) = memory(true);
+    let worker = start(no_polls(), storage, sink.clone());
     sleep(Duration::from_secs(5)).await;
     let asked = Instant::now();
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(asked.elapsed(), Duration::ZERO);
     assert_eq!(sink.publish_calls(), 0);
 }
 
 #[tokio::test(start_paused = true)]
 async fn sink_outage_charges_nothing_and_claims_nothing() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     sink.set_up(false);
     for i in 0..10 {
         storage.enqueue(NewMessage::new("t", format!("m{i}")).key(format!("k{}", i % 3)));
     }
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(120)).await;
     assert_eq!(sink.publish_calls(), 0, "claimed while the sink was down");
     assert!(
@@ -229,8 +267,7 @@ async fn sink_outage_charges_nothing_and_claims_nothing() {
 
     sink.set_up(true);
     sleep(Duration::from_secs(61)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(sink.published().len(), 10);
     assert!(storage.dead_letters().is_empty());
     assert!(storage.delivered().iter().all(|(m, _)| m.attempts == 0));
@@ -238,22 +275,20 @@ async fn sink_outage_charges_nothing_and_claims_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn outage_in_the_middle_of_a_publish_releases_without_charging() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     // The sink answers health checks but every publish hits a dropped connection.
     sink.fail_when(|_| Some(Error::unavailable("connection reset")));
     for i in 0..5 {
         storage.enqueue(NewMessage::new("t", format!("m{i}")).key("k"));
     }
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(20)).await;
     assert!(sink.publish_calls() >= 2);
     assert!(storage.pending().iter().all(|m| m.attempts == 0));
     assert!(storage.dead_letters().is_empty());
     sink.fail_when(|_| None);
     sleep(Duration::from_secs(61)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     let order: Vec<Vec<u8>> = sink.published().into_iter().map(|m| m.payload).collect();
     let expected: Vec<Vec<u8>> = (0..5).map(|i| format!("m{i}").into_bytes()).collect();
     assert_eq!(order, expected);
@@ -261,8 +296,7 @@ async fn outage_in_the_middle_of_a_publish_releases_without_charging() {
 
 #[tokio::test(start_paused = true)]
 async fn drains_until_idle_without_waiting_between_full_batches() {
-    let storage = Arc::new(MemoryStorage::new(false));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(false);
     for i in 0..250 {
         storage.enqueue(NewMessage::new("t", format!("m{i}")));
     }
@@ -271,42 +305,29 @@ async fn drains_until_idle_without_waiting_between_full_batches() {
         batch_size: 100,
         ..config()
     };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     // Far less than one poll interval: full batches are followed by an immediate claim.
-    sleep(Duration::from_millis(1)).await;
-    assert_eq!(sink.published().len(), 250);
+    assert_eq!(published_after(&sink, Duration::from_millis(1)).await, 250);
     assert_eq!(sink.publish_calls(), 3);
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn wake_up_cuts_the_poll_wait_short() {
-    let storage = Arc::new(MemoryStorage::new(false));
-    let sink = Arc::new(MemorySink::new());
-    let cfg = WorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        ..config()
-    };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let (storage, sink) = memory(false);
+    let worker = start(no_polls(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(5)).await;
     storage.enqueue(NewMessage::new("t", "late"));
-    sleep(Duration::from_millis(1)).await;
-    assert_eq!(sink.published().len(), 1);
-    shutdown.cancel();
-    handle.await.unwrap();
+    assert_eq!(published_after(&sink, Duration::from_millis(1)).await, 1);
+    worker.stop().await;
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_failing_head_holds_back_its_key_but_not_others() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     sink.fail_when(|m| (m.payload == b"a0").then(|| Error::temporary("nack")));
-    for i in 0..3 {
-        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
-        storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
-    }
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    enqueue_keys_a_and_b(&storage);
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_millis(500)).await;
     let published = payloads(&sink.published());
     assert_eq!(
@@ -323,25 +344,22 @@ async fn a_failing_head_holds_back_its_key_but_not_others() {
 
     sink.fail_when(|_| None);
     sleep(Duration::from_secs(3)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     let published = payloads(&sink.published());
     assert_eq!(published, ["b0", "b1", "b2", "a0", "a1", "a2"]);
 }
 
 #[tokio::test(start_paused = true)]
 async fn permanent_failure_dead_letters_at_once_and_parks_its_key() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     sink.fail_when(|m| (m.payload == b"a0").then(|| Error::permanent("message too large")));
     for i in 0..3 {
         storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
     }
     storage.enqueue(NewMessage::new("t", "free"));
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(10)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     let dead = storage.dead_letters();
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].0.payload, b"a0");
@@ -360,15 +378,13 @@ async fn permanent_failure_dead_letters_at_once_and_parks_its_key() {
 /// publish reports a configuration error must not dead-letter (and park) the messages.
 #[tokio::test(start_paused = true)]
 async fn a_configuration_error_from_publish_dead_letters_nothing() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     sink.fail_when(|_| Some(Error::config("sink.url: bad configuration")));
     storage.enqueue(NewMessage::new("t", "k1").key("k"));
     storage.enqueue(NewMessage::new("t", "k2").key("k"));
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_secs(5)).await;
-    shutdown.cancel();
-    handle.await.expect("worker task");
+    worker.stop().await;
     let dead: Vec<(String, String)> = storage
         .dead_letters()
         .iter()
@@ -404,17 +420,11 @@ async fn shutdown_releases_a_batch_that_outlives_the_timeout() {
         shutdown_timeout: Duration::from_secs(2),
         ..config()
     };
-    let worker = Worker::new(cfg, storage.clone(), Arc::new(StuckSink)).unwrap();
-    let shutdown = CancellationToken::new();
-    let handle = tokio::spawn({
-        let shutdown = shutdown.clone();
-        async move { worker.run(shutdown).await }
-    });
+    let worker = start(cfg, storage.clone(), Arc::new(StuckSink));
     sleep(Duration::from_secs(1)).await;
     assert_eq!(storage.stats().await.unwrap().in_flight, 3);
     let asked = Instant::now();
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(asked.elapsed(), Duration::from_secs(2));
     let stats = storage.stats().await.unwrap();
     assert_eq!((stats.in_flight, stats.pending), (0, 3));
@@ -473,15 +483,14 @@ async fn a_shutdown_time_out_keeps_the_outcomes_of_rounds_already_published() {
         shutdown_timeout: Duration::from_secs(2),
         ..config()
     };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     sleep(Duration::from_secs(1)).await;
     assert_eq!(
         *sink.calls.lock().unwrap(),
         [vec!["a1", "b1"], vec!["a2"]],
         "round 1 published, round 2 hanging"
     );
-    shutdown.cancel();
-    handle.await.expect("worker task");
+    worker.stop().await;
 
     let delivered: Vec<String> = storage
         .delivered()
@@ -590,10 +599,9 @@ async fn no_publish_call_holds_two_messages_of_one_key() {
         max_attempts: 100,
         ..config()
     };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     sleep(Duration::from_secs(300)).await;
-    shutdown.cancel();
-    handle.await.expect("worker task");
+    worker.stop().await;
 
     for (n, call) in sink.calls.lock().unwrap().iter().enumerate() {
         let keys: Vec<&String> = call.iter().flatten().collect();
@@ -690,7 +698,7 @@ async fn a_batch_that_outlives_its_lease_keeps_it_renewed() {
     let lease = Duration::from_secs(4);
     let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
     let cfg = WorkerConfig { lease, ..config() };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     for _ in 0..19 {
         sleep(Duration::from_secs(1)).await;
         let other = storage.claim("other", 10, lease).await.unwrap();
@@ -701,8 +709,7 @@ async fn a_batch_that_outlives_its_lease_keeps_it_renewed() {
         );
     }
     sleep(Duration::from_secs(2)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(sink.calls(), [vec!["k1"], vec!["k2"]]);
     let delivered: Vec<Vec<u8>> = storage
         .delivered()
@@ -757,7 +764,7 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
     let lease = Duration::from_secs(4);
     let sink = Arc::new(SlowSink::new(Duration::from_secs(10), None));
     let cfg = WorkerConfig { lease, ..config() };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     // The first round outlives the lease, which cannot be renewed: the batch stops at the
     // lease's end and k2 is not published by this batch.
     sleep(Duration::from_millis(4500)).await;
@@ -768,8 +775,7 @@ async fn a_batch_whose_lease_runs_out_publishes_nothing_more() {
         (0, 2),
         "the lost batch gives its messages back uncharged while they are still its own"
     );
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
 }
 
@@ -787,7 +793,7 @@ async fn a_renewal_that_finds_the_claim_taken_over_stops_the_batch_at_once() {
         lease: Duration::from_secs(6),
         ..config()
     };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let worker = start(cfg, storage.clone(), sink.clone());
     // The renewal is due with a third of the 6 s lease left (at 4 s) and is refused.
     sleep(Duration::from_millis(4500)).await;
     assert_eq!(
@@ -801,8 +807,7 @@ async fn a_renewal_that_finds_the_claim_taken_over_stops_the_batch_at_once() {
         (0, 2),
         "the batch stopped when the renewal was refused, before its lease ran out"
     );
-    shutdown.cancel();
-    handle.await.expect("worker task");
+    worker.stop().await;
     assert!(storage.0.delivered().is_empty());
     assert!(storage.0.pending().iter().all(|m| m.attempts == 0));
 }
@@ -888,16 +893,12 @@ fn a_lease_shorter_than_the_worst_batch_is_refused_naming_both_settings() {
 
 #[tokio::test(start_paused = true)]
 async fn a_sink_with_ordered_key_runs_takes_a_batch_in_one_call_and_stops_a_key_at_its_failure() {
-    let storage = Arc::new(MemoryStorage::new(true));
-    let sink = Arc::new(MemorySink::new());
+    let (storage, sink) = memory(true);
     sink.set_ordered_key_runs(true);
     // The middle of key a's run fails: a0 lands, a2 must not.
     sink.fail_when(|m| (m.payload == b"a1").then(|| Error::temporary("nack")));
-    for i in 0..3 {
-        storage.enqueue(NewMessage::new("t", format!("a{i}")).key("a"));
-        storage.enqueue(NewMessage::new("t", format!("b{i}")).key("b"));
-    }
-    let (shutdown, handle) = start(config(), storage.clone(), sink.clone());
+    enqueue_keys_a_and_b(&storage);
+    let worker = start(config(), storage.clone(), sink.clone());
     sleep(Duration::from_millis(500)).await;
     assert_eq!(sink.publish_calls(), 1, "one call for the whole batch");
     assert_eq!(payloads(&sink.published()), ["a0", "b0", "b1", "b2"]);
@@ -907,8 +908,7 @@ async fn a_sink_with_ordered_key_runs_takes_a_batch_in_one_call_and_stops_a_key_
 
     sink.fail_when(|_| None);
     sleep(Duration::from_secs(3)).await;
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(
         payloads(&sink.published()),
         ["a0", "b0", "b1", "b2", "a1", "a2"]
@@ -966,16 +966,24 @@ struct SlowSettle {
     overlapped: std::sync::atomic::AtomicUsize,
 }
 
-impl SlowSettle {
-    fn new(per_key_order: bool, delay: Duration) -> Self {
-        SlowSettle {
-            inner: MemoryStorage::new(per_key_order),
-            delay,
-            settling: Default::default(),
-            overlapped: Default::default(),
-        }
-    }
+/// A [`SlowSettle`] storage holding `messages`, and an in-memory sink.
+fn slow_settle(
+    per_key_order: bool,
+    delay: Duration,
+    messages: impl Iterator<Item = NewMessage>,
+) -> (Arc<SlowSettle>, Arc<MemorySink>) {
+    let inner = MemoryStorage::new(per_key_order);
+    messages.for_each(|m| inner.enqueue(m));
+    let storage = SlowSettle {
+        inner,
+        delay,
+        settling: Default::default(),
+        overlapped: Default::default(),
+    };
+    (Arc::new(storage), Arc::new(MemorySink::new()))
+}
 
+impl SlowSettle {
     fn overlapped(&self) -> usize {
         self.overlapped.load(std::sync::atomic::Ordering::SeqCst)
     }
@@ -1014,22 +1022,15 @@ impl Storage for SlowSettle {
 
 #[tokio::test(start_paused = true)]
 async fn the_next_batch_is_claimed_and_published_while_the_last_one_settles() {
-    let storage = Arc::new(SlowSettle::new(false, Duration::from_millis(100)));
-    let sink = Arc::new(MemorySink::new());
-    for i in 0..1000 {
-        storage.inner.enqueue(NewMessage::new("t", format!("m{i}")));
-    }
-    let cfg = WorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        batch_size: 100,
-        ..config()
-    };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let (storage, sink) = slow_settle(false, Duration::from_millis(100), numbered("m", 1000));
+    let worker = start(batches_of(100), storage.clone(), sink.clone());
     // The first batch is published at once; the second while the first settles.
-    sleep(Duration::from_millis(50)).await;
-    assert_eq!(sink.published().len(), 200, "two batches out, one settling");
-    sleep(Duration::from_secs(2)).await;
-    assert_eq!(sink.published().len(), 1000);
+    assert_eq!(
+        published_after(&sink, Duration::from_millis(50)).await,
+        200,
+        "two batches out, one settling"
+    );
+    assert_eq!(published_after(&sink, Duration::from_secs(2)).await, 1000);
     assert_eq!(storage.inner.delivered().len(), 1000, "every batch settled");
     // Every claim after the first ran while the batch before it settled.
     assert!(
@@ -1037,8 +1038,7 @@ async fn the_next_batch_is_claimed_and_published_while_the_last_one_settles() {
         "claims made while a settlement was out: {}",
         storage.overlapped()
     );
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
 }
 
 /// One key only: the claim made while the key's batch settles comes back empty (the key is
@@ -1046,19 +1046,9 @@ async fn the_next_batch_is_claimed_and_published_while_the_last_one_settles() {
 /// of waiting for work.
 #[tokio::test(start_paused = true)]
 async fn a_key_held_by_a_settling_batch_is_claimed_right_after_it_without_waiting() {
-    let storage = Arc::new(SlowSettle::new(true, Duration::from_millis(100)));
-    let sink = Arc::new(MemorySink::new());
-    for i in 0..30 {
-        storage
-            .inner
-            .enqueue(NewMessage::new("t", format!("k{i}")).key("k"));
-    }
-    let cfg = WorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        batch_size: 10,
-        ..config()
-    };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
+    let keyed = numbered("k", 30).map(|m| m.key("k"));
+    let (storage, sink) = slow_settle(true, Duration::from_millis(100), keyed);
+    let worker = start(batches_of(10), storage.clone(), sink.clone());
     // Three batches of the key, 100 ms of settlement each: far less than a poll interval.
     sleep(Duration::from_secs(2)).await;
     let order: Vec<Vec<u8>> = sink.published().into_iter().map(|m| m.payload).collect();
@@ -1069,33 +1059,25 @@ async fn a_key_held_by_a_settling_batch_is_claimed_right_after_it_without_waitin
         storage.overlapped() >= 1,
         "a claim ran while a batch settled"
     );
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
 }
 
 /// Shutdown comes while the second batch is out and the first is settling: both are
 /// written before the worker stops.
 #[tokio::test(start_paused = true)]
 async fn shutdown_waits_for_the_batch_being_settled() {
-    let storage = Arc::new(SlowSettle::new(false, Duration::from_secs(1)));
-    let sink = Arc::new(MemorySink::new());
-    for i in 0..20 {
-        storage.inner.enqueue(NewMessage::new("t", format!("m{i}")));
-    }
-    let cfg = WorkerConfig {
-        poll_interval: Duration::from_secs(3600),
-        batch_size: 10,
-        ..config()
-    };
-    let (shutdown, handle) = start(cfg, storage.clone(), sink.clone());
-    sleep(Duration::from_millis(500)).await;
-    assert_eq!(sink.published().len(), 20, "both batches published");
+    let (storage, sink) = slow_settle(false, Duration::from_secs(1), numbered("m", 20));
+    let worker = start(batches_of(10), storage.clone(), sink.clone());
+    assert_eq!(
+        published_after(&sink, Duration::from_millis(500)).await,
+        20,
+        "both batches published"
+    );
     assert!(
         storage.inner.delivered().is_empty(),
         "the first still settling"
     );
-    shutdown.cancel();
-    handle.await.unwrap();
+    worker.stop().await;
     assert_eq!(
         storage.inner.delivered().len(),
         20,
