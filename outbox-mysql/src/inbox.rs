@@ -1,12 +1,9 @@
 //! The inbox: the message ids a consumer has processed, recorded in the consumer's own
 //! transaction, so a redelivered message is recognised and skipped.
 
-use std::time::Duration;
-
 use outbox_core::{Error, Result};
 use sqlx::mysql::MySqlDatabaseError;
-use sqlx::{Connection, Executor, MySqlConnection, Row};
-use uuid::Uuid;
+use sqlx::{Executor, MySqlConnection, Row};
 
 use outbox_sql::inbox::{self, COLUMNS};
 use outbox_sql::migrate;
@@ -100,15 +97,8 @@ impl Inbox {
     /// run it on a connection of its own.
     pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
         let render = |step: &str| self.render(step);
-        let mut versions = Versions {
-            conn,
-            what: "inbox",
-            qualified: self.qualified(""),
-            versions: self.qualified("_migrations"),
-            lock: self.lock_name(),
-            render: &render,
-            inbox: Some(self),
-        };
+        let qualified = |suffix: &str| self.qualified(suffix);
+        let mut versions = Versions::new(conn, qualified, self.lock_name(), &render, Some(self));
         migrate::run(&mut versions, MIGRATIONS, MIGRATIONS.len()).await
     }
 
@@ -142,68 +132,29 @@ impl Inbox {
         )
     }
 
-    /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
-    /// transaction (`&mut *tx`), the one that makes the message's business change. `true`:
-    /// the message is new, run the handler; `false`: a duplicate (already committed by an
-    /// earlier delivery, or earlier in this transaction), skip it. The record commits or
-    /// rolls back with the transaction, so a handler that fails leaves none behind and the
-    /// next delivery runs it again.
-    ///
-    /// Two transactions racing on the same id: the second waits (on the primary key's row
-    /// lock, up to `innodb_lock_wait_timeout`) until the first ends, then gets `false` if it
-    /// committed and `true` if it rolled back, at any isolation level. Three or more racing
-    /// with a rollback can deadlock; InnoDB then rolls one back (`Temporary`): let the
-    /// message be redelivered.
-    ///
-    /// Refused (`Config`) outside a transaction begun through sqlx, where the record would
-    /// commit at once, before the handler, and an empty or over-255-byte `consumer`.
-    pub async fn process(
-        &self,
-        conn: &mut MySqlConnection,
-        consumer: &str,
-        message_id: Uuid,
-    ) -> Result<bool> {
-        inbox::check_process(consumer, conn.is_in_transaction())?;
-        let id = message_id.hyphenated().to_string();
-        match conn
-            .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
-            .await
-        {
+    outbox_sql::inbox_calls! {
+        connection: MySqlConnection,
+        id: |message_id| message_id.hyphenated().to_string(),
+        // A taken (consumer, message_id) key is the answer: a duplicate.
+        recorded: |inserted| match inserted {
             Ok(_) => Ok(true),
             Err(e) if is_duplicate(&e) => Ok(false),
-            Err(e) => Err(self.error("recording a message in the inbox failed", e)),
-        }
-    }
-
-    /// Removes records processed more than `older_than` ago (by `processed_at`, on the
-    /// database clock), at most `limit` of them, oldest first; returns how many. Call it
-    /// again until it returns less than `limit`: small batches keep each statement's locks
-    /// short. Run it on a connection of its own (autocommit), not in a consumer's
-    /// transaction.
-    pub async fn purge(
-        &self,
-        conn: &mut MySqlConnection,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64> {
-        let Some(age) = inbox::purge_age(older_than, limit) else {
-            return Ok(0);
-        };
-        let micros = outbox_sql::saturating_micros(age);
-        let done = conn
-            .execute(sqlx::query(&self.purge).bind(micros).bind(limit))
-            .await
-            .map_err(|e| self.error("purging the inbox failed", e))?;
-        Ok(done.rows_affected())
-    }
-
-    /// Classifies an error of a statement on the inbox table: a missing table or column
-    /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
-    fn error(&self, context: &str, error: sqlx::Error) -> Error {
-        if cause(&error) == Cause::Schema {
-            return inbox::missing_table("mysql", context, &self.qualified("")).with_source(error);
-        }
-        db_error(None, context, error)
+            Err(e) => Err(e),
+        },
+        age: outbox_sql::saturating_micros,
+        storage: "mysql",
+        table: |inbox| inbox.qualified(""),
+        missing: |error| cause(error) == Cause::Schema,
+        other: |context, error| db_error(None, context, error),
+        process:
+        /// Two transactions racing on the same id: the second waits (on the primary key's row
+        /// lock, up to `innodb_lock_wait_timeout`) until the first ends, then gets `false` if it
+        /// committed and `true` if it rolled back, at any isolation level. Three or more racing
+        /// with a rollback can deadlock; InnoDB then rolls one back (`Temporary`): let the
+        /// message be redelivered.
+        purge:
+        /// Oldest first, in small batches that keep each statement's locks short; on a
+        /// connection in autocommit.
     }
 
     /// The name of the migration lock: `GET_LOCK` names are server-wide and at most 64
@@ -256,19 +207,8 @@ const MIGRATIONS: &[&[&str]] = &[&[r"CREATE TABLE IF NOT EXISTS {inbox} (
 mod tests {
     use super::*;
 
-    #[test]
-    fn names_follow_the_outbox_rules() {
-        assert!(Inbox::new("app", "inbox").is_ok());
-        for (database, table, expected) in [
-            ("app", "bad name", "table `bad name`"),
-            ("Bad", "inbox", "database `Bad`"),
-            ("app", "x`; DROP TABLE y; --", "is not allowed"),
-        ] {
-            let err = Inbox::new(database, table).unwrap_err();
-            assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
-            assert!(err.to_string().contains(expected), "{err}");
-        }
-    }
+    // That an inbox's names follow the outbox's rules is checked with those rules, in
+    // `table.rs`.
 
     #[test]
     fn migrations_fill_every_placeholder_and_the_lock_name_fits() {
@@ -285,15 +225,5 @@ mod tests {
             inbox.lock_name(),
             Inbox::new("app", "inbox2").unwrap().lock_name()
         );
-    }
-
-    /// Compiles only if the calls can run in a spawned task.
-    #[allow(dead_code)]
-    fn calls_are_spawnable(inbox: Inbox, mut conn: MySqlConnection) {
-        drop(tokio::spawn(async move {
-            inbox.migrate(&mut conn).await?;
-            inbox.process(&mut conn, "c", Uuid::nil()).await?;
-            inbox.purge(&mut conn, Duration::ZERO, 1).await
-        }));
     }
 }

@@ -103,15 +103,8 @@ impl OutboxTable {
     /// commits DDL at once, so a version is not atomic; every step of one can run again.
     pub async fn migrate(&self, conn: &mut MySqlConnection) -> Result<()> {
         let render = |step: &str| self.render(step);
-        let mut versions = Versions {
-            conn,
-            what: "outbox",
-            qualified: self.qualified(""),
-            versions: self.qualified("_migrations"),
-            lock: self.lock_name(),
-            render: &render,
-            inbox: None,
-        };
+        let qualified = |suffix: &str| self.qualified(suffix);
+        let mut versions = Versions::new(conn, qualified, self.lock_name(), &render, None);
         migrate::run(&mut versions, MIGRATIONS, MIGRATIONS.len()).await
     }
 
@@ -200,21 +193,42 @@ fn fail(error: sqlx::Error) -> Error {
 /// another. MySQL commits each DDL statement at once, so a version is not atomic; every
 /// step of one can run again.
 pub(crate) struct Versions<'a> {
-    pub(crate) conn: &'a mut MySqlConnection,
+    conn: &'a mut MySqlConnection,
     /// `outbox` or `inbox`, for the log.
-    pub(crate) what: &'static str,
+    what: &'static str,
     /// The quoted, qualified table, for the log and errors.
-    pub(crate) qualified: String,
+    qualified: String,
     /// The quoted, qualified `<table>_migrations`.
-    pub(crate) versions: String,
+    versions: String,
     /// The name of the `GET_LOCK` lock.
-    pub(crate) lock: String,
-    pub(crate) render: &'a (dyn Fn(&str) -> String + Sync),
+    lock: String,
+    render: &'a (dyn Fn(&str) -> String + Sync),
     /// The inbox being migrated, which refuses a table that is not one.
-    pub(crate) inbox: Option<&'a crate::Inbox>,
+    inbox: Option<&'a crate::Inbox>,
 }
 
-impl Versions<'_> {
+impl<'a> Versions<'a> {
+    /// The versions of the inbox `inbox`, or of the outbox when `None`, whose table (and
+    /// its companions, by suffix) `qualified` names, under the lock named `lock`; `render`
+    /// fills a step's placeholders.
+    pub(crate) fn new(
+        conn: &'a mut MySqlConnection,
+        qualified: impl Fn(&str) -> String,
+        lock: String,
+        render: &'a (dyn Fn(&str) -> String + Sync),
+        inbox: Option<&'a crate::Inbox>,
+    ) -> Self {
+        Versions {
+            conn,
+            what: if inbox.is_some() { "inbox" } else { "outbox" },
+            qualified: qualified(""),
+            versions: qualified("_migrations"),
+            lock,
+            render,
+            inbox,
+        }
+    }
+
     /// Classifies an error of a migration statement.
     fn fail(&self) -> impl Fn(sqlx::Error) -> Error + use<> {
         let context = if self.inbox.is_some() {
@@ -455,10 +469,13 @@ mod tests {
             table.qualified("_dead_letters"),
             "`app`.`outbox_2_dead_letters`"
         );
+        assert!(crate::Inbox::new("app", "inbox").is_ok());
         for bad in [
             "",
             "Outbox",
+            "Bad",
             "a-b",
+            "bad name",
             "x`; DROP TABLE y; --",
             "1abc",
             &"a".repeat(41),
@@ -467,6 +484,13 @@ mod tests {
             assert!(err.message().starts_with("table `"), "{err}");
             let err = OutboxTable::new(bad, "outbox").unwrap_err();
             assert!(err.message().starts_with("database `"), "{err}");
+            // An inbox's names follow the same rules: the same Config error, naming the name.
+            for (database, table, key) in [("app", bad, "table"), (bad, "inbox", "database")] {
+                let err = crate::Inbox::new(database, table).unwrap_err();
+                assert_eq!(err.kind(), outbox_core::ErrorKind::Config, "{err}");
+                let expected = format!("{key} `{bad}` is not allowed");
+                assert!(err.to_string().contains(&expected), "{err}");
+            }
         }
     }
 

@@ -1,11 +1,8 @@
 //! The inbox: the message ids a consumer has processed, recorded in the consumer's own
 //! transaction, so a redelivered message is recognised and skipped.
 
-use std::time::Duration;
-
 use outbox_core::{Error, Result};
 use sqlx::{Connection, Executor, PgConnection, Row};
-use uuid::Uuid;
 
 use outbox_sql::inbox::{self, COLUMNS};
 use outbox_sql::{fnv1a, migrate};
@@ -136,68 +133,27 @@ impl Inbox {
         inbox::check_table(&self.table, Some(("schema", &self.schema)), exists, found)
     }
 
-    /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
-    /// transaction (`&mut *tx`), the one that makes the message's business change. `true`:
-    /// the message is new, run the handler; `false`: a duplicate (already committed by an
-    /// earlier delivery, or earlier in this transaction), skip it. The record commits or
-    /// rolls back with the transaction, so a handler that fails leaves none behind and the
-    /// next delivery runs it again.
-    ///
-    /// Two transactions racing on the same id: the second waits (on the primary key) until
-    /// the first ends, then gets `false` if it committed and `true` if it rolled back. At
-    /// REPEATABLE READ or SERIALIZABLE, the second fails instead with a serialization error
-    /// (`Temporary`): roll back and let the message be redelivered.
-    ///
-    /// Refused (`Config`) outside a transaction begun through sqlx, where the record would
-    /// commit at once, before the handler, and an empty or over-255-byte `consumer`.
-    pub async fn process(
-        &self,
-        conn: &mut PgConnection,
-        consumer: &str,
-        message_id: Uuid,
-    ) -> Result<bool> {
-        inbox::check_process(consumer, conn.is_in_transaction())?;
-        let done = conn
-            .execute(sqlx::query(&self.insert).bind(consumer).bind(message_id))
-            .await
-            .map_err(|e| self.error("recording a message in the inbox failed", e))?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    /// Removes records processed more than `older_than` ago (by `processed_at`, on the
-    /// database clock), at most `limit` of them; returns how many. Call it again until it
-    /// returns less than `limit`: small batches keep each statement's locks and WAL short.
-    /// Run it on a connection of its own (not in a consumer's transaction); two purgers at
-    /// once skip each other's rows.
-    pub async fn purge(
-        &self,
-        conn: &mut PgConnection,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64> {
-        let Some(age) = inbox::purge_age(older_than, limit) else {
-            return Ok(0);
-        };
-        let micros = outbox_sql::saturating_micros(age);
-        let done = conn
-            .execute(sqlx::query(&self.purge).bind(micros).bind(i64::from(limit)))
-            .await
-            .map_err(|e| self.error("purging the inbox failed", e))?;
-        Ok(done.rows_affected())
-    }
-
-    /// Classifies an error of a statement on the inbox table: a missing table or column
-    /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
-    fn error(&self, context: &str, error: sqlx::Error) -> Error {
-        let missing = matches!(
-            &error,
+    outbox_sql::inbox_calls! {
+        connection: PgConnection,
+        id: |message_id| message_id,
+        // ON CONFLICT DO NOTHING: a duplicate inserts no row.
+        recorded: |inserted| inserted.map(|done| done.rows_affected() == 1),
+        age: outbox_sql::saturating_micros,
+        storage: "postgres",
+        table: |inbox| inbox.qualified(""),
+        missing: |error| matches!(
+            error,
             sqlx::Error::Database(db) if outbox_sql::missing_table_or_column(db.code().as_deref())
-        );
-        if missing {
-            return inbox::missing_table("postgres", context, &self.qualified(""))
-                .with_source(error);
-        }
-        db_error(context, error)
+        ),
+        other: |context, error| db_error(context, error),
+        process:
+        /// Two transactions racing on the same id: the second waits (on the primary key) until
+        /// the first ends, then gets `false` if it committed and `true` if it rolled back. At
+        /// REPEATABLE READ or SERIALIZABLE, the second fails instead with a serialization error
+        /// (`Temporary`): roll back and let the message be redelivered.
+        purge:
+        /// Small batches keep each statement's locks and WAL short; two purgers at once skip
+        /// each other's rows.
     }
 
     /// The advisory lock key that serialises migrators of this inbox.
@@ -310,15 +266,5 @@ mod tests {
         let a = Inbox::new("app", "inbox").unwrap();
         let b = Inbox::new("app", "inbox2").unwrap();
         assert_ne!(a.migration_key(), b.migration_key());
-    }
-
-    /// Compiles only if the calls can run in a spawned task.
-    #[allow(dead_code)]
-    fn calls_are_spawnable(inbox: Inbox, mut conn: PgConnection) {
-        drop(tokio::spawn(async move {
-            inbox.migrate(&mut conn).await?;
-            inbox.process(&mut conn, "c", Uuid::nil()).await?;
-            inbox.purge(&mut conn, Duration::ZERO, 1).await
-        }));
     }
 }

@@ -92,6 +92,109 @@ pub fn purge_age(older_than: Duration, limit: u32) -> Option<Duration> {
     (limit > 0 && older_than <= MAX_AGE).then_some(older_than)
 }
 
+/// The calls of a SQL storage's `Inbox` that every storage makes the same way, written in
+/// its `impl Inbox` block: `process` ([`check_process`], then the storage's INSERT) and
+/// `purge` ([`purge_age`], then its DELETE), on its sqlx connection type `connection`.
+///
+/// The `Inbox` keeps the statements in its fields `insert` (binds the consumer, then `id`:
+/// the message id as the table holds it) and `purge` (binds the age as the function `age`
+/// makes it, then the limit). `recorded` tells from the INSERT's result whether the message
+/// is new (an `Err` left is an error). Their errors go through the method `error` this
+/// writes too: an error that `missing` says is of a missing table or column is
+/// [`missing_table`] (of storage `storage` and the quoted table `table`), any other is what
+/// `other` makes of it. The doc lines after `process:` and `purge:` are what each storage
+/// does its own way (how racing transactions behave, what keeps a purge's batches cheap).
+///
+/// Under `cfg(test)` it adds `calls_are_spawnable`, which compiles only if `migrate`,
+/// `process` and `purge` can run in a spawned task.
+#[macro_export]
+macro_rules! inbox_calls {
+    (
+        connection: $conn:ty,
+        id: |$message_id:ident| $id:expr,
+        recorded: |$inserted:ident| $recorded:expr,
+        age: $age:path,
+        storage: $storage:literal,
+        table: |$inbox:ident| $table:expr,
+        missing: |$missing_error:ident| $missing:expr,
+        other: |$context:ident, $other_error:ident| $other:expr,
+        process: $(#[doc = $process_doc:literal])*
+        purge: $(#[doc = $purge_doc:literal])*
+    ) => {
+        /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
+        /// transaction (`&mut *tx`), the one that makes the message's business change.
+        /// `true`: the message is new, run the handler; `false`: a duplicate (already
+        /// committed by an earlier delivery, or earlier in this transaction), skip it. The
+        /// record commits or rolls back with the transaction, so a handler that fails leaves
+        /// none behind and the next delivery runs it again.
+        ///
+        $(#[doc = $process_doc])*
+        ///
+        /// Refused (`Config`) outside a transaction begun through sqlx, where the record
+        /// would commit at once, before the handler, and an empty or over-255-byte
+        /// `consumer`.
+        pub async fn process(
+            &self,
+            conn: &mut $conn,
+            consumer: &str,
+            $message_id: uuid::Uuid,
+        ) -> outbox_core::Result<bool> {
+            let in_transaction = sqlx::Connection::is_in_transaction(&*conn);
+            $crate::inbox::check_process(consumer, in_transaction)?;
+            let query = sqlx::query(&self.insert).bind(consumer).bind($id);
+            let $inserted = sqlx::Executor::execute(&mut *conn, query).await;
+            let recorded: ::std::result::Result<bool, sqlx::Error> = $recorded;
+            recorded.map_err(|e| self.error("recording a message in the inbox failed", e))
+        }
+
+        /// Removes records processed more than `older_than` ago (by `processed_at`, on the
+        /// database clock), at most `limit` of them; returns how many. Call it again until
+        /// it returns less than `limit`, on a connection of its own, not in a consumer's
+        /// transaction.
+        ///
+        $(#[doc = $purge_doc])*
+        pub async fn purge(
+            &self,
+            conn: &mut $conn,
+            older_than: ::std::time::Duration,
+            limit: u32,
+        ) -> outbox_core::Result<u64> {
+            let Some(age) = $crate::inbox::purge_age(older_than, limit) else {
+                return Ok(0);
+            };
+            let query = sqlx::query(&self.purge)
+                .bind($age(age))
+                .bind(i64::from(limit));
+            let done = sqlx::Executor::execute(&mut *conn, query)
+                .await
+                .map_err(|e| self.error("purging the inbox failed", e))?;
+            Ok(done.rows_affected())
+        }
+
+        /// Classifies an error of a statement on the inbox table: a missing table or column
+        /// calls for `Inbox::migrate` (not `outbox migrate`, which knows nothing of inboxes).
+        fn error(&self, context: &str, error: sqlx::Error) -> outbox_core::Error {
+            let $missing_error = &error;
+            if $missing {
+                let $inbox = self;
+                return $crate::inbox::missing_table($storage, context, &$table).with_source(error);
+            }
+            let ($context, $other_error) = (context, error);
+            $other
+        }
+
+        #[cfg(test)]
+        #[allow(dead_code)]
+        fn calls_are_spawnable(self, mut conn: $conn) {
+            drop(tokio::spawn(async move {
+                self.migrate(&mut conn).await?;
+                self.process(&mut conn, "c", uuid::Uuid::nil()).await?;
+                self.purge(&mut conn, ::std::time::Duration::ZERO, 1).await
+            }));
+        }
+    };
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

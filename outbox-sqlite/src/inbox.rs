@@ -1,11 +1,8 @@
 //! The inbox: the message ids a consumer has processed, recorded in the consumer's own
 //! transaction, so a redelivered message is recognised and skipped.
 
-use std::time::Duration;
-
 use outbox_core::{Error, Result};
 use sqlx::{Connection, Executor, Row, SqliteConnection};
-use uuid::Uuid;
 
 use outbox_sql::inbox::{self, COLUMNS};
 use outbox_sql::migrate;
@@ -114,65 +111,25 @@ impl Inbox {
         inbox::check_table(&self.table, None, exists > 0, found)
     }
 
-    /// Records that `consumer` processed `message_id`, on `conn`: the consumer's open
-    /// transaction (`&mut *tx`), the one that makes the message's business change. `true`:
-    /// the message is new, run the handler; `false`: a duplicate (already committed by an
-    /// earlier delivery, or earlier in this transaction), skip it. The record commits or
-    /// rolls back with the transaction, so a handler that fails leaves none behind and the
-    /// next delivery runs it again.
-    ///
-    /// SQLite has one writer at a time: from this call to its end, the transaction holds
-    /// the database's write lock, and a racing transaction waits for it (up to
-    /// `busy_timeout`), then sees the record if it committed. A transaction that read
-    /// before its first write cannot wait that way and fails `Unavailable` (database is
-    /// locked) instead: begin consumer transactions with `BEGIN IMMEDIATE`
-    /// (`conn.begin_with("BEGIN IMMEDIATE")`).
-    ///
-    /// Refused (`Config`) outside a transaction begun through sqlx, where the record would
-    /// commit at once, before the handler, and an empty or over-255-byte `consumer`.
-    pub async fn process(
-        &self,
-        conn: &mut SqliteConnection,
-        consumer: &str,
-        message_id: Uuid,
-    ) -> Result<bool> {
-        inbox::check_process(consumer, conn.is_in_transaction())?;
-        let id = message_id.hyphenated().to_string();
-        let done = conn
-            .execute(sqlx::query(&self.insert).bind(consumer).bind(id))
-            .await
-            .map_err(|e| self.error("recording a message in the inbox failed", e))?;
-        Ok(done.rows_affected() == 1)
-    }
-
-    /// Removes records processed more than `older_than` ago (by `processed_at`, on the
-    /// database clock), at most `limit` of them; returns how many. Call it again until it
-    /// returns less than `limit`: small batches keep each write-lock short. Run it on a
-    /// connection of its own, not in a consumer's transaction.
-    pub async fn purge(
-        &self,
-        conn: &mut SqliteConnection,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<u64> {
-        let Some(age) = inbox::purge_age(older_than, limit) else {
-            return Ok(0);
-        };
-        let millis = outbox_sql::saturating_millis(age);
-        let done = conn
-            .execute(sqlx::query(&self.purge).bind(millis).bind(i64::from(limit)))
-            .await
-            .map_err(|e| self.error("purging the inbox failed", e))?;
-        Ok(done.rows_affected())
-    }
-
-    /// Classifies an error of a statement on the inbox table: a missing table or column
-    /// calls for [`Inbox::migrate`] (not `outbox migrate`, which knows nothing of inboxes).
-    fn error(&self, context: &str, error: sqlx::Error) -> Error {
-        if cause(&error) == Cause::Schema {
-            return inbox::missing_table("sqlite", context, &self.quoted("")).with_source(error);
-        }
-        db_error(None, context, error)
+    outbox_sql::inbox_calls! {
+        connection: SqliteConnection,
+        id: |message_id| message_id.hyphenated().to_string(),
+        // ON CONFLICT DO NOTHING: a duplicate inserts no row.
+        recorded: |inserted| inserted.map(|done| done.rows_affected() == 1),
+        age: outbox_sql::saturating_millis,
+        storage: "sqlite",
+        table: |inbox| inbox.quoted(""),
+        missing: |error| cause(error) == Cause::Schema,
+        other: |context, error| db_error(None, context, error),
+        process:
+        /// SQLite has one writer at a time: from this call to its end, the transaction holds
+        /// the database's write lock, and a racing transaction waits for it (up to
+        /// `busy_timeout`), then sees the record if it committed. A transaction that read
+        /// before its first write cannot wait that way and fails `Unavailable` (database is
+        /// locked) instead: begin consumer transactions with `BEGIN IMMEDIATE`
+        /// (`conn.begin_with("BEGIN IMMEDIATE")`).
+        purge:
+        /// Small batches keep each write-lock short.
     }
 
     /// Fills a migration template's placeholders with validated, quoted names.
@@ -227,15 +184,5 @@ mod tests {
         for sql in MIGRATIONS.iter().map(|template| inbox.render(template)) {
             assert!(!sql.contains('{') && sql.contains(r#""inbox""#), "{sql}");
         }
-    }
-
-    /// Compiles only if the calls can run in a spawned task.
-    #[allow(dead_code)]
-    fn calls_are_spawnable(inbox: Inbox, mut conn: SqliteConnection) {
-        drop(tokio::spawn(async move {
-            inbox.migrate(&mut conn).await?;
-            inbox.process(&mut conn, "c", Uuid::nil()).await?;
-            inbox.purge(&mut conn, Duration::ZERO, 1).await
-        }));
     }
 }
