@@ -36,6 +36,21 @@ fn sink(mock: &MockCluster<'static, DefaultProducerContext>) -> KafkaSink {
     KafkaSink::new(config).expect("sink")
 }
 
+/// A [`cluster`] and a [`sink`] to it that has delivered one message, `first`.
+async fn delivering(
+    name: &str,
+    first: &str,
+) -> (
+    String,
+    MockCluster<'static, DefaultProducerContext>,
+    KafkaSink,
+) {
+    let (topic, mock) = cluster(name);
+    let sink = sink(&mock);
+    delivered(&publish(&sink, &topic, first).await);
+    (topic, mock, sink)
+}
+
 fn message(topic: &str, payload: &str) -> Message {
     NewMessage::new(topic, payload.to_string())
         .key(payload.to_string())
@@ -175,9 +190,7 @@ async fn unknown_topic_from_metadata_is_permanent() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
-    let (topic, mock) = cluster("down");
-    let sink = sink(&mock);
-    delivered(&publish(&sink, &topic, "before").await);
+    let (topic, mock, sink) = delivering("down", "before").await;
 
     mock.broker_down(1).expect("broker down");
     let err = sink.health().await.expect_err("the only broker is down");
@@ -216,9 +229,7 @@ async fn broker_down_is_unavailable_and_delivery_resumes_when_it_is_back() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
-    let (topic, mock) = cluster("desync");
-    let sink = sink(&mock);
-    delivered(&publish(&sink, &topic, "first").await);
+    let (topic, mock, sink) = delivering("desync", "first").await;
     // A sequence gap at the head of the partition (librdkafka can no longer vouch for order
     // or once-ness and raises a fatal error), and the broker refusing the producer's epoch:
     // either way this producer is done for.
@@ -259,9 +270,7 @@ async fn a_producer_that_failed_fatally_or_was_fenced_is_replaced() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_broker_that_stops_answering_cannot_hold_a_publish() {
-    let (topic, mock) = cluster("silent");
-    let sink = sink(&mock);
-    delivered(&publish(&sink, &topic, "first").await);
+    let (topic, mock, sink) = delivering("silent", "first").await;
 
     // Answers take a minute, far past the delivery time-out (3 s here): the publish must
     // end near that time-out as Unavailable, not wait for the answer.
