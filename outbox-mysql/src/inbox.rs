@@ -2,14 +2,13 @@
 //! transaction, so a redelivered message is recognised and skipped.
 
 use outbox_core::{Error, Result};
+use sqlx::MySqlConnection;
 use sqlx::mysql::MySqlDatabaseError;
-use sqlx::{Executor, MySqlConnection, Row};
 
-use outbox_sql::inbox::{self, COLUMNS};
 use outbox_sql::migrate;
 
 use crate::OutboxTable;
-use crate::error::{Cause, cause, db_error};
+use crate::error::db_error;
 use crate::table::Versions;
 
 /// ER_DUP_ENTRY: the (consumer, message_id) key is taken.
@@ -104,32 +103,19 @@ impl Inbox {
 
     /// A `Config` error when a table of the inbox's name exists without the inbox's columns.
     pub(crate) async fn refuse_other_table(&self, conn: &mut MySqlConnection) -> Result<()> {
-        let (exists, found): (i64, i64) = conn
-            .fetch_one(
-                sqlx::query(
-                    "SELECT (SELECT COUNT(*) FROM information_schema.tables \
-                             WHERE table_schema = ? AND table_name = ?),
-                            (SELECT COUNT(*) FROM information_schema.columns \
-                             WHERE table_schema = ? AND table_name = ? \
-                             AND column_name IN (?, ?, ?))",
-                )
-                .bind(&self.database)
-                .bind(&self.table)
-                .bind(&self.database)
-                .bind(&self.table)
-                .bind(COLUMNS[0])
-                .bind(COLUMNS[1])
-                .bind(COLUMNS[2]),
-            )
-            .await
-            .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-            .map_err(fail)?;
-        inbox::check_table(
-            &self.table,
-            Some(("database", &self.database)),
-            exists > 0,
-            found,
+        let query = sqlx::query(
+            "SELECT (SELECT COUNT(*) FROM information_schema.tables \
+                     WHERE table_schema = ? AND table_name = ?),
+                    (SELECT COUNT(*) FROM information_schema.columns \
+                     WHERE table_schema = ? AND table_name = ? \
+                     AND column_name IN (?, ?, ?))",
         )
+        .bind(&self.database)
+        .bind(&self.table)
+        .bind(&self.database)
+        .bind(&self.table);
+        let within = Some(("database", self.database.as_str()));
+        outbox_sql::refuse_other_table!(conn, query, &self.table, within, fail).await
     }
 
     outbox_sql::inbox_calls! {
@@ -144,7 +130,6 @@ impl Inbox {
         age: outbox_sql::saturating_micros,
         storage: "mysql",
         table: |inbox| inbox.qualified(""),
-        missing: |error| cause(error) == Cause::Schema,
         other: |context, error| db_error(None, context, error),
         process:
         /// Two transactions racing on the same id: the second waits (on the primary key's row

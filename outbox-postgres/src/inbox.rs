@@ -141,10 +141,6 @@ impl Inbox {
         age: outbox_sql::saturating_micros,
         storage: "postgres",
         table: |inbox| inbox.qualified(""),
-        missing: |error| matches!(
-            error,
-            sqlx::Error::Database(db) if outbox_sql::missing_table_or_column(db.code().as_deref())
-        ),
         other: |context, error| db_error(context, error),
         process:
         /// Two transactions racing on the same id: the second waits (on the primary key) until

@@ -92,6 +92,32 @@ pub fn purge_age(older_than: Duration, limit: u32) -> Option<Duration> {
     (limit > 0 && older_than <= MAX_AGE).then_some(older_than)
 }
 
+/// Refuses a table that is not an inbox ([`check_table`]), a future of `Result<()>`: runs
+/// on the sqlx connection `$conn` the query `$query`, whose last placeholders take
+/// [`COLUMNS`] one each (MySQL, SQLite) and whose row is whether a table of the inbox's
+/// name `$table` exists (a count) and how many of those columns it has. `$within` is
+/// [`check_table`]'s, `$fail` classifies the query's error.
+///
+/// ```text
+/// let query = sqlx::query("SELECT (...exists...), (...columns IN (?, ?, ?)...)").bind(&self.table);
+/// outbox_sql::refuse_other_table!(conn, query, &self.table, None, fail).await
+/// ```
+#[macro_export]
+macro_rules! refuse_other_table {
+    ($conn:expr, $query:expr, $table:expr, $within:expr, $fail:expr) => {
+        async {
+            let query = $crate::inbox::COLUMNS
+                .iter()
+                .fold($query, |query, column| query.bind(*column));
+            let (exists, found): (i64, i64) = sqlx::Executor::fetch_one(&mut *$conn, query)
+                .await
+                .and_then(|row| Ok((sqlx::Row::try_get(&row, 0)?, sqlx::Row::try_get(&row, 1)?)))
+                .map_err($fail)?;
+            $crate::inbox::check_table($table, $within, exists > 0, found)
+        }
+    };
+}
+
 /// The calls of a SQL storage's `Inbox` that every storage makes the same way, written in
 /// its `impl Inbox` block: `process` ([`check_process`], then the storage's INSERT) and
 /// `purge` ([`purge_age`], then its DELETE), on its sqlx connection type `connection`.
@@ -102,13 +128,41 @@ pub fn purge_age(older_than: Duration, limit: u32) -> Option<Duration> {
 /// is new (an `Err` left is an error). Their errors go through the method `error` this
 /// writes too: an error that `missing` says is of a missing table or column is
 /// [`missing_table`] (of storage `storage` and the quoted table `table`), any other is what
-/// `other` makes of it. The doc lines after `process:` and `purge:` are what each storage
+/// `other` makes of it. Without `missing`, the SQLSTATE says
+/// ([`missing_table_or_column`](crate::missing_table_or_column): PostgreSQL, MySQL). The doc lines after `process:` and `purge:` are what each storage
 /// does its own way (how racing transactions behave, what keeps a purge's batches cheap).
 ///
 /// Under `cfg(test)` it adds `calls_are_spawnable`, which compiles only if `migrate`,
 /// `process` and `purge` can run in a spawned task.
 #[macro_export]
 macro_rules! inbox_calls {
+    (
+        connection: $conn:ty,
+        id: |$message_id:ident| $id:expr,
+        recorded: |$inserted:ident| $recorded:expr,
+        age: $age:path,
+        storage: $storage:literal,
+        table: |$inbox:ident| $table:expr,
+        other: |$context:ident, $other_error:ident| $other:expr,
+        process: $(#[doc = $process_doc:literal])*
+        purge: $(#[doc = $purge_doc:literal])*
+    ) => {
+        $crate::inbox_calls! {
+            connection: $conn,
+            id: |$message_id| $id,
+            recorded: |$inserted| $recorded,
+            age: $age,
+            storage: $storage,
+            table: |$inbox| $table,
+            missing: |error| matches!(
+                error,
+                sqlx::Error::Database(db) if $crate::missing_table_or_column(db.code().as_deref())
+            ),
+            other: |$context, $other_error| $other,
+            process: $(#[doc = $process_doc])*
+            purge: $(#[doc = $purge_doc])*
+        }
+    };
     (
         connection: $conn:ty,
         id: |$message_id:ident| $id:expr,

@@ -2,9 +2,8 @@
 //! transaction, so a redelivered message is recognised and skipped.
 
 use outbox_core::{Error, Result};
-use sqlx::{Connection, Executor, Row, SqliteConnection};
+use sqlx::{Connection, SqliteConnection};
 
-use outbox_sql::inbox::{self, COLUMNS};
 use outbox_sql::migrate;
 
 use crate::OutboxTable;
@@ -94,21 +93,12 @@ impl Inbox {
 
     /// A `Config` error when a table of the inbox's name exists without the inbox's columns.
     async fn refuse_other_table(&self, conn: &mut SqliteConnection) -> Result<()> {
-        let (exists, found): (i64, i64) = conn
-            .fetch_one(
-                sqlx::query(
-                    "SELECT (SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1),
-                            (SELECT count(*) FROM pragma_table_info(?1) WHERE name IN (?2, ?3, ?4))",
-                )
-                .bind(&self.table)
-                .bind(COLUMNS[0])
-                .bind(COLUMNS[1])
-                .bind(COLUMNS[2]),
-            )
-            .await
-            .and_then(|row| Ok((row.try_get(0)?, row.try_get(1)?)))
-            .map_err(fail)?;
-        inbox::check_table(&self.table, None, exists > 0, found)
+        let query = sqlx::query(
+            "SELECT (SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = ?1),
+                    (SELECT count(*) FROM pragma_table_info(?1) WHERE name IN (?2, ?3, ?4))",
+        )
+        .bind(&self.table);
+        outbox_sql::refuse_other_table!(conn, query, &self.table, None, fail).await
     }
 
     outbox_sql::inbox_calls! {
