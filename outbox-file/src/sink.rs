@@ -843,13 +843,8 @@ mod tests {
         let outcomes = sink.publish(std::slice::from_ref(&big)).await.unwrap();
         let elapsed = started.elapsed();
         let error = failures(&outcomes)[0];
-        assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
-        assert!(
-            error
-                .message()
-                .contains("not written within sink.publish_timeout"),
-            "{error}"
-        );
+        let late = "not written within sink.publish_timeout";
+        outbox_testkit::assert_error_says(error, ErrorKind::Unavailable, late);
         assert!(
             elapsed < timeout + Duration::from_millis(500),
             "{elapsed:?}"

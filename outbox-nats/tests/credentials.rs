@@ -18,6 +18,7 @@ use base64::engine::general_purpose::URL_SAFE_NO_PAD;
 use nkeys::KeyPair;
 use outbox_core::{ErrorKind, Message, NewMessage, Outcome, Sink};
 use outbox_nats::{NatsConfig, NatsSink};
+use outbox_testkit::assert_unavailable_within;
 use serde_json::json;
 
 /// `nats-server -c <file>` with the given configuration (a listen address is added), stopped
@@ -208,12 +209,7 @@ async fn refused(sink: &NatsSink, hidden: &str) {
         .health()
         .await
         .expect_err("the server must refuse the sink");
-    assert!(
-        started.elapsed() < Duration::from_secs(2),
-        "refused only after {:?}: {error}",
-        started.elapsed()
-    );
-    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert_unavailable_within(&error, started.elapsed(), Duration::from_secs(2));
     let shown = format!("{error} {error:?}");
     assert!(
         shown.contains("authorization violation") && shown.contains("sink.credentials_file"),

@@ -141,6 +141,20 @@ pub fn receipts(outcomes: &[Outcome]) -> Vec<String> {
         .collect()
 }
 
+/// Asserts that `error` is of `kind` and that its message says `says`, showing the error
+/// otherwise. For a backend's own tests of the errors it reports.
+pub fn assert_error_says(error: &outbox_core::Error, kind: ErrorKind, says: &str) {
+    assert_eq!(error.kind(), kind, "{error}");
+    assert!(error.message().contains(says), "{error}");
+}
+
+/// Asserts that `error` is `Unavailable` and that it `took` less than `within`: a failure
+/// the sink reports promptly, not after a hang.
+pub fn assert_unavailable_within(error: &outbox_core::Error, took: Duration, within: Duration) {
+    assert_eq!(error.kind(), ErrorKind::Unavailable, "{error}");
+    assert!(took < within, "took {took:?}: {error}");
+}
+
 /// Checks a sink crate's `register` without a broker: it registers `type_name` alone, its
 /// factory builds a sink from `good` (a table that does not connect), and refuses `bad`
 /// with a configuration error keyed by `bad_key` (relative to the `[sink]` section, so the
