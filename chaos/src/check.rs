@@ -190,6 +190,14 @@ mod tests {
         messages.iter().map(payload).collect()
     }
 
+    /// The verdict's one violation; panics when there is not exactly one.
+    fn the_violation(verdict: &Verdict) -> &Violation {
+        let [v] = &verdict.violations[..] else {
+            panic!("one violation: {:?}", verdict.violations)
+        };
+        v
+    }
+
     fn ledger(committed: &[&Written]) -> Ledger {
         Ledger {
             committed: committed.iter().map(|w| (*w).clone()).collect(),
@@ -214,9 +222,7 @@ mod tests {
     fn a_later_message_first_is_a_violation_naming_both() {
         let [a, b, _] = one_after_another();
         let verdict = check(&ledger(&[&a, &b]), &payloads(&[&b, &a]), &Waived::default());
-        let [v] = &verdict.violations[..] else {
-            panic!("one violation: {:?}", verdict.violations)
-        };
+        let v = the_violation(&verdict);
         assert_eq!((v.earlier, v.later, v.key.as_str()), (a.id, b.id, "k"));
         assert_eq!((v.earlier_at, v.later_at), (1, 0));
         assert_eq!(v.margin, Duration::from_millis(10));
@@ -262,9 +268,7 @@ mod tests {
             &payloads(&[&a0, &c, &a1]),
             &Waived::default(),
         );
-        let [v] = &verdict.violations[..] else {
-            panic!("one violation: {:?}", verdict.violations)
-        };
+        let v = the_violation(&verdict);
         assert_eq!((v.earlier, v.later), (a1.id, c.id));
     }
 
@@ -300,9 +304,7 @@ mod tests {
         // c before b is still a violation after the release.
         let arrivals = payloads(&[&c, &b, &a]);
         let verdict = check(&ledger(&[&a, &b, &c]), &arrivals, &waived);
-        let [v] = &verdict.violations[..] else {
-            panic!("one violation: {:?}", verdict.violations)
-        };
+        let v = the_violation(&verdict);
         assert_eq!((v.earlier, v.later), (b.id, c.id));
     }
 
