@@ -142,6 +142,34 @@ pub fn by_key(published: &[outbox_core::Message]) -> BTreeMap<String, Vec<String
     keys
 }
 
+/// Calls `attempt` every `every` until it gives `Ok`, and returns what it gave; after
+/// `timeout`, panics with what the last `Err` said was missing.
+#[track_caller]
+pub fn poll<T, F>(
+    timeout: Duration,
+    every: Duration,
+    mut attempt: impl FnMut() -> F,
+) -> impl Future<Output = T>
+where
+    F: Future<Output = Result<T, String>>,
+{
+    let caller = std::panic::Location::caller();
+    async move {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            let missing = match attempt().await {
+                Ok(done) => return done,
+                Err(missing) => missing,
+            };
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{missing} (after {timeout:?}; polled at {caller})"
+            );
+            tokio::time::sleep(every).await;
+        }
+    }
+}
+
 /// Runs a fixture's async clean-up to its end from any context, a `Drop` inside a test's
 /// runtime included: a runtime cannot block inside another, so `work` runs on a thread of its
 /// own with a current-thread runtime of its own, and this waits for it. What `work` returns

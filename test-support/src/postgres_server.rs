@@ -56,16 +56,24 @@ pub fn as_postgres(program: &Path) -> Command {
 
 /// Runs `command`; panics with its output if it cannot run or fails.
 #[track_caller]
-pub fn run(mut command: Command, what: &str) {
+pub fn run(command: Command, what: &str) {
+    run_or_explain(command, what, String::new);
+}
+
+/// Runs `command`; panics naming `what`, with its output and then what `explain` gives (a
+/// server's log, say), if it cannot run or fails.
+#[track_caller]
+fn run_or_explain(mut command: Command, what: &str, explain: impl FnOnce() -> String) {
     let output = command
         .output()
         .unwrap_or_else(|e| panic!("{what}: cannot run {command:?}: {e}"));
     assert!(
         output.status.success(),
-        "{what} failed ({}): {}{}",
+        "{what} failed ({}): {}{}{}",
         output.status,
         String::from_utf8_lossy(&output.stdout),
-        String::from_utf8_lossy(&output.stderr)
+        String::from_utf8_lossy(&output.stderr),
+        explain()
     );
 }
 
@@ -193,16 +201,8 @@ impl PostgresServer {
             .args(["-w", "-t", "30"])
             .args(args)
             .current_dir(&self.dir);
-        let output = pg_ctl
-            .output()
-            .unwrap_or_else(|e| panic!("cannot run pg_ctl {what}: {e}"));
-        assert!(
-            output.status.success(),
-            "pg_ctl {what} of the test's PostgreSQL server failed ({}): {}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr),
-            self.log()
-        );
+        let what = format!("pg_ctl {what} of the test's PostgreSQL server");
+        run_or_explain(pg_ctl, &what, || format!("\n{}", self.log()));
     }
 
     /// The data directory.

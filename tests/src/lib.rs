@@ -17,7 +17,7 @@ pub use outbox_test_support::relay::{
 };
 pub use outbox_test_support::{
     Proxy, Service, TempDir, by_key, clean_up, deliveries, free_addr, free_port, host_port, kafka,
-    mysql_url, payloads, postgres_url, text, unique_name,
+    mysql_url, payloads, poll, postgres_url, text, unique_name,
 };
 
 /// `total` messages over `keys` keys in turn (`k0`, `k1`, …): the n-th message of a key has

@@ -518,21 +518,15 @@ mod amqp {
     /// The next message of `queue` on `channel`, unacknowledged, waiting for it up to
     /// [`WAIT`].
     async fn get(channel: &Channel, queue: &str) -> Delivery {
-        let deadline = tokio::time::Instant::now() + WAIT;
-        loop {
+        outbox_test_support::poll(WAIT, Duration::from_millis(20), || async {
             let got = channel
                 .basic_get(queue.into(), BasicGetOptions { no_ack: false })
                 .await
                 .expect("basic.get");
-            if let Some(message) = got {
-                return message.delivery;
-            }
-            assert!(
-                tokio::time::Instant::now() < deadline,
-                "nothing in {queue} within {WAIT:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+            got.map(|message| message.delivery)
+                .ok_or_else(|| format!("nothing in {queue}"))
+        })
+        .await
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -18,7 +18,7 @@ use outbox_core::{
 use outbox_postgres::{LogStart, PgStorage, PostgresConfig, StorageMode};
 use outbox_test_support::through;
 use outbox_tests::{
-    LogOutbox, Proxy, Relay, assert_key_order, by_key, host_port, keyed, over_keys,
+    LogOutbox, Proxy, Relay, assert_key_order, by_key, host_port, keyed, over_keys, poll,
     test_worker_config, text,
 };
 
@@ -425,26 +425,27 @@ async fn ack_behind_a_shard_lock(
 /// Polls until a cursor write of `outbox` waits on a lock, selecting `what` of the waiting
 /// backends (`pid`, or `pg_terminate_backend(pid)` to kill them as they are found).
 async fn until_a_cursor_write_waits(outbox: &LogOutbox, what: &str) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let found: i64 = sqlx::query_scalar(&format!(
-            "SELECT count(*) FROM (SELECT {what} FROM pg_stat_activity
-             WHERE wait_event_type = 'Lock' AND datname = current_database()
-               AND query LIKE '%cursor_xid%' AND query LIKE $1) x"
-        ))
-        .bind(format!("%{}%", outbox.table.schema()))
-        .fetch_one(&outbox.pool)
-        .await
-        .unwrap();
-        if found > 0 {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the settlement's cursor write never waited on the lock"
-        );
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    let waiting = format!(
+        "SELECT count(*) FROM (SELECT {what} FROM pg_stat_activity
+         WHERE wait_event_type = 'Lock' AND datname = current_database()
+           AND query LIKE '%cursor_xid%' AND query LIKE $1) x"
+    );
+    poll(
+        Duration::from_secs(10),
+        Duration::from_millis(5),
+        || async {
+            let found: i64 = sqlx::query_scalar(&waiting)
+                .bind(format!("%{}%", outbox.table.schema()))
+                .fetch_one(&outbox.pool)
+                .await
+                .unwrap();
+            match found > 0 {
+                true => Ok(()),
+                false => Err("the settlement's cursor write never waited on the lock".to_string()),
+            }
+        },
+    )
+    .await
 }
 
 /// A settlement's cursor write that fails (its connection killed while it waits for a row

@@ -11,10 +11,9 @@ use std::time::Duration;
 
 use outbox_core::NewMessage;
 use outbox_core::memory::MemorySink;
-use outbox_tests::{LogOutbox, by_key, unique_name, with_database};
+use outbox_tests::{LogOutbox, Relay, by_key, poll, unique_name, with_database};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
-use tokio::time::Instant;
 
 /// How long anything may take to reach the replica and be delivered (a paused replay in
 /// another test of this file included).
@@ -77,8 +76,7 @@ impl ReplicaOutbox {
         .await;
         // The replica has the tables once it has replayed the migration.
         let shards_table = outbox.table.qualified("_shards");
-        let deadline = Instant::now() + PATIENCE;
-        loop {
+        poll(PATIENCE, Duration::from_millis(100), || async {
             let on_replica = PgPoolOptions::new()
                 .max_connections(1)
                 .connect(&on_replica_url)
@@ -90,34 +88,36 @@ impl ReplicaOutbox {
                     .is_ok_and(|row| row.is_some());
                 on_replica.close().await;
                 if ok {
-                    break;
+                    return Ok(());
                 }
             }
-            assert!(
-                Instant::now() < deadline,
-                "the replica did not replay the test's database and tables within {PATIENCE:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
+            Err("the replica did not replay the test's database and tables".to_string())
+        })
+        .await;
         replica.close().await;
         ReplicaOutbox(outbox)
     }
 
+    /// [`ReplicaOutbox::new`] with a relay (`replica-test`) running into a sink of its own.
+    async fn relayed(shards: u32) -> (ReplicaOutbox, Arc<MemorySink>, Relay) {
+        let outbox = ReplicaOutbox::new(shards).await;
+        let sink = Arc::new(MemorySink::new());
+        let relay = outbox.relay("replica-test", sink.clone());
+        (outbox, sink, relay)
+    }
+
     /// Waits until the sink has `n` messages and every row is behind a cursor.
     async fn wait_until_published(&self, sink: &MemorySink, n: usize) {
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let left = self.undelivered().await;
-            if left == 0 && sink.published().len() >= n {
-                return;
+        poll(PATIENCE, Duration::from_millis(50), || async {
+            let (left, published) = (self.undelivered().await, sink.published().len());
+            match left == 0 && published >= n {
+                true => Ok(()),
+                false => Err(format!(
+                    "{left} rows not delivered ({published} of {n} published)"
+                )),
             }
-            assert!(
-                Instant::now() < deadline,
-                "{left} rows not delivered after {PATIENCE:?} ({} of {n} published)",
-                sink.published().len()
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        })
+        .await
     }
 
     /// Waits until the replica has replayed this database's rows up to `n` rows in the log.
@@ -127,24 +127,18 @@ impl ReplicaOutbox {
             .connect(&with_database(&replica_server(), &self.database))
             .await
             .expect("connect to the replica");
-        let deadline = Instant::now() + PATIENCE;
-        loop {
-            let rows: i64 = sqlx::query_scalar(&format!(
-                "SELECT count(*) FROM {}",
-                self.table.qualified("")
-            ))
-            .fetch_one(&on_replica)
-            .await
-            .expect("count rows on the replica");
-            if rows >= n {
-                break;
+        let count = format!("SELECT count(*) FROM {}", self.table.qualified(""));
+        poll(PATIENCE, Duration::from_millis(20), || async {
+            let rows: i64 = sqlx::query_scalar(&count)
+                .fetch_one(&on_replica)
+                .await
+                .expect("count rows on the replica");
+            match rows >= n {
+                true => Ok(()),
+                false => Err(format!("the replica has {rows} of {n} rows")),
             }
-            assert!(
-                Instant::now() < deadline,
-                "the replica has {rows} of {n} rows after {PATIENCE:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        })
+        .await;
         on_replica.close().await;
     }
 }
@@ -158,18 +152,21 @@ impl Paused {
             .execute(replica)
             .await
             .expect("pause replay on the replica");
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let state: String = sqlx::query_scalar("SELECT pg_get_wal_replay_pause_state()")
-                .fetch_one(replica)
-                .await
-                .expect("read the replica's pause state");
-            if state == "paused" {
-                return Paused;
-            }
-            assert!(Instant::now() < deadline, "replay did not pause: {state}");
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        poll(
+            Duration::from_secs(10),
+            Duration::from_millis(20),
+            || async {
+                let state: String = sqlx::query_scalar("SELECT pg_get_wal_replay_pause_state()")
+                    .fetch_one(replica)
+                    .await
+                    .expect("read the replica's pause state");
+                match state.as_str() {
+                    "paused" => Ok(Paused),
+                    _ => Err(format!("replay did not pause: {state}")),
+                }
+            },
+        )
+        .await
     }
 }
 
@@ -203,9 +200,7 @@ fn assert_in_order(sink: &MemorySink) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_relay_reading_from_the_replica_delivers_everything_in_key_order() {
-    let outbox = ReplicaOutbox::new(4).await;
-    let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay("replica-test", sink.clone());
+    let (outbox, sink, relay) = ReplicaOutbox::relayed(4).await;
     let mut expected = 0;
     for round in 0..10 {
         let messages = batch(&format!("m{round:02}"), 30, 7);
@@ -235,9 +230,7 @@ async fn a_relay_reading_from_the_replica_delivers_everything_in_key_order() {
 /// message comes, in order.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
-    let outbox = ReplicaOutbox::new(4).await;
-    let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay("replica-test", sink.clone());
+    let (outbox, sink, relay) = ReplicaOutbox::relayed(4).await;
     let before = batch("a", 40, 5);
     outbox.enqueue(&before).await;
     outbox.wait_until_published(&sink, before.len()).await;
@@ -279,9 +272,7 @@ async fn replay_paused_on_the_replica_delays_but_loses_nothing() {
 /// below it, and the row is delivered first in its key's order, not skipped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_late_committing_transaction_is_delivered_from_the_replica() {
-    let outbox = ReplicaOutbox::new(2).await;
-    let sink = Arc::new(MemorySink::new());
-    let relay = outbox.relay("replica-test", sink.clone());
+    let (outbox, sink, relay) = ReplicaOutbox::relayed(2).await;
 
     // Its id is taken before the others, with nothing written to the WAL for it yet.
     let mut late = outbox.pool.begin().await.expect("begin");

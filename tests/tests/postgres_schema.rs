@@ -51,6 +51,24 @@ async fn enqueue_one(conn: &mut PgConnection, table: &OutboxTable) -> outbox_cor
     Ok(())
 }
 
+/// Enqueues one message into `table` while a relay is idle: the channel of the notification
+/// `listener` receives for it (within 10 s).
+async fn notified(
+    conn: &mut PgConnection,
+    table: &OutboxTable,
+    listener: &mut PgListener,
+) -> String {
+    set_relay_idle(conn, table).await;
+    enqueue_one(conn, table)
+        .await
+        .expect("enqueue while a relay is idle");
+    let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv())
+        .await
+        .expect("a notification within 10 s")
+        .expect("receive");
+    notification.channel().to_string()
+}
+
 async fn version(conn: &mut PgConnection, table: &OutboxTable) -> i32 {
     sqlx::query_scalar(&format!(
         "SELECT max(version) FROM {}",
@@ -113,29 +131,16 @@ async fn longest_names_notify_on_a_valid_channel() {
         .await
         .expect("listener");
     listener.listen(&channel).await.expect("LISTEN");
-    set_relay_idle(&mut conn, &table).await;
-    enqueue_one(&mut conn, &table)
-        .await
-        .expect("enqueue while a relay is idle");
-    let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv())
-        .await
-        .expect("a notification within 10 s")
-        .expect("receive");
-    assert_eq!(notification.channel(), channel);
+    assert_eq!(notified(&mut conn, &table, &mut listener).await, channel);
 
     // A table created fresh gets the short channel from migration 1 on.
     let fresh = OutboxTable::new(&schema, &long_name("fresh", 40)).expect("valid names");
     fresh.migrate(&mut conn).await.expect("migrate fresh");
     listener.listen(&fresh.channel()).await.expect("LISTEN");
-    set_relay_idle(&mut conn, &fresh).await;
-    enqueue_one(&mut conn, &fresh)
-        .await
-        .expect("enqueue while a relay is idle");
-    let notification = tokio::time::timeout(Duration::from_secs(10), listener.recv())
-        .await
-        .expect("a notification within 10 s")
-        .expect("receive");
-    assert_eq!(notification.channel(), fresh.channel());
+    assert_eq!(
+        notified(&mut conn, &fresh, &mut listener).await,
+        fresh.channel()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -239,16 +244,27 @@ async fn open_writer(table: &OutboxTable) -> PgConnection {
     conn
 }
 
-/// A migration of `table` on a connection of its own, once its index build waits for the
-/// open writer: the backend's pid and the task, which gives back the result and the
-/// connection (still open, as in a pool).
-async fn migration_waiting_for_the_writer(
-    table: &OutboxTable,
-    observer: &mut PgConnection,
-) -> (
-    i32,
-    tokio::task::JoinHandle<(outbox_core::Result<()>, PgConnection)>,
-) {
+/// What the index-build tests start from: a table at version 1 with `rows` rows
+/// ([`table_at_version_1`]), a writer's transaction open on it ([`open_writer`]), and a
+/// migration on a connection of its own whose index build waits for that writer.
+struct BlockedUpgrade {
+    table: OutboxTable,
+    _cleanup: Schemas,
+    /// A connection of the test's, for looking.
+    observer: PgConnection,
+    /// The open writer.
+    open: PgConnection,
+    /// The migrating backend's pid.
+    pid: i32,
+    /// The migration, which gives back the result and the connection (still open, as in a
+    /// pool).
+    migration: tokio::task::JoinHandle<(outbox_core::Result<()>, PgConnection)>,
+}
+
+async fn upgrade_blocked_by_a_writer(rows: i64) -> BlockedUpgrade {
+    let (table, cleanup) = table_at_version_1(rows).await;
+    let mut observer = connect().await;
+    let open = open_writer(&table).await;
     let mut migrator = connect().await;
     let pid = backend_pid(&mut migrator).await;
     let migration = tokio::spawn({
@@ -258,26 +274,29 @@ async fn migration_waiting_for_the_writer(
             (result, migrator)
         }
     });
-    wait_for_blocked_index_build(observer, pid).await;
-    (pid, migration)
+    wait_for_blocked_index_build(&mut observer, pid).await;
+    BlockedUpgrade {
+        table,
+        _cleanup: cleanup,
+        observer,
+        open,
+        pid,
+        migration,
+    }
 }
 
 #[tokio::test]
 async fn upgrade_builds_the_index_without_blocking_writers() {
-    let (table, _cleanup) = table_at_version_1(20_000).await;
-    let mut observer = connect().await;
-    let mut open = open_writer(&table).await;
-
     // The build waits for the open writer. A plain CREATE INDEX would hold (or queue for) a
     // SHARE lock that blocks every new INSERT until it finishes.
-    let (pid, migration) = migration_waiting_for_the_writer(&table, &mut observer).await;
+    let mut up = upgrade_blocked_by_a_writer(20_000).await;
     let blocking: Vec<String> = sqlx::query_scalar(
         "SELECT mode FROM pg_locks WHERE pid = $1 AND relation = to_regclass($2)
              AND mode IN ('ShareLock', 'ShareRowExclusiveLock', 'ExclusiveLock', 'AccessExclusiveLock')",
     )
-    .bind(pid)
-    .bind(table.qualified(""))
-    .fetch_all(&mut observer)
+    .bind(up.pid)
+    .bind(up.table.qualified(""))
+    .fetch_all(&mut up.observer)
     .await
     .expect("read pg_locks");
     assert!(blocking.is_empty(), "the migration holds {blocking:?}");
@@ -288,33 +307,36 @@ async fn upgrade_builds_the_index_without_blocking_writers() {
         .execute(&mut writer)
         .await
         .expect("set lock_timeout");
-    enqueue_one(&mut writer, &table)
+    enqueue_one(&mut writer, &up.table)
         .await
         .expect("an insert during the index build is not blocked");
 
     sqlx::raw_sql("COMMIT")
-        .execute(&mut open)
+        .execute(&mut up.open)
         .await
         .expect("commit");
-    tokio::time::timeout(Duration::from_secs(60), migration)
+    tokio::time::timeout(Duration::from_secs(60), up.migration)
         .await
         .expect("the migration finishes")
         .expect("migration task")
         .0
         .expect("migrate");
-    assert_eq!(unkeyed_index_valid(&mut observer, &table).await, Some(true));
-    assert_eq!(version(&mut observer, &table).await, LATEST);
+    assert_eq!(
+        unkeyed_index_valid(&mut up.observer, &up.table).await,
+        Some(true)
+    );
+    assert_eq!(version(&mut up.observer, &up.table).await, LATEST);
     let definition: String = sqlx::query_scalar("SELECT pg_get_indexdef(to_regclass($1))")
-        .bind(format!(r#""{}".outbox_unkeyed_seq"#, table.schema()))
-        .fetch_one(&mut observer)
+        .bind(format!(r#""{}".outbox_unkeyed_seq"#, up.table.schema()))
+        .fetch_one(&mut up.observer)
         .await
         .expect("index definition");
     assert!(
         definition.ends_with("USING btree (seq) WHERE (partition_key IS NULL)"),
         "{definition}"
     );
-    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", table.qualified("")))
-        .fetch_one(&mut observer)
+    let rows: i64 = sqlx::query_scalar(&format!("SELECT count(*) FROM {}", up.table.qualified("")))
+        .fetch_one(&mut up.observer)
         .await
         .expect("count");
     assert_eq!(rows, 20_002);
@@ -322,41 +344,37 @@ async fn upgrade_builds_the_index_without_blocking_writers() {
 
 #[tokio::test]
 async fn interrupted_index_build_is_repaired() {
-    let (table, _cleanup) = table_at_version_1(1_000).await;
-    let mut observer = connect().await;
-    let mut open = open_writer(&table).await;
-
     // Interrupt the build while it waits for the open writer.
-    let (pid, migration) = migration_waiting_for_the_writer(&table, &mut observer).await;
+    let mut up = upgrade_blocked_by_a_writer(1_000).await;
     sqlx::query("SELECT pg_cancel_backend($1)")
-        .bind(pid)
-        .execute(&mut observer)
+        .bind(up.pid)
+        .execute(&mut up.observer)
         .await
         .expect("cancel the build");
-    let (result, _still_open) = tokio::time::timeout(Duration::from_secs(20), migration)
+    let (result, _still_open) = tokio::time::timeout(Duration::from_secs(20), up.migration)
         .await
         .expect("the cancelled migration returns")
         .expect("migration task");
     assert!(result.is_err(), "the cancelled build must fail");
     assert_eq!(
-        unkeyed_index_valid(&mut observer, &table).await,
+        unkeyed_index_valid(&mut up.observer, &up.table).await,
         Some(false)
     );
-    assert_eq!(version(&mut observer, &table).await, 1);
+    assert_eq!(version(&mut up.observer, &up.table).await, 1);
     sqlx::raw_sql("COMMIT")
-        .execute(&mut open)
+        .execute(&mut up.open)
         .await
         .expect("commit");
 
     // The failed migrator's connection is still open (as in a pool): it released its lock,
     // and the next migration drops the invalid index and builds it again.
     let mut conn = connect().await;
-    tokio::time::timeout(Duration::from_secs(60), table.migrate(&mut conn))
+    tokio::time::timeout(Duration::from_secs(60), up.table.migrate(&mut conn))
         .await
         .expect("the migration lock was released")
         .expect("migrate");
-    assert_eq!(unkeyed_index_valid(&mut conn, &table).await, Some(true));
-    assert_eq!(version(&mut conn, &table).await, LATEST);
+    assert_eq!(unkeyed_index_valid(&mut conn, &up.table).await, Some(true));
+    assert_eq!(version(&mut conn, &up.table).await, LATEST);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

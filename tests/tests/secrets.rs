@@ -42,29 +42,40 @@ fn report(leaks: Vec<String>, backend: &str) {
 /// At most this long for a call against a closed port ("never blocks forever").
 const CALL: Duration = Duration::from_secs(30);
 
-/// Notes where a backend that connects lazily shows the secret of `url`: in the `Debug` of
-/// its `config`, or in the error of `build` or, built, of its `health` against the closed
-/// port (which must fail, and within [`CALL`]).
+/// For each of `urls`, notes where a `backend` that connects lazily shows its secret: in the
+/// `Debug` of the config `config_of` makes of it, or in the error of `build` or, built, of
+/// its `health` against the closed port (which must fail, and within [`CALL`]); then fails
+/// listing every leak ([`report`]).
 async fn check_lazy<C: std::fmt::Debug, B, F>(
-    leaks: &mut Vec<String>,
-    url: &str,
-    config: C,
-    build: impl FnOnce(C) -> outbox_core::Result<B>,
-    health: impl FnOnce(B) -> F,
+    backend: &str,
+    urls: &[String],
+    config_of: impl Fn(&str) -> C,
+    build: impl Fn(C) -> outbox_core::Result<B>,
+    health: impl Fn(B) -> F,
 ) where
     F: std::future::Future<Output = outbox_core::Result<()>>,
 {
-    assert_hidden(leaks, url, "Debug of the config", &format!("{config:?}"));
-    let error = match build(config) {
-        Err(e) => e,
-        Ok(built) => match tokio::time::timeout(CALL, health(built)).await {
-            Err(_) => panic!("{url}: health did not return within {CALL:?}"),
-            Ok(Ok(())) => panic!("{url}: a closed port answered"),
-            Ok(Err(e)) => e,
-        },
-    };
-    assert_hidden(leaks, url, "the error", &error.to_string());
-    assert_hidden(leaks, url, "Debug of the error", &format!("{error:?}"));
+    let mut leaks = Vec::new();
+    for url in urls {
+        let config = config_of(url);
+        assert_hidden(
+            &mut leaks,
+            url,
+            "Debug of the config",
+            &format!("{config:?}"),
+        );
+        let error = match build(config) {
+            Err(e) => e,
+            Ok(built) => match tokio::time::timeout(CALL, health(built)).await {
+                Err(_) => panic!("{url}: health did not return within {CALL:?}"),
+                Ok(Ok(())) => panic!("{url}: a closed port answered"),
+                Ok(Err(e)) => e,
+            },
+        };
+        assert_hidden(&mut leaks, url, "the error", &error.to_string());
+        assert_hidden(&mut leaks, url, "Debug of the error", &format!("{error:?}"));
+    }
+    report(leaks, backend);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -78,13 +89,9 @@ async fn postgres_passwords_never_appear_in_errors_or_debug() {
     urls.push(format!(
         "postgres://app@127.0.0.1:1/test?sslmode=disable&password={SECRET}"
     ));
-    let mut leaks = Vec::new();
-    for url in &urls {
-        let config = PostgresConfig::new(url).table(unique_name("t"), "outbox");
-        let health = |s: PgStorage| async move { s.health().await };
-        check_lazy(&mut leaks, url, config, PgStorage::new, health).await;
-    }
-    report(leaks, "PostgreSQL");
+    let config = |url: &str| PostgresConfig::new(url).table(unique_name("t"), "outbox");
+    let health = |s: PgStorage| async move { s.health().await };
+    check_lazy("PostgreSQL", &urls, config, PgStorage::new, health).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -97,13 +104,9 @@ async fn mysql_passwords_never_appear_in_errors_or_debug() {
     // docs/storage/mysql.md: "`MySqlStorage::new` only validates and connects lazily".
     MySqlStorage::new(MySqlConfig::new(&urls[0]))
         .expect("a valid URL of a closed port is accepted: connecting is lazy");
-    let mut leaks = Vec::new();
-    for url in &urls {
-        let config = MySqlConfig::new(url).table(unique_name("t"));
-        let health = |s: MySqlStorage| async move { s.health().await };
-        check_lazy(&mut leaks, url, config, MySqlStorage::new, health).await;
-    }
-    report(leaks, "MySQL");
+    let config = |url: &str| MySqlConfig::new(url).table(unique_name("t"));
+    let health = |s: MySqlStorage| async move { s.health().await };
+    check_lazy("MySQL", &urls, config, MySqlStorage::new, health).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -161,12 +164,10 @@ async fn amqp_passwords_never_appear_in_errors_or_debug() {
         .iter()
         .map(|p| format!("amqp://guest:{p}@127.0.0.1:1/%2f"))
         .collect();
-    let mut leaks = Vec::new();
-    for url in &urls {
+    let config = |url: &str| {
         let exchange = Template::new("events").expect("a template");
-        let config = AmqpConfig::new(url, exchange).publish_timeout(Duration::from_secs(2));
-        let health = |s: AmqpSink| async move { s.health().await };
-        check_lazy(&mut leaks, url, config, AmqpSink::lazy, health).await;
-    }
-    report(leaks, "AMQP");
+        AmqpConfig::new(url, exchange).publish_timeout(Duration::from_secs(2))
+    };
+    let health = |s: AmqpSink| async move { s.health().await };
+    check_lazy("AMQP", &urls, config, AmqpSink::lazy, health).await;
 }
