@@ -8,14 +8,14 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use outbox_tests::{mysql_url, postgres_url, unique_name};
 
 use super::mysql::Tables;
-use super::{ConfigFile, EXIT_CONFIG, text};
+use super::{ConfigFile, EXIT_CONFIG, said, sigterm, spawn_relay, text};
 
 #[path = "../tests/mounts/mod.rs"]
 mod mounts;
@@ -37,10 +37,9 @@ fn exits(config: &Path, args: &[&str]) -> (Option<i32>, String) {
         .expect("run the outbox binary");
     loop {
         if child.try_wait().expect("wait").is_some() {
-            let out = child.wait_with_output().expect("its output");
-            let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+            let (code, said) = said(&child.wait_with_output().expect("its output"));
             assert!(!said.contains("panicked"), "{args:?} panicked: {said}");
-            return (out.status.code(), said);
+            return (code, said);
         }
         if started.elapsed() > AT_ONCE {
             let _ = child.kill();
@@ -66,6 +65,46 @@ fn says(what: &str, said: &str, parts: &[&str], secret: Option<&str>) {
     }
 }
 
+/// Runs the binary with `args` ([`exits`]): it must end with `code` and say each of
+/// `parts` and not `secret` ([`says`]), `what` naming the case. Returns what it said.
+#[track_caller]
+fn ends_saying(
+    config: &Path,
+    args: &[&str],
+    code: Option<i32>,
+    what: &str,
+    parts: &[&str],
+    secret: Option<&str>,
+) -> String {
+    let (ended, said) = exits(config, args);
+    assert_eq!(ended, code, "{what}: {said}");
+    says(what, &said, parts, secret);
+    said
+}
+
+/// [`ends_saying`] of each of `commands`, each ending with the configuration code; `what`
+/// follows the command in the case's name.
+#[track_caller]
+fn each_ends_saying(
+    config: &Path,
+    commands: &[&[&str]],
+    what: &str,
+    parts: &[&str],
+    secret: Option<&str>,
+) {
+    for args in commands {
+        let case = format!("{args:?} {what}");
+        ends_saying(
+            config,
+            args,
+            Some(EXIT_CONFIG),
+            case.trim_end(),
+            parts,
+            secret,
+        );
+    }
+}
+
 /// `url` with its user info replaced by `login`.
 fn with_login(url: &str, login: &str) -> String {
     let (scheme, rest) = url.split_once("://").expect("a URL");
@@ -87,23 +126,30 @@ fn admin(postgres: bool, statements: &[String], check: bool) {
                 let pool = sqlx::PgPool::connect(&postgres_url())
                     .await
                     .expect("PostgreSQL must be running (cargo xtask services)");
-                for sql in &statements {
-                    let done = sqlx::query(sql).execute(&pool).await;
-                    assert!(!check || done.is_ok(), "{sql}: {done:?}");
-                }
+                run_each(&pool, &statements, check).await;
             } else {
                 let pool = sqlx::MySqlPool::connect(&mysql_url())
                     .await
                     .expect("MariaDB must be running (cargo xtask services)");
-                for sql in &statements {
-                    let done = sqlx::query(sql).execute(&pool).await;
-                    assert!(!check || done.is_ok(), "{sql}: {done:?}");
-                }
+                run_each(&pool, &statements, check).await;
             }
         })
     })
     .join()
     .expect("administrator's statements");
+}
+
+/// Runs each of `statements` on `pool`; with `check`, each must succeed.
+async fn run_each<DB: sqlx::Database>(pool: &sqlx::Pool<DB>, statements: &[String], check: bool)
+where
+    for<'q> DB::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    DB::QueryResult: std::fmt::Debug,
+{
+    for sql in statements {
+        let done = sqlx::query(sql).execute(pool).await;
+        assert!(!check || done.is_ok(), "{sql}: {done:?}");
+    }
 }
 
 /// A PostgreSQL role (LOGIN, no privileges) or MariaDB user of the test's own, and the
@@ -180,13 +226,7 @@ struct Logging {
 
 impl Logging {
     fn start(config: &Path) -> Logging {
-        let mut child = super::outbox_command(config)
-            .arg("relay")
-            .env_remove("RUST_LOG")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the relay");
+        let mut child = spawn_relay(config, &[], Stdio::null(), Stdio::piped());
         let stderr = child.stderr.take().expect("stderr");
         let (send, lines) = mpsc::channel();
         std::thread::spawn(move || {
@@ -236,9 +276,7 @@ impl Logging {
 
     /// SIGTERM; the exit code.
     fn terminate(mut self) -> Option<i32> {
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        sigterm(&self.child);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self.child.try_wait().expect("wait") {
@@ -264,6 +302,9 @@ fn postgres_config(url: &str, schema: &str, extra: &str, sink: &str) -> ConfigFi
     ))
 }
 
+/// The commands that check, start a relay and read the status.
+const START_AND_READ: [&[&str]; 3] = [&["check"], &["relay"], &["status"]];
+
 const STDOUT: &str = "[sink]\ntype = \"stdout\"\n";
 
 #[test]
@@ -279,26 +320,33 @@ fn postgres_a_refused_login_ends_every_command_with_what_to_fix() {
         "the server refused the login; not retryable",
         "that the role exists and has LOGIN",
     ];
-    let (code, said) = exits(&config.path, &["check"]);
-    assert_eq!(code, Some(1), "check: {said}");
-    says("check", &said, &parts, Some(secret));
+    let said = ends_saying(
+        &config.path,
+        &["check"],
+        Some(1),
+        "check",
+        &parts,
+        Some(secret),
+    );
     assert!(
         said.contains("storage: FAILED: configuration error"),
         "{said}"
     );
-    for args in [
-        &["migrate"][..],
+    let commands: [&[&str]; 3] = [
+        &["migrate"],
         &["status"],
         &["enqueue", "--topic", "t", "{}"],
-    ] {
-        let (code, said) = exits(&config.path, args);
-        assert_eq!(code, Some(EXIT_CONFIG), "{args:?}: {said}");
-        says(&format!("{args:?}"), &said, &parts, Some(secret));
-    }
+    ];
+    each_ends_saying(&config.path, &commands, "", &parts, Some(secret));
     let migrating = postgres_config(&url, &schema, "migrate = true", STDOUT);
-    let (code, said) = exits(&migrating.path, &["relay"]);
-    assert_eq!(code, Some(EXIT_CONFIG), "relay: {said}");
-    says("relay", &said, &parts, Some(secret));
+    ends_saying(
+        &migrating.path,
+        &["relay"],
+        Some(EXIT_CONFIG),
+        "relay",
+        &parts,
+        Some(secret),
+    );
 
     let database = unique_name("cli_no_db");
     let base = postgres_url()
@@ -306,11 +354,11 @@ fn postgres_a_refused_login_ends_every_command_with_what_to_fix() {
         .map(|(base, _)| base.to_string())
         .expect("a URL with a database");
     let config = postgres_config(&format!("{base}/{database}"), &schema, "", STDOUT);
-    let (code, said) = exits(&config.path, &["migrate"]);
-    assert_eq!(code, Some(EXIT_CONFIG), "migrate: {said}");
-    says(
+    ends_saying(
+        &config.path,
+        &["migrate"],
+        Some(EXIT_CONFIG),
         "migrate into a database that does not exist",
-        &said,
         &[
             &format!("database \"{database}\" does not exist"),
             "CREATE DATABASE",
@@ -338,14 +386,9 @@ fn postgres_missing_grants_end_the_commands_and_a_relay_goes_on_once_granted() {
         "the role lacks a privilege on the outbox tables; not retryable",
         "GRANT USAGE ON SCHEMA <schema> TO <role>",
     ];
-    let (code, said) = exits(&config.path, &["check"]);
-    assert_eq!(code, Some(1), "check: {said}");
-    says("check", &said, &parts, None);
-    for args in [&["status"][..], &["enqueue", "--topic", "t", "{}"]] {
-        let (code, said) = exits(&config.path, args);
-        assert_eq!(code, Some(EXIT_CONFIG), "{args:?}: {said}");
-        says(&format!("{args:?}"), &said, &parts, None);
-    }
+    ends_saying(&config.path, &["check"], Some(1), "check", &parts, None);
+    let commands: [&[&str]; 2] = [&["status"], &["enqueue", "--topic", "t", "{}"]];
+    each_ends_saying(&config.path, &commands, "", &parts, None);
 
     // A relay (no migrations) logs the refusal at each restart of its run, and goes on.
     let mut relay = Logging::start(&config.path);
@@ -386,11 +429,11 @@ fn postgres_missing_grants_end_the_commands_and_a_relay_goes_on_once_granted() {
     let fresh = unique_name("cli_nocreate");
     let _fresh = Schemas(vec![fresh.clone()]);
     let migrating = postgres_config(&url, &fresh, "migrate = true", STDOUT);
-    let (code, said) = exits(&migrating.path, &["relay"]);
-    assert_eq!(code, Some(EXIT_CONFIG), "relay: {said}");
-    says(
+    ends_saying(
+        &migrating.path,
+        &["relay"],
+        Some(EXIT_CONFIG),
         "relay that may not migrate",
-        &said,
         &[
             "permission denied for database",
             "migrations need CREATE on the database",
@@ -423,20 +466,18 @@ fn mariadb_a_wrong_password_or_missing_grants_end_the_commands_with_what_to_fix(
         "",
     );
     let redacted = format!("storage.url `mysql://{}:***@", user.name);
-    for args in [&["check"][..], &["relay"], &["status"]] {
-        let (code, said) = exits(&config.path, args);
-        assert_eq!(code, Some(EXIT_CONFIG), "{args:?}: {said}");
-        says(
-            &format!("{args:?} with a wrong password"),
-            &said,
-            &[
-                &redacted,
-                "the server refused the user or password",
-                "not retryable",
-            ],
-            Some(wrong),
-        );
-    }
+    let parts = [
+        redacted.as_str(),
+        "the server refused the user or password",
+        "not retryable",
+    ];
+    each_ends_saying(
+        &config.path,
+        &START_AND_READ,
+        "with a wrong password",
+        &parts,
+        Some(wrong),
+    );
 
     // The right password, and a grant on another table only.
     user.grant(&format!(
@@ -449,20 +490,30 @@ fn mariadb_a_wrong_password_or_missing_grants_end_the_commands_with_what_to_fix(
         "the user lacks a privilege on the outbox tables in database `test`; not retryable",
         "GRANT SELECT, INSERT, UPDATE, DELETE ON `test`.*",
     ];
-    let (code, said) = exits(&config.path, &["check"]);
-    assert_eq!(code, Some(1), "check: {said}");
-    says("check without grants", &said, &parts, Some(&password));
-    let (code, said) = exits(&config.path, &["status"]);
-    assert_eq!(code, Some(EXIT_CONFIG), "status: {said}");
-    says("status without grants", &said, &parts, Some(&password));
+    ends_saying(
+        &config.path,
+        &["check"],
+        Some(1),
+        "check without grants",
+        &parts,
+        Some(&password),
+    );
+    ends_saying(
+        &config.path,
+        &["status"],
+        Some(EXIT_CONFIG),
+        "status without grants",
+        &parts,
+        Some(&password),
+    );
     let fresh = unique_name("cli_t");
     let _fresh = Tables(fresh.clone());
     let migrating = mysql_config(&url, &fresh, "migrate = true");
-    let (code, said) = exits(&migrating.path, &["relay"]);
-    assert_eq!(code, Some(EXIT_CONFIG), "relay: {said}");
-    says(
+    ends_saying(
+        &migrating.path,
+        &["relay"],
+        Some(EXIT_CONFIG),
         "relay that may not migrate",
-        &said,
         &["CREATE command denied", "migrations need CREATE and INDEX"],
         Some(&password),
     );
@@ -489,15 +540,13 @@ fn sqlite_on_a_read_only_file_system_ends_every_command_naming_path() {
             "storage.path `{}` is on a read-only file system",
             shown.display()
         );
-        for args in [&["check"][..], &["relay"], &["status"]] {
-            let (code, said) = exits(&config.path, args);
-            assert_eq!(code, Some(EXIT_CONFIG), "{file} {args:?}: {said}");
-            says(
-                &format!("{file} {args:?}"),
-                &said,
-                &[&key, "not retryable: remount it read-write"],
-                None,
-            );
-        }
+        let parts = [key.as_str(), "not retryable: remount it read-write"];
+        each_ends_saying(
+            &config.path,
+            &START_AND_READ,
+            &format!("({file})"),
+            &parts,
+            None,
+        );
     }
 }

@@ -30,7 +30,7 @@ use outbox_tests::{Proxy, Service, postgres_url, unique_name};
 use sqlx::PgPool;
 use sqlx::postgres::PgPoolOptions;
 
-use super::{ConfigFile, outbox as run, text};
+use super::{ConfigFile, outbox as run, sigterm, text, until};
 
 const LEASE: Duration = Duration::from_secs(6);
 const KEYS: usize = 20;
@@ -117,11 +117,7 @@ impl Relay {
 
     /// SIGTERM; the exit code.
     fn terminate(&mut self) -> Option<i32> {
-        let status = Command::new("kill")
-            .args(["-TERM", &self.pid().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
+        sigterm(&self.child);
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Some(status) = self.child.try_wait().expect("wait") {
@@ -509,19 +505,6 @@ async fn link(outbox: &Outbox, stream_prefix: &str) -> Link {
         proxy.addr()
     ));
     Link { proxy, config }
-}
-
-/// Until `check` holds, polling; panics with `what` after `timeout`.
-async fn until<F, Fut>(what: &str, timeout: Duration, mut check: F)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = bool>,
-{
-    let deadline = Instant::now() + timeout;
-    while !check().await {
-        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 }
 
 /// Kills `relay` holding a live lease: its replies from Redis are held back until its batch

@@ -49,56 +49,100 @@ fn poison() -> String {
     format!("<script>alert('x')</script>&{}", "x".repeat(200))
 }
 
-fn redis_sink(name: &str, max_payload: usize) -> String {
-    format!(
-        "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max_payload}\n"
-    )
-}
-
-/// A relay on `schema`'s outbox with the console on `addr`, to a Redis sink that takes
-/// any payload (streams prefixed `name:`).
-fn console_config(schema: &str, name: &str, addr: &str) -> ConfigFile {
-    ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n{}",
-        storage_section(schema),
-        redis_sink(name, 1_000_000)
-    ))
-}
-
-/// A relay of [`console_config`] with the console on a free loopback port: its address,
+/// A relay of [`listening_config`] with the console on a free loopback port: its address,
 /// its configuration (kept while it runs), the relay and the console's first overview.
 async fn console_relay(schema: &str, name: &str) -> (String, ConfigFile, RelayProcess, Reply) {
     let addr = format!("127.0.0.1:{}", free_port());
-    let config = console_config(schema, name, &addr);
+    let config = listening_config(schema, name, &addr);
     let relay = RelayProcess::start(&config.path);
     let page = overview(&addr, &[]).await;
     (addr, config, relay, page)
+}
+
+/// A relay of [`poisoned`]'s strict sink with `settings` in its `[observability]`, listening
+/// on every address of a free port: the loopback address to reach it, and its configuration.
+fn off_loopback(schema: &str, name: &str, settings: &str) -> (String, ConfigFile) {
+    let port = free_port();
+    let config = relay_config(
+        schema,
+        &format!(
+            "{}{settings}{}",
+            listen_on(&format!("0.0.0.0:{port}")),
+            redis_sink(name, Some(100))
+        ),
+    );
+    (format!("127.0.0.1:{port}"), config)
+}
+
+/// A relay of [`off_loopback`] with `settings`, its log in a file, once its console answers
+/// a request with the `credentials` headers: the console's address, its configuration
+/// (kept while it runs: the log is beside it), the relay and its log's path.
+async fn guarded_console(
+    schema: &str,
+    name: &str,
+    settings: &str,
+    credentials: &[(&str, &str)],
+) -> (String, ConfigFile, RelayProcess, PathBuf) {
+    let (addr, config) = off_loopback(schema, name, settings);
+    let log = config.dir.join("relay.log");
+    let log_file = std::fs::File::create(&log).expect("the relay's log");
+    let relay = RelayProcess(spawn_relay(&config.path, &[], Stdio::null(), log_file));
+    assert_eq!(overview(&addr, credentials).await.status, 200);
+    (addr, config, relay, log)
+}
+
+/// Every page of the console answers each of `refused` (extra request headers) with 401,
+/// `challenge` in its `WWW-Authenticate`, and none of [`poisoned`]'s data; `missing` names
+/// what the request lacks in a failure.
+fn assert_every_page_refuses(
+    addr: &str,
+    (schema, id): (&str, &str),
+    refused: &[&[(&str, &str)]],
+    challenge: &str,
+    missing: &str,
+) {
+    let detail = format!("/dead-letter?id={id}");
+    for path in ["/", "/parked", "/relays", "/dead-letters", detail.as_str()] {
+        for extra in refused {
+            let reply = get(addr, path, extra);
+            assert_eq!(reply.status, 401, "{path} {extra:?}: {}", reply.body);
+            assert!(
+                reply
+                    .headers
+                    .contains(&format!("www-authenticate: {challenge}")),
+                "{}",
+                reply.headers
+            );
+            for secret in ["data-figure", "alert", schema, id, "max_payload"] {
+                assert!(
+                    !reply.body.contains(secret),
+                    "{path}: `{secret}` shown without {missing}"
+                );
+            }
+        }
+    }
+}
+
+/// Half a second after refused actions, [`poisoned`]'s dead letter and parked key are still
+/// there; `what` names the actions in a failure.
+async fn assert_nothing_acted(pool: &PgPool, schema: &str, what: &str) {
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(dead_and_parked(pool, schema).await, (1, 1), "{what} acted");
 }
 
 /// Makes key `a`'s head a dead letter (Redis refuses it as too large), with `a2` and `a3`
 /// parked behind it and `b1` delivered, in a fresh schema `cli_<what>_…` with Redis streams
 /// prefixed `<what>_…:`. Returns the pool, the schema, the prefix and the dead letter's id.
 async fn poisoned(what: &str) -> (PgPool, String, String, String) {
-    let pool = pool().await;
-    let schema = unique_name(&format!("cli_{what}"));
-    let name = unique_name(what);
+    let Fresh { pool, schema, name } = Fresh::new(what).await;
     let id = poison_key_a(&pool, &schema, &name).await;
     (pool, schema, name, id)
 }
 
 /// The dead letter of [`poisoned`] in `schema`; returns its id.
 async fn poison_key_a(pool: &PgPool, schema: &str, name: &str) -> String {
-    let strict = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}{}",
-        storage_section(schema),
-        redis_sink(name, 100)
-    ));
-    let migrate = outbox(&strict.path, &["migrate"]);
-    assert!(
-        migrate.status.success(),
-        "migrate: {}",
-        text(&migrate.stderr)
-    );
+    let strict = relay_config(schema, &redis_sink(name, Some(100)));
+    migrate(&strict);
     let lines: String = [(poison(), "a"), ("a2".into(), "a"), ("a3".into(), "a"), ("b1".into(), "b")]
         .iter()
         .map(|(payload, key)| {
@@ -108,25 +152,19 @@ async fn poison_key_a(pool: &PgPool, schema: &str, name: &str) -> String {
             )
         })
         .collect();
-    let enqueued = outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines);
-    assert!(
-        enqueued.status.success(),
-        "enqueue: {}",
-        text(&enqueued.stderr)
-    );
+    enqueue(&strict, &lines);
     let relay = RelayProcess::start(&strict.path);
-    let dead = format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count(pool, &dead).await == 0 {
-        assert!(Instant::now() < deadline, "never dead-lettered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let dead = &format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
+    until("a dead letter", Duration::from_secs(30), || async move {
+        count(pool, dead).await > 0
+    })
+    .await;
     // b1 is delivered and a2, a3 are parked: the queue is settled.
-    let settled = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
-    while count(pool, &settled).await != 2 {
-        assert!(Instant::now() < deadline, "b1 never delivered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let settled = &format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
+    until("b1 delivered", Duration::from_secs(30), || async move {
+        count(pool, settled).await == 2
+    })
+    .await;
     assert_eq!(relay.terminate().0, Some(0));
     sqlx::query_scalar(&format!(
         r#"SELECT id::text FROM "{schema}".outbox_dead_letters"#
@@ -297,12 +335,7 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
         );
         assert_eq!(acted.status, 403, "{header}: {}", acted.body);
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        dead_and_parked(&pool, &schema).await,
-        (1, 1),
-        "an unconfirmed, forged or proxied replay acted"
-    );
+    assert_nothing_acted(&pool, &schema, "an unconfirmed, forged or proxied replay").await;
 
     // Confirmed, from the console's own page: replayed; the key drains in its order.
     let done = request(
@@ -326,42 +359,20 @@ async fn the_console_shows_a_dead_letter_escaped_and_replays_it_in_key_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() {
     let (pool, schema, name, id) = poisoned("console_auth").await;
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
     let token = "c0ns0le-t0ken-for-the-test-0123456789";
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\nconsole_token = \"{token}\"\nconsole_read_only = true\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 100)
-    ));
-    let relay = RelayProcess::start(&config.path);
     let bearer = format!("Bearer {token}");
     let with_token = [("Authorization", bearer.as_str())];
-    assert_eq!(overview(&addr, &with_token).await.status, 200);
+    let settings =
+        format!("console = true\nconsole_token = \"{token}\"\nconsole_read_only = true\n");
+    let (addr, _config, relay, _) = guarded_console(&schema, &name, &settings, &with_token).await;
 
     // Without the token, or with a wrong one: 401 and no data, on every page.
-    let detail = format!("/dead-letter?id={id}");
-    for path in ["/", "/parked", "/relays", "/dead-letters", detail.as_str()] {
-        for extra in [
-            &[][..],
-            &[("Authorization", "Bearer wrong-token-0123456789")][..],
-            &[("Cookie", "outbox_console=guess")][..],
-        ] {
-            let reply = get(&addr, path, extra);
-            assert_eq!(reply.status, 401, "{path} {extra:?}: {}", reply.body);
-            assert!(
-                reply.headers.contains("www-authenticate: bearer"),
-                "{}",
-                reply.headers
-            );
-            for secret in ["data-figure", "alert", &schema, &id, "max_payload"] {
-                assert!(
-                    !reply.body.contains(secret),
-                    "{path}: `{secret}` shown without the token"
-                );
-            }
-        }
-    }
+    let refused: [&[(&str, &str)]; 3] = [
+        &[],
+        &[("Authorization", "Bearer wrong-token-0123456789")],
+        &[("Cookie", "outbox_console=guess")],
+    ];
+    assert_every_page_refuses(&addr, (&schema, &id), &refused, "bearer", "the token");
     // The probes stay open.
     assert_eq!(get(&addr, "/health/live", &[]).status, 200);
     assert_eq!(get(&addr, "/metrics", &[]).status, 200);
@@ -418,22 +429,12 @@ async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() 
         // Without the token, the answer is 401 whatever the form.
         assert_eq!(request(&addr, "POST", "/action", &[], &form).status, 401);
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        dead_and_parked(&pool, &schema).await,
-        (1, 1),
-        "a refused action acted"
-    );
+    assert_nothing_acted(&pool, &schema, "a refused action").await;
     assert_eq!(relay.terminate().0, Some(0));
 
     // Off loopback without a token the console is off: the listener serves the probes only.
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
-    let open = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 100)
-    ));
+    let (addr, open) = off_loopback(&schema, &name, "");
+    let detail = format!("/dead-letter?id={id}");
     let relay = RelayProcess::start(&open.path);
     wait_for_http(&addr).await;
     assert_eq!(get(&addr, "/health/live", &[]).status, 200);
@@ -444,11 +445,7 @@ async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() 
     }
     assert_eq!(relay.terminate().0, Some(0));
     // Turned on there without a token: a configuration error at start-up.
-    let unguarded = ConfigFile::new(&format!(
-        "{}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 100)
-    ));
+    let (_, unguarded) = off_loopback(&schema, &name, "console = true\n");
     let out = outbox(&unguarded.path, &["relay"]);
     assert_eq!(
         out.status.code(),
@@ -470,50 +467,26 @@ async fn the_console_token_guards_its_data_and_read_only_mode_refuses_actions() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn console_basic_auth_guards_its_data_and_logs_who_acted() {
     let (pool, schema, name, id) = poisoned("console_basic").await;
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
     let password = "pa55word-0123456";
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole_user = \"ops\"\nconsole_password = \"{password}\"\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 100)
-    ));
-    let log = config.dir.join("relay.log");
-    let relay = RelayProcess(
-        outbox_command(&config.path)
-            .arg("relay")
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log).expect("the relay's log"))
-            .spawn()
-            .expect("start the relay"),
-    );
     // `ops:pa55word-0123456` and `ops:wrong-password-0`, base64.
     let right = [("Authorization", "Basic b3BzOnBhNTV3b3JkLTAxMjM0NTY=")];
     let wrong = [("Authorization", "Basic b3BzOndyb25nLXBhc3N3b3JkLTA=")];
-    assert_eq!(overview(&addr, &right).await.status, 200);
+    let settings = format!("console_user = \"ops\"\nconsole_password = \"{password}\"\n");
+    let (addr, _config, relay, log) = guarded_console(&schema, &name, &settings, &right).await;
 
+    let refused: [&[(&str, &str)]; 3] = [
+        &[],
+        &wrong,
+        &[("Authorization", "Bearer b3BzOnBhNTV3b3JkLTAxMjM0NTY=")],
+    ];
+    assert_every_page_refuses(
+        &addr,
+        (&schema, &id),
+        &refused,
+        "basic realm",
+        "the password",
+    );
     let detail = format!("/dead-letter?id={id}");
-    for path in ["/", "/parked", "/relays", "/dead-letters", detail.as_str()] {
-        for extra in [
-            &[][..],
-            &wrong[..],
-            &[("Authorization", "Bearer b3BzOnBhNTV3b3JkLTAxMjM0NTY=")][..],
-        ] {
-            let reply = get(&addr, path, extra);
-            assert_eq!(reply.status, 401, "{path} {extra:?}: {}", reply.body);
-            assert!(
-                reply.headers.contains("www-authenticate: basic realm"),
-                "{}",
-                reply.headers
-            );
-            for secret in ["data-figure", "alert", &schema, &id, "max_payload"] {
-                assert!(
-                    !reply.body.contains(secret),
-                    "{path}: `{secret}` shown without the password"
-                );
-            }
-        }
-    }
     let page = get(&addr, "/", &right);
     assert!(
         page.body.contains(r#"data-figure="parked-keys">1<"#),
@@ -566,35 +539,48 @@ async fn console_basic_auth_guards_its_data_and_logs_who_acted() {
     drop_schema(&pool, &schema).await;
 }
 
+/// Migrates `storage`, enqueues a message of each (topic, payload, key) and claims `batch`
+/// of them for 30 s.
+async fn enqueue_and_claim(
+    storage: &dyn outbox::StorageAdmin,
+    messages: &[(&str, &str, &str)],
+    batch: usize,
+) -> outbox::Claim {
+    storage.migrate().await.expect("migrate");
+    let messages: Vec<outbox::NewMessage> = messages
+        .iter()
+        .map(|&(topic, payload, key)| outbox::NewMessage::new(topic, payload).key(key))
+        .collect();
+    storage.enqueue(&messages).await.expect("enqueue");
+    storage
+        .claim("console-test", batch, Duration::from_secs(30))
+        .await
+        .expect("claim")
+}
+
+/// An ack, retry or dead letter of one claimed message: it must settle exactly that one.
+async fn settles_one(settled: impl std::future::Future<Output = outbox::Result<u64>>, what: &str) {
+    let settled = settled.await.unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(settled, 1, "{what}");
+}
+
 /// `waiting_behind` of every SQL storage: after its head is dead-lettered, key `k`'s two
 /// later messages wait behind it; another key's message does not count.
 async fn two_wait_behind(storage: &dyn outbox::StorageAdmin, what: &str) {
-    storage.migrate().await.expect("migrate");
     let messages = [
-        outbox::NewMessage::new("t", "k1").key("k"),
-        outbox::NewMessage::new("t", "k2").key("k"),
-        outbox::NewMessage::new("t", "k3").key("k"),
-        outbox::NewMessage::new("t", "o1").key("other"),
+        ("t", "k1", "k"),
+        ("t", "k2", "k"),
+        ("t", "k3", "k"),
+        ("t", "o1", "other"),
     ];
-    storage.enqueue(&messages).await.expect("enqueue");
-    let claim = storage
-        .claim("console-test", 1, Duration::from_secs(30))
-        .await
-        .expect("claim");
+    let claim = enqueue_and_claim(storage, &messages, 1).await;
     assert_eq!(claim.messages.len(), 1, "{what}");
     assert_eq!(claim.messages[0].payload, b"k1", "{what}");
     let dead = outbox::DeadLetter {
         id: claim.messages[0].id,
         error: "poison".into(),
     };
-    assert_eq!(
-        storage
-            .dead_letter(&claim.token, &[dead])
-            .await
-            .expect("dead letter"),
-        1,
-        "{what}"
-    );
+    settles_one(storage.dead_letter(&claim.token, &[dead]), what).await;
     assert_eq!(
         storage.parked_keys().await.expect("parked").len(),
         1,
@@ -669,6 +655,15 @@ impl SqlStorages {
         }
     }
 
+    /// Runs `check` on a fresh table of each storage of [`SqlStorages::new`], then drops them.
+    async fn check_each(log_mode: bool, check: impl AsyncFn(&dyn outbox::StorageAdmin, &str)) {
+        let storages = SqlStorages::new(log_mode).await;
+        for (what, storage) in &storages.all {
+            check(storage.as_ref(), what).await;
+        }
+        storages.drop().await;
+    }
+
     async fn drop(self) {
         let pool = pool().await;
         for schema in &self.schemas {
@@ -695,27 +690,14 @@ impl SqlStorages {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_sql_storage_counts_the_messages_waiting_behind_a_parked_key() {
     // Log mode cannot tell (the console shows `?`).
-    let storages = SqlStorages::new(false).await;
-    for (what, storage) in &storages.all {
-        two_wait_behind(storage.as_ref(), what).await;
-    }
-    storages.drop().await;
+    SqlStorages::check_each(false, two_wait_behind).await;
 }
 
 /// Topic `t`'s first message refused once (waiting an hour to retry), its second delivered,
 /// topic `u`'s one pending: every SQL storage counts one retrying message, in `t`.
 async fn one_retrying(storage: &dyn outbox::StorageAdmin, what: &str) {
-    storage.migrate().await.expect("migrate");
-    let messages = [
-        outbox::NewMessage::new("t", "t1").key("a"),
-        outbox::NewMessage::new("t", "t2").key("b"),
-        outbox::NewMessage::new("u", "u1").key("c"),
-    ];
-    storage.enqueue(&messages).await.expect("enqueue");
-    let claim = storage
-        .claim("console-test", 2, Duration::from_secs(30))
-        .await
-        .expect("claim");
+    let messages = [("t", "t1", "a"), ("t", "t2", "b"), ("u", "u1", "c")];
+    let claim = enqueue_and_claim(storage, &messages, 2).await;
     let [first, second] = claim.messages.as_slice() else {
         panic!("{what}: claimed {:?}", claim.messages);
     };
@@ -729,23 +711,12 @@ async fn one_retrying(storage: &dyn outbox::StorageAdmin, what: &str) {
         delay: Duration::from_secs(3600),
         error: "refused".into(),
     };
-    assert_eq!(
-        storage
-            .retry(&claim.token, &[refused])
-            .await
-            .expect("retry"),
-        1,
-        "{what}"
-    );
+    settles_one(storage.retry(&claim.token, &[refused]), what).await;
     let delivered = outbox::Delivery {
         id: second.id,
         receipt: outbox::Receipt::default(),
     };
-    assert_eq!(
-        storage.ack(&claim.token, &[delivered]).await.expect("ack"),
-        1,
-        "{what}"
-    );
+    settles_one(storage.ack(&claim.token, &[delivered]), what).await;
     let stats = storage.stats().await.expect("stats");
     assert_eq!(
         (stats.pending, stats.in_flight, stats.retrying),
@@ -768,20 +739,14 @@ async fn one_retrying(storage: &dyn outbox::StorageAdmin, what: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_sql_storage_counts_the_messages_waiting_to_retry() {
-    let storages = SqlStorages::new(true).await;
-    for (what, storage) in &storages.all {
-        one_retrying(storage.as_ref(), what).await;
-    }
-    storages.drop().await;
+    SqlStorages::check_each(true, one_retrying).await;
 }
 
 /// The overview shows a message waiting to retry, in all and in its topic, as does
 /// `outbox status --json`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_overview_shows_the_messages_waiting_to_retry() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console_retry_page");
-    let name = unique_name("console_retry");
+    let Fresh { pool, schema, name } = Fresh::new("console_retry_page").await;
     let storage = outbox::postgres::PgStorage::new(
         outbox::postgres::PostgresConfig::new(postgres_url()).table(&schema, "outbox"),
     )
@@ -789,15 +754,14 @@ async fn the_overview_shows_the_messages_waiting_to_retry() {
     one_retrying(&storage, "before the relay").await;
 
     let addr = format!("127.0.0.1:{}", free_port());
-    let config = console_config(&schema, &name, &addr);
+    let config = listening_config(&schema, &name, &addr);
     let relay = RelayProcess::start(&config.path);
     // The relay delivers `u1`; `t1` waits out its hour.
-    let left = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count(&pool, &left).await != 1 {
-        assert!(Instant::now() < deadline, "u1 never delivered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (db, left) = (&pool, &format!(r#"SELECT count(*) FROM "{schema}".outbox"#));
+    until("u1 delivered", Duration::from_secs(30), || async move {
+        count(db, left).await == 1
+    })
+    .await;
     let page = overview(&addr, &[]).await;
     assert_eq!(page.status, 200, "{}", page.body);
     for figure in [
@@ -819,8 +783,7 @@ async fn the_overview_shows_the_messages_waiting_to_retry() {
         (&serde_json::json!(1), &serde_json::json!(1)),
         "{json}"
     );
-    assert_eq!(relay.terminate().0, Some(0));
-    drop_schema(&pool, &schema).await;
+    finish(relay, &pool, &schema).await;
 }
 
 /// The review's hardening notes (issue 30 item 9): each login opens a session of its own (a
@@ -829,18 +792,11 @@ async fn the_overview_shows_the_messages_waiting_to_retry() {
 /// (429 with `Retry-After`, the right token included), and after the wait it logs in.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn logins_open_sessions_of_their_own_and_guessing_is_throttled() {
-    let pool = pool().await;
-    let schema = unique_name("cli_console_sessions");
-    let name = unique_name("console_sessions");
-    let port = free_port();
-    let addr = format!("127.0.0.1:{port}");
+    let Fresh { pool, schema, name } = Fresh::new("console_sessions").await;
     let token = "s3ssion-t0ken-for-the-test-0123456789";
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"0.0.0.0:{port}\"\nconsole = true\nconsole_token = \"{token}\"\n{}",
-        storage_section(&schema),
-        redis_sink(&name, 1000)
-    ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let settings = format!("console = true\nconsole_token = \"{token}\"\n");
+    let (addr, config) = off_loopback(&schema, &name, &settings);
+    migrate(&config);
     let relay = RelayProcess::start(&config.path);
     let bearer = format!("Bearer {token}");
     assert_eq!(
@@ -940,6 +896,5 @@ async fn logins_open_sessions_of_their_own_and_guessing_is_throttled() {
         200,
         "a right login forgot the failures"
     );
-    assert_eq!(relay.terminate().0, Some(0));
-    drop_schema(&pool, &schema).await;
+    finish(relay, &pool, &schema).await;
 }

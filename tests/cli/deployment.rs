@@ -5,7 +5,7 @@
 
 use std::path::Path;
 
-use super::{ConfigFile, text};
+use super::{ConfigFile, said, text};
 
 fn repo_file(name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(name);
@@ -103,12 +103,8 @@ fn the_compose_file_and_the_service_unit_give_settings_the_relay_takes() {
         .env("OUTBOX_STORAGE__CONNECT_TIMEOUT", "1s")
         .output()
         .expect("run the outbox binary");
-    let printed = format!("{}{}", text(&out.stdout), text(&out.stderr));
-    assert_ne!(
-        out.status.code(),
-        Some(78),
-        "a configuration error: {printed}"
-    );
+    let (code, printed) = said(&out);
+    assert_ne!(code, Some(78), "a configuration error: {printed}");
     assert!(
         printed.contains("127.0.0.1:1/"),
         "the URL from the file was not used: {printed}"

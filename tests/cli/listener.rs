@@ -111,9 +111,7 @@ async fn the_probes_answer_while_slow_clients_hold_connections() {
         waited >= Duration::from_secs(8) && waited < Duration::from_secs(15),
         "closed after {waited:?}; the header time-out is 10 s"
     );
-    let _ = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status();
+    super::sigterm(&relay);
     let _ = relay.wait();
     let _ = std::fs::remove_dir_all(&dir);
     drop_schema(&pool, &schema).await;

@@ -6,7 +6,7 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 // `free_port` serves the listener and console modules too, through `super`.
-use outbox_tests::{free_addr, free_port, postgres_url, unique_name};
+use outbox_tests::{TempDir, free_addr, free_port, postgres_url, unique_name};
 use sqlx::PgPool;
 
 const EXIT_CONFIG: i32 = 78;
@@ -73,6 +73,13 @@ fn with_stdin(mut command: Command, input: &str) -> Output {
 
 fn text(bytes: &[u8]) -> String {
     String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// How a run of the binary ended: its exit code, and all it printed (standard output, then
+/// standard error).
+fn said(out: &Output) -> (Option<i32>, String) {
+    let printed = format!("{}{}", text(&out.stdout), text(&out.stderr));
+    (out.status.code(), printed)
 }
 
 /// Runs `check` on each (configuration, expected text): it must exit with the configuration
@@ -167,28 +174,58 @@ async fn drop_schema(pool: &PgPool, schema: &str) {
         .await;
 }
 
+/// `outbox relay` with `env` set (and `RUST_LOG` unset unless `env` sets it), its output
+/// going to `stdout` and `stderr`.
+fn spawn_relay(
+    config: &Path,
+    env: &[(&str, &str)],
+    stdout: impl Into<Stdio>,
+    stderr: impl Into<Stdio>,
+) -> std::process::Child {
+    outbox_command(config)
+        .arg("relay")
+        .env_remove("RUST_LOG")
+        .envs(env.iter().copied())
+        .stdout(stdout)
+        .stderr(stderr)
+        .spawn()
+        .expect("start the relay")
+}
+
+/// Sends SIGTERM to `child`; the `kill` command must succeed.
+fn sigterm(child: &std::process::Child) {
+    let status = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .expect("kill");
+    assert!(status.success(), "kill -TERM {}", child.id());
+}
+
+/// Until `check` holds, polling; panics with `what` after `timeout`.
+async fn until<F, Fut>(what: &str, timeout: Duration, mut check: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < deadline, "{what} within {timeout:?}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// A relay process, stopped with SIGTERM.
 struct RelayProcess(std::process::Child);
 
 impl RelayProcess {
     fn start(config: &Path) -> Self {
-        let child = outbox_command(config)
-            .arg("relay")
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start the relay");
-        RelayProcess(child)
+        RelayProcess(spawn_relay(config, &[], Stdio::null(), Stdio::inherit()))
     }
 
     /// Sends SIGTERM and waits; returns the exit code and how long the exit took.
     fn terminate(mut self) -> (Option<i32>, Duration) {
         let asked = Instant::now();
-        let status = Command::new("kill")
-            .args(["-TERM", &self.0.id().to_string()])
-            .status()
-            .expect("kill");
-        assert!(status.success());
+        sigterm(&self.0);
         let deadline = asked + Duration::from_secs(30);
         loop {
             if let Some(status) = self.0.try_wait().expect("wait") {
@@ -223,6 +260,78 @@ async fn wait_until_empty(pool: &PgPool, schema: &str, timeout: Duration) {
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// What a test against PostgreSQL works in: the pool, a fresh schema `cli_<what>_…` and a
+/// unique `name` (`<what>_…`) for its broker's streams and queues.
+struct Fresh {
+    pool: PgPool,
+    schema: String,
+    name: String,
+}
+
+impl Fresh {
+    async fn new(what: &str) -> Fresh {
+        Fresh {
+            pool: pool().await,
+            schema: unique_name(&format!("cli_{what}")),
+            name: unique_name(what),
+        }
+    }
+}
+
+/// The end of a [`Fresh`] test: `relay` exits 0 on SIGTERM, then the schema is dropped.
+async fn finish(relay: RelayProcess, pool: &PgPool, schema: &str) {
+    assert_eq!(relay.terminate().0, Some(0), "the relay's exit on SIGTERM");
+    drop_schema(pool, schema).await;
+}
+
+/// A fast-polling relay on `schema`'s outbox, with `sections` after its `[relay]`.
+fn relay_config(schema: &str, sections: &str) -> ConfigFile {
+    ConfigFile::new(&format!(
+        "{}{FAST_RELAY}{sections}",
+        storage_section(schema)
+    ))
+}
+
+/// A sink to the local Redis whose streams are prefixed `name:`; with `max_payload`, it
+/// refuses larger payloads.
+fn redis_sink(name: &str, max_payload: Option<usize>) -> String {
+    let limit = max_payload.map_or(String::new(), |max| format!("max_payload = {max}\n"));
+    format!(
+        "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n{limit}"
+    )
+}
+
+/// A fast-polling relay on `schema`'s outbox with its listener (and console) on `addr`, to
+/// Redis streams prefixed `name:`.
+fn listening_config(schema: &str, name: &str, addr: &str) -> ConfigFile {
+    relay_config(
+        schema,
+        &format!("{}{}", listen_on(addr), redis_sink(name, None)),
+    )
+}
+
+/// A file sink writing JSON lines to `path`.
+fn file_sink(path: &Path) -> String {
+    format!("[sink]\ntype = \"file\"\npath = \"{}\"\n", path.display())
+}
+
+/// The `[observability]` section of a listener on `addr`.
+fn listen_on(addr: &str) -> String {
+    format!("[observability]\nlisten = \"{addr}\"\n")
+}
+
+/// `outbox migrate` with `config`; it must succeed.
+fn migrate(config: &ConfigFile) {
+    let out = outbox(&config.path, &["migrate"]);
+    assert!(out.status.success(), "migrate: {}", text(&out.stderr));
+}
+
+/// `outbox enqueue --stdin` of the JSON `lines` with `config`; it must succeed.
+fn enqueue(config: &ConfigFile, lines: &str) {
+    let out = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], lines);
+    assert!(out.status.success(), "enqueue: {}", text(&out.stderr));
 }
 
 #[test]
@@ -282,10 +391,9 @@ fn tables_never_migrated_are_reported_with_what_to_run() {
     for (storage, contents) in configs {
         let config = ConfigFile::new(&contents);
         for command in [&["status"][..], &["dead-letters", "list"], &["check"]] {
-            let out = outbox(&config.path, command);
-            let said = format!("{}{}", text(&out.stdout), text(&out.stderr));
+            let (code, said) = said(&outbox(&config.path, command));
             assert_eq!(
-                out.status.code(),
+                code,
                 Some(1),
                 "{storage} {command:?}: a runtime failure, not a configuration error: {said}"
             );
@@ -347,19 +455,9 @@ fn check_sample(arrived: &[(Option<String>, Vec<u8>)], broker: &str) {
 
 /// Runs the relay with `sink` until the outbox is empty, then stops it with SIGTERM.
 async fn relay_once(pool: &PgPool, schema: &str, sink: &str) {
-    let config = ConfigFile::new(&format!("{}{FAST_RELAY}{sink}", storage_section(schema)));
-    let migrate = outbox(&config.path, &["migrate"]);
-    assert!(
-        migrate.status.success(),
-        "migrate: {}",
-        text(&migrate.stderr)
-    );
-    let enqueued = outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines());
-    assert!(
-        enqueued.status.success(),
-        "enqueue: {}",
-        text(&enqueued.stderr)
-    );
+    let config = relay_config(schema, sink);
+    migrate(&config);
+    enqueue(&config, &sample_lines());
     let relay = RelayProcess::start(&config.path);
     wait_until_empty(pool, schema, Duration::from_secs(60)).await;
     let (code, _) = relay.terminate();
@@ -368,16 +466,11 @@ async fn relay_once(pool: &PgPool, schema: &str, sink: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration() {
-    let pool = pool().await;
-    let schema = unique_name("cli_swap");
-    let name = unique_name("swap");
+    let Fresh { pool, schema, name } = Fresh::new("swap").await;
 
     #[cfg(feature = "redis")]
     {
-        let sink = format!(
-            "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n"
-        );
-        relay_once(&pool, &schema, &sink).await;
+        relay_once(&pool, &schema, &redis_sink(&name, None)).await;
         check_sample(&redis_stream(&format!("{name}:orders")).await, "redis");
     }
     #[cfg(feature = "amqp")]
@@ -543,36 +636,21 @@ async fn kafka_read(topic: &str, n: usize) -> Vec<(Option<String>, Vec<u8>)> {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
-    let pool = pool().await;
-    let schema = unique_name("cli_dead");
-    let name = unique_name("dead");
-    let sink = |max: usize| {
-        format!(
-            "[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\nmax_payload = {max}\n"
-        )
-    };
-    let strict = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}{}",
-        storage_section(&schema),
-        sink(100)
-    ));
-    assert!(outbox(&strict.path, &["migrate"]).status.success());
+    let Fresh { pool, schema, name } = Fresh::new("dead").await;
+    let strict = relay_config(&schema, &redis_sink(&name, Some(100)));
+    migrate(&strict);
     let big = "x".repeat(200);
     let lines = format!(
         "{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"{big}\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a2\"}}\n{{\"topic\":\"t\",\"key\":\"a\",\"payload\":\"a3\"}}\n{{\"topic\":\"t\",\"key\":\"b\",\"payload\":\"b1\"}}\n"
     );
-    assert!(
-        outbox_with_stdin(&strict.path, &["enqueue", "--stdin"], &lines)
-            .status
-            .success()
-    );
+    enqueue(&strict, &lines);
     let relay = RelayProcess::start(&strict.path);
     let dead = format!(r#"SELECT count(*) FROM "{schema}".outbox_dead_letters"#);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count(&pool, &dead).await == 0 {
-        assert!(Instant::now() < deadline, "never dead-lettered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let (db, dead_sql) = (&pool, &dead);
+    until("a dead letter", Duration::from_secs(30), || async move {
+        count(db, dead_sql).await > 0
+    })
+    .await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(relay.terminate().0, Some(0));
 
@@ -624,11 +702,7 @@ async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
     );
 
     // The operator raises the limit and replays: the head goes first, then the parked rest.
-    let relaxed = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}{}",
-        storage_section(&schema),
-        sink(1_000_000)
-    ));
+    let relaxed = relay_config(&schema, &redis_sink(&name, Some(1_000_000)));
     let replay = outbox(&relaxed.path, &["dead-letters", "replay", "--all"]);
     assert!(
         text(&replay.stdout).contains("replayed 1"),
@@ -656,14 +730,9 @@ async fn dead_letters_replay_restores_key_order_and_status_matches_the_table() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
-    let pool = pool().await;
-    let schema = unique_name("cli_term");
-    let name = unique_name("term");
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
-        storage_section(&schema)
-    ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let Fresh { pool, schema, name } = Fresh::new("term").await;
+    let config = relay_config(&schema, &redis_sink(&name, None));
+    migrate(&config);
     let total = 50_000i64;
     sqlx::query(&format!(
         r#"INSERT INTO "{schema}".outbox (id, topic, partition_key, payload)
@@ -675,11 +744,13 @@ async fn sigterm_during_a_busy_relay_exits_in_time_and_loses_nothing() {
     .unwrap();
     let relay = RelayProcess::start(&config.path);
     let left = format!(r#"SELECT count(*) FROM "{schema}".outbox"#);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while count(&pool, &left).await > total - 1000 {
-        assert!(Instant::now() < deadline, "relay never got going");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let (db, left_sql) = (&pool, &left);
+    until(
+        "the relay under way",
+        Duration::from_secs(60),
+        || async move { count(db, left_sql).await <= total - 1000 },
+    )
+    .await;
     let (code, took) = relay.terminate();
     assert_eq!(code, Some(0));
     assert!(
@@ -775,6 +846,12 @@ async fn checked_readiness(addr: &str) -> (u16, String) {
     }
 }
 
+/// The value of the first series of `metrics` (Prometheus text) whose line is `wanted`.
+fn metric(metrics: &str, wanted: impl Fn(&str) -> bool) -> Option<f64> {
+    let line = metrics.lines().find(|l| wanted(l))?;
+    line.rsplit(' ').next()?.parse().ok()
+}
+
 async fn wait_for_http(addr: &str) {
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(addr).is_err() {
@@ -786,21 +863,18 @@ async fn wait_for_http(addr: &str) {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_health_endpoints_report_the_relay() {
-    let pool = pool().await;
-    let schema = unique_name("cli_obs");
-    let name = unique_name("obs");
+    let Fresh { pool, schema, name } = Fresh::new("obs").await;
     let addr = free_addr();
-    let observability = format!("[observability]\nlisten = \"{addr}\"\nlog_format = \"json\"\n");
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}{observability}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
-        storage_section(&schema)
-    ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
-    assert!(
-        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines())
-            .status
-            .success()
+    let config = relay_config(
+        &schema,
+        &format!(
+            "{}log_format = \"json\"\n{}",
+            listen_on(&addr),
+            redis_sink(&name, None)
+        ),
     );
+    migrate(&config);
+    enqueue(&config, &sample_lines());
     let relay = RelayProcess::start(&config.path);
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
     wait_for_http(&addr).await;
@@ -830,11 +904,10 @@ async fn metrics_and_health_endpoints_report_the_relay() {
     assert_eq!(status, 200, "{body}");
     let (status, metrics) = http_get(&addr, "/metrics");
     assert_eq!(status, 200);
-    let delivered: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("outbox_delivered_total{") && l.contains("topic=\"orders\""))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
-        .unwrap_or_else(|| panic!("no delivered counter for topic orders in:\n{metrics}"));
+    let delivered = metric(&metrics, |l| {
+        l.starts_with("outbox_delivered_total{") && l.contains("topic=\"orders\"")
+    })
+    .unwrap_or_else(|| panic!("no delivered counter for topic orders in:\n{metrics}"));
     assert_eq!(delivered, 31.0);
     for name in [
         "outbox_publish_duration_seconds_bucket",
@@ -861,18 +934,20 @@ async fn metrics_and_health_endpoints_report_the_relay() {
 
     // A sink that cannot be reached: live, but not ready.
     let addr = free_addr();
-    let down = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\npublish_timeout = \"300ms\"\n",
-        storage_section(&schema)
-    ));
+    let down = relay_config(
+        &schema,
+        &format!(
+            "{}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:1\"\npublish_timeout = \"300ms\"\n",
+            listen_on(&addr)
+        ),
+    );
     let relay = RelayProcess::start(&down.path);
     wait_for_http(&addr).await;
     assert_eq!(http_get(&addr, "/health/live").0, 200);
     let (status, body) = checked_readiness(&addr).await;
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("relay default: sink"), "{body}");
-    assert_eq!(relay.terminate().0, Some(0));
-    drop_schema(&pool, &schema).await;
+    finish(relay, &pool, &schema).await;
 }
 
 /// A database that answers the health check but refuses every claim (here: a column the
@@ -882,15 +957,10 @@ async fn metrics_and_health_endpoints_report_the_relay() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_fails_while_every_claim_fails_and_comes_back_with_the_claims() {
-    let pool = pool().await;
-    let schema = unique_name("cli_runs");
-    let name = unique_name("runs");
+    let Fresh { pool, schema, name } = Fresh::new("runs").await;
     let addr = free_addr();
-    let config = ConfigFile::new(&format!(
-        "{}{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
-        storage_section(&schema)
-    ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
+    let config = listening_config(&schema, &name, &addr);
+    migrate(&config);
     let relay = RelayProcess::start(&config.path);
     wait_for_http(&addr).await;
     let (status, body) = checked_readiness(&addr).await;
@@ -919,10 +989,7 @@ async fn readiness_fails_while_every_claim_fails_and_comes_back_with_the_claims(
         "the answer names the relay and the error: {body}"
     );
     let (_, metrics) = http_get(&addr, "/metrics");
-    let failures: f64 = metrics
-        .lines()
-        .find(|l| l.starts_with("outbox_run_failures_total{"))
-        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+    let failures = metric(&metrics, |l| l.starts_with("outbox_run_failures_total{"))
         .unwrap_or_else(|| panic!("no outbox_run_failures_total in:\n{metrics}"));
     assert!(failures >= 3.0, "{failures}");
 
@@ -930,16 +997,11 @@ async fn readiness_fails_while_every_claim_fails_and_comes_back_with_the_claims(
         .execute(&pool)
         .await
         .expect("rename the column back");
-    assert!(
-        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &sample_lines())
-            .status
-            .success()
-    );
+    enqueue(&config, &sample_lines());
     wait_until_empty(&pool, &schema, Duration::from_secs(60)).await;
     let (status, body) = http_get(&addr, "/health/ready");
     assert_eq!(status, 200, "ready again once claims succeed: {body}");
-    assert_eq!(relay.terminate().0, Some(0));
-    drop_schema(&pool, &schema).await;
+    finish(relay, &pool, &schema).await;
 }
 
 #[cfg(feature = "redis")]
@@ -994,17 +1056,16 @@ sink = {{ type = "redis", url = "redis://127.0.0.1:6379", stream_prefix = "{name
         }
     }
     for (schema, table) in [(&orders, "outbox"), (&billing, "events")] {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while count(
+        let (db, left) = (
             &pool,
             &format!(r#"SELECT count(*) FROM "{schema}".{table}"#),
+        );
+        until(
+            &format!("{schema}.{table} drained"),
+            Duration::from_secs(30),
+            || async move { count(db, left).await == 0 },
         )
-        .await
-            > 0
-        {
-            assert!(Instant::now() < deadline, "{schema}.{table} not drained");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        .await;
     }
     assert_eq!(relay.terminate().0, Some(0));
     assert_eq!(
@@ -1067,13 +1128,12 @@ fn every_example_configuration_is_valid() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enqueue_from_stdin_accounts_for_what_committed_when_a_later_batch_fails() {
-    let pool = pool().await;
-    let schema = unique_name("cli_enqueue");
+    let Fresh { pool, schema, .. } = Fresh::new("enqueue").await;
     let config = ConfigFile::new(&format!(
         "{}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n",
         storage_section(&schema)
     ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
+    migrate(&config);
     // The database refuses one message of the second transaction.
     for statement in [
         format!(
@@ -1185,14 +1245,13 @@ async fn migrate_print_sql_gives_the_script_a_dba_applies_with_psql() {
 #[cfg(feature = "redis")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_relay_processes_export_the_same_label_sets() {
-    let pool = pool().await;
-    let schema = unique_name("cli_labels");
-    let name = unique_name("labels");
+    let Fresh { pool, schema, name } = Fresh::new("labels").await;
     let config = ConfigFile::new(&format!(
-        "{}migrate = true\n{FAST_RELAY}[sink]\ntype = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\nstream_prefix = \"{name}:\"\n",
-        storage_section(&schema)
+        "{}migrate = true\n{FAST_RELAY}{}",
+        storage_section(&schema),
+        redis_sink(&name, None)
     ));
-    assert!(outbox(&config.path, &["migrate"]).status.success());
+    migrate(&config);
     let lines: String = (0..40)
         .map(|i| {
             format!(
@@ -1201,23 +1260,18 @@ async fn two_relay_processes_export_the_same_label_sets() {
             )
         })
         .collect();
-    assert!(
-        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines)
-            .status
-            .success()
-    );
+    enqueue(&config, &lines);
     let addrs = [free_addr(), free_addr()];
     let relays: Vec<RelayProcess> = addrs
         .iter()
         .map(|addr| {
-            let child = outbox_command(&config.path)
-                .arg("relay")
-                .env("OUTBOX_OBSERVABILITY__LISTEN", addr)
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()
-                .expect("start a relay");
-            RelayProcess(child)
+            let env = [("OUTBOX_OBSERVABILITY__LISTEN", addr.as_str())];
+            RelayProcess(spawn_relay(
+                &config.path,
+                &env,
+                Stdio::null(),
+                Stdio::null(),
+            ))
         })
         .collect();
     wait_until_empty(&pool, &schema, Duration::from_secs(30)).await;
@@ -1259,19 +1313,17 @@ async fn two_relay_processes_export_the_same_label_sets() {
 #[cfg(feature = "file")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_and_metrics_show_what_holds_the_log_horizon() {
-    let pool = pool().await;
-    let schema = unique_name("cli_horizon");
+    let Fresh { pool, schema, .. } = Fresh::new("horizon").await;
     let addr = free_addr();
-    let dir = std::env::temp_dir().join(unique_name("horizon_out"));
-    std::fs::create_dir_all(&dir).expect("output dir");
-    let out = dir.join("out.jsonl");
+    let dir = TempDir::new("horizon_out");
+    let out = dir.file("out.jsonl");
     let config = ConfigFile::new(&format!(
-        "{}mode = \"log\"\nshards = 4\n{FAST_RELAY}[observability]\nlisten = \"{addr}\"\n[sink]\ntype = \"file\"\npath = \"{}\"\n",
+        "{}mode = \"log\"\nshards = 4\n{FAST_RELAY}{}{}",
         storage_section(&schema),
-        out.display()
+        listen_on(&addr),
+        file_sink(&out)
     ));
-    let migrated = outbox(&config.path, &["migrate"]);
-    assert!(migrated.status.success(), "{}", text(&migrated.stderr));
+    migrate(&config);
 
     // An unrelated transaction takes its id before the messages are written, and stays open.
     let mut holder = pool.begin().await.expect("a transaction");
@@ -1286,11 +1338,7 @@ async fn status_and_metrics_show_what_holds_the_log_horizon() {
     let lines = (1..=3)
         .map(|i| format!("{{\"topic\":\"t\",\"key\":\"k\",\"payload\":\"m{i}\"}}\n"))
         .collect::<String>();
-    assert!(
-        outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &lines)
-            .status
-            .success()
-    );
+    enqueue(&config, &lines);
 
     let status = text(&outbox(&config.path, &["status"]).stdout);
     assert!(
@@ -1309,14 +1357,8 @@ async fn status_and_metrics_show_what_holds_the_log_horizon() {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let (_, metrics) = http_get(&addr, "/metrics");
-        let waiting = metrics
-            .lines()
-            .find(|l| l.starts_with("outbox_horizon_waiting{"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-        let held = metrics
-            .lines()
-            .find(|l| l.starts_with("outbox_horizon_held_seconds{"))
-            .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+        let waiting = metric(&metrics, |l| l.starts_with("outbox_horizon_waiting{"));
+        let held = metric(&metrics, |l| l.starts_with("outbox_horizon_held_seconds{"));
         if waiting == Some(3.0) && held.is_some_and(|s| s > 0.0) {
             break;
         }
@@ -1335,19 +1377,16 @@ async fn status_and_metrics_show_what_holds_the_log_horizon() {
     assert_eq!(delivered(), 0, "delivered past an open older transaction");
 
     holder.rollback().await.expect("end the holder");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while delivered() < 3 {
-        assert!(
-            Instant::now() < deadline,
-            "never delivered after the holder ended"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let delivered = &delivered;
+    until(
+        "delivered after the holder ended",
+        Duration::from_secs(30),
+        || async move { delivered() >= 3 },
+    )
+    .await;
     let status = text(&outbox(&config.path, &["status"]).stdout);
     assert!(status.contains("horizon: 0 committed waiting"), "{status}");
-    assert_eq!(relay.terminate().0, Some(0));
-    let _ = std::fs::remove_dir_all(&dir);
-    drop_schema(&pool, &schema).await;
+    finish(relay, &pool, &schema).await;
 }
 
 /// `migrate = true` with the database unreachable at start-up: the relay waits, retrying,
@@ -1355,18 +1394,16 @@ async fn status_and_metrics_show_what_holds_the_log_horizon() {
 #[cfg(feature = "file")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_migrating_relay_waits_for_a_database_down_at_start_up() {
-    let pool = pool().await;
-    let schema = unique_name("cli_dbdown");
+    let Fresh { pool, schema, .. } = Fresh::new("dbdown").await;
     let target = postgres_url();
     let host_port = outbox_tests::host_port(&target);
     let proxy = outbox_tests::Proxy::start(&host_port).await;
     proxy.cut();
-    let dir = std::env::temp_dir().join(unique_name("dbdown_out"));
-    std::fs::create_dir_all(&dir).expect("output dir");
-    let out = dir.join("out.jsonl");
+    let dir = TempDir::new("dbdown_out");
+    let out = dir.file("out.jsonl");
     let storage =
         |url: &str| format!("[storage]\nurl = \"{url}\"\nschema = \"{schema}\"\nmigrate = true\n");
-    let sink = format!("[sink]\ntype = \"file\"\npath = \"{}\"\n", out.display());
+    let sink = file_sink(&out);
     let through = ConfigFile::new(&format!(
         "{}{FAST_RELAY}{sink}",
         storage(&target.replace(&host_port, &proxy.addr()))
@@ -1381,33 +1418,24 @@ async fn a_migrating_relay_waits_for_a_database_down_at_start_up() {
     let tables = format!(
         "SELECT count(*) FROM pg_tables WHERE schemaname = '{schema}' AND tablename = 'outbox'"
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while count(&pool, &tables).await == 0 {
-        assert!(
-            Instant::now() < deadline,
-            "never migrated once the database answered"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let (db, tables) = (&pool, &tables);
+    until(
+        "migrated once the database answered",
+        Duration::from_secs(30),
+        || async move { count(db, tables).await > 0 },
+    )
+    .await;
     let direct = ConfigFile::new(&format!("{}{sink}", storage(&target)));
-    assert!(
-        outbox_with_stdin(
-            &direct.path,
-            &["enqueue", "--stdin"],
-            "{\"topic\":\"t\",\"key\":\"k\",\"payload\":\"after\"}\n"
-        )
-        .status
-        .success()
+    enqueue(
+        &direct,
+        "{\"topic\":\"t\",\"key\":\"k\",\"payload\":\"after\"}\n",
     );
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !std::fs::read_to_string(&out)
-        .unwrap_or_default()
-        .contains("after")
-    {
-        assert!(Instant::now() < deadline, "never delivered");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    assert_eq!(relay.terminate().0, Some(0));
-    let _ = std::fs::remove_dir_all(&dir);
-    drop_schema(&pool, &schema).await;
+    let out = &out;
+    until("delivered", Duration::from_secs(30), || async move {
+        std::fs::read_to_string(out)
+            .unwrap_or_default()
+            .contains("after")
+    })
+    .await;
+    finish(relay, &pool, &schema).await;
 }

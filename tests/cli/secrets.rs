@@ -2,10 +2,10 @@
 //! read from a secret file, a NATS token, a Redis password the server refuses) is looked for
 //! in the output of every command and of a relay logging at debug level.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 use std::time::Duration;
 
-use super::{ConfigFile, drop_schema, pool, text};
+use super::{ConfigFile, drop_schema, pool, said, sigterm, spawn_relay, text};
 use outbox_tests::unique_name;
 
 const DB_PASSWORD: &str = "pg-s3cret-from-a-file";
@@ -19,26 +19,16 @@ fn printed(config: &ConfigFile, args: &[&str]) -> String {
         .env("RUST_LOG", "debug")
         .output()
         .expect("run the outbox binary");
-    format!("{}{}", text(&out.stdout), text(&out.stderr))
+    said(&out).1
 }
 
 /// Runs the relay for a while with debug logs, stops it, returns what it printed.
 fn relay_printed(config: &ConfigFile, run_for: Duration) -> String {
-    let child = super::outbox_command(&config.path)
-        .arg("relay")
-        .env("RUST_LOG", "debug")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the relay");
+    let debug = [("RUST_LOG", "debug")];
+    let child = spawn_relay(&config.path, &debug, Stdio::piped(), Stdio::piped());
     std::thread::sleep(run_for);
-    let killed = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(killed.success());
-    let out = child.wait_with_output().expect("relay output");
-    format!("{}{}", text(&out.stdout), text(&out.stderr))
+    sigterm(&child);
+    said(&child.wait_with_output().expect("relay output")).1
 }
 
 fn assert_no_secret(what: &str, printed: &str) {

@@ -140,11 +140,7 @@ fn the_readme_quick_start_runs_as_written() {
 
 /// SIGTERM, then the exit code must be 0.
 fn stop(mut child: Child) {
-    let status = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status()
-        .expect("kill");
-    assert!(status.success());
+    super::sigterm(&child);
     let exit = child.wait().expect("wait");
     assert_eq!(exit.code(), Some(0), "relay exit after SIGTERM");
 }
@@ -499,18 +495,11 @@ async fn message_text_cannot_forge_log_lines_or_drive_the_terminal() {
     let enqueued = super::outbox_with_stdin(&config.path, &["enqueue", "--stdin"], &line);
     assert!(enqueued.status.success(), "{}", text(&enqueued.stderr));
 
-    let relay = super::outbox_command(&config.path)
-        .arg("relay")
-        .env("NO_COLOR", "1")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the relay");
+    let no_color = [("NO_COLOR", "1")];
+    let relay = super::spawn_relay(&config.path, &no_color, Stdio::null(), Stdio::piped());
     let status = || text(&outbox(&config.path, &["status"]).stdout);
     wait_for_status(&config.path, "dead-lettered 1 ").await;
-    let _ = Command::new("kill")
-        .args(["-TERM", &relay.id().to_string()])
-        .status();
+    super::sigterm(&relay);
     let log = text(&relay.wait_with_output().expect("relay output").stderr);
     assert!(
         log.contains("forge\\n2026-12-02T07:40:00"),
