@@ -946,6 +946,13 @@ mod tests {
         apply_env(&mut table, [(sixteen, "x".to_string())].into_iter()).unwrap();
     }
 
+    /// `text` as a table with the secrets it names in files read in, or the error's text.
+    fn secrets_read(text: &str) -> Result<Table, String> {
+        let mut table: Table = text.parse().expect("TOML");
+        read_secret_files(&mut table, "").map_err(|e| e.0)?;
+        Ok(table)
+    }
+
     fn with_env(text: &str, vars: &[(&str, &str)]) -> (Result<Config, ConfigError>, Vec<String>) {
         let mut table: Table = text.parse().unwrap();
         let ignored = apply_env(
@@ -1040,10 +1047,7 @@ mod tests {
             "t0ken"
         );
 
-        let mut missing: Table = "[storage]\nurl = { file = \"/nowhere/db_url\" }\n"
-            .parse()
-            .unwrap();
-        let error = read_secret_files(&mut missing, "").unwrap_err().0;
+        let error = secrets_read("[storage]\nurl = { file = \"/nowhere/db_url\" }\n").unwrap_err();
         assert!(
             error.starts_with("storage.url: cannot read the secret file `/nowhere/db_url`"),
             "{error}"
@@ -1053,13 +1057,11 @@ mod tests {
         // key where a path belongs, and the setting's errors print paths.
         let key = dir.join("client.key");
         std::fs::write(&key, "-----BEGIN PRIVATE KEY-----\nsecret\n").unwrap();
-        let mut inline: Table = format!(
+        let error = secrets_read(&format!(
             "[storage]\nurl = \"postgres://h/db\"\ntls_key_file = {{ file = \"{}\" }}\n",
             key.display()
-        )
-        .parse()
-        .unwrap();
-        let error = read_secret_files(&mut inline, "").unwrap_err().0;
+        ))
+        .unwrap_err();
         assert!(
             error.starts_with("storage.tls_key_file takes the path of its file"),
             "{error}"
@@ -1134,13 +1136,11 @@ mod tests {
         let file =
             std::env::temp_dir().join(format!("outbox_console_token_{}", std::process::id()));
         std::fs::write(&file, "from-a-file-0123456789\n").unwrap();
-        let mut table: Table = format!(
+        let table = secrets_read(&format!(
             "{MINIMAL}[observability]\nlisten = \"0.0.0.0:9187\"\nconsole_token = {{ file = \"{}\" }}\n",
             file.display()
-        )
-        .parse()
+        ))
         .unwrap();
-        read_secret_files(&mut table, "").unwrap();
         let observability = parse(table, &backends()).unwrap().observability;
         assert_eq!(
             observability.console_token,
