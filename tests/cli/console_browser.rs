@@ -81,6 +81,14 @@ async fn text_of(client: &Client, css: &str) -> String {
     element.text().await.expect("its text")
 }
 
+/// How many elements match `css`.
+async fn count_of(client: &Client, css: &str) -> usize {
+    let found = client.find_all(Locator::Css(css)).await;
+    found
+        .unwrap_or_else(|e| panic!("finding `{css}`: {e}"))
+        .len()
+}
+
 /// Waits until the page's title (`h1`) is `title`: a click's navigation may still be under
 /// way when the click returns.
 async fn expect_page(client: &Client, title: &str) {
@@ -153,12 +161,9 @@ async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_repl
         payload.starts_with("<script>alert('x')</script>&xxx"),
         "{payload}"
     );
-    assert!(
-        client
-            .find_all(Locator::Css("main script"))
-            .await
-            .expect("find")
-            .is_empty(),
+    assert_eq!(
+        count_of(&client, "main script").await,
+        0,
         "the payload became a script element"
     );
     assert!(
@@ -219,11 +224,7 @@ async fn in_a_browser_an_operator_finds_the_parked_key_reads_the_poison_and_repl
     let charts = text_of(&client, "table.charts").await;
     assert!(charts.contains("t") && charts.contains("peak"), "{charts}");
     assert_eq!(
-        client
-            .find_all(Locator::Css("table.charts svg.chart"))
-            .await
-            .expect("find")
-            .len(),
+        count_of(&client, "table.charts svg.chart").await,
         2,
         "a rate and a latency chart for topic t"
     );
