@@ -143,34 +143,7 @@ macro_rules! inbox_calls {
         age: $age:path,
         storage: $storage:literal,
         table: |$inbox:ident| $table:expr,
-        other: |$context:ident, $other_error:ident| $other:expr,
-        process: $(#[doc = $process_doc:literal])*
-        purge: $(#[doc = $purge_doc:literal])*
-    ) => {
-        $crate::inbox_calls! {
-            connection: $conn,
-            id: |$message_id| $id,
-            recorded: |$inserted| $recorded,
-            age: $age,
-            storage: $storage,
-            table: |$inbox| $table,
-            missing: |error| matches!(
-                error,
-                sqlx::Error::Database(db) if $crate::missing_table_or_column(db.code().as_deref())
-            ),
-            other: |$context, $other_error| $other,
-            process: $(#[doc = $process_doc])*
-            purge: $(#[doc = $purge_doc])*
-        }
-    };
-    (
-        connection: $conn:ty,
-        id: |$message_id:ident| $id:expr,
-        recorded: |$inserted:ident| $recorded:expr,
-        age: $age:path,
-        storage: $storage:literal,
-        table: |$inbox:ident| $table:expr,
-        missing: |$missing_error:ident| $missing:expr,
+        $(missing: |$missing_error:ident| $missing:expr,)?
         other: |$context:ident, $other_error:ident| $other:expr,
         process: $(#[doc = $process_doc:literal])*
         purge: $(#[doc = $purge_doc:literal])*
@@ -228,8 +201,8 @@ macro_rules! inbox_calls {
         /// Classifies an error of a statement on the inbox table: a missing table or column
         /// calls for `Inbox::migrate` (not `outbox migrate`, which knows nothing of inboxes).
         fn error(&self, context: &str, error: sqlx::Error) -> outbox_core::Error {
-            let $missing_error = &error;
-            if $missing {
+            let seen = &error;
+            if $crate::__missing_table!(seen $(, |$missing_error| $missing)?) {
                 let $inbox = self;
                 return $crate::inbox::missing_table($storage, context, &$table).with_source(error);
             }
@@ -247,6 +220,23 @@ macro_rules! inbox_calls {
             }));
         }
     };
+}
+
+/// Whether the sqlx error `$error` (a reference) is of a missing table or column, for
+/// [`inbox_calls!`]: what the storage's `|error| ...` says, else what the SQLSTATE says.
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __missing_table {
+    ($error:ident) => {
+        matches!(
+            $error,
+            sqlx::Error::Database(db) if $crate::missing_table_or_column(db.code().as_deref())
+        )
+    };
+    ($error:ident, |$named:ident| $missing:expr) => {{
+        let $named = $error;
+        $missing
+    }};
 }
 
 #[cfg(test)]
