@@ -477,7 +477,8 @@ async fn the_same_messages_go_to_each_broker_by_changing_only_the_configuration(
     {
         let queue = amqp_queue(&name).await;
         let sink = format!(
-            "[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"{name}\"\n"
+            "[sink]\ntype = \"amqp\"\nurl = \"amqp://guest:guest@127.0.0.1:5672/%2f\"\nexchange = \"\"\nrouting_key = \"{}\"\n",
+            queue.queue
         );
         relay_once(&pool, &schema, &sink).await;
         check_sample(&queue.drain(31).await, "amqp");
@@ -529,10 +530,12 @@ struct AmqpQueue {
     queue: String,
 }
 
+/// A queue `<name>.q` of its own that the sink reaches through the broker's default
+/// exchange (which routes by queue name): nothing to declare or bind besides the queue.
 #[cfg(feature = "amqp")]
 async fn amqp_queue(name: &str) -> AmqpQueue {
     use outbox::amqp::lapin::{
-        Connection, ConnectionProperties, ExchangeKind, options::*, types::FieldTable,
+        Connection, ConnectionProperties, options::QueueDeclareOptions, types::FieldTable,
     };
     let conn = Connection::connect(
         "amqp://guest:guest@127.0.0.1:5672/%2f",
@@ -541,18 +544,6 @@ async fn amqp_queue(name: &str) -> AmqpQueue {
     .await
     .expect("RabbitMQ must be running at 127.0.0.1:5672");
     let channel = conn.create_channel().await.expect("channel");
-    channel
-        .exchange_declare(
-            name.into(),
-            ExchangeKind::Topic,
-            ExchangeDeclareOptions {
-                auto_delete: true,
-                ..Default::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .expect("declare exchange");
     let queue = format!("{name}.q");
     channel
         .queue_declare(
@@ -565,16 +556,6 @@ async fn amqp_queue(name: &str) -> AmqpQueue {
         )
         .await
         .expect("queue");
-    channel
-        .queue_bind(
-            queue.as_str().into(),
-            name.into(),
-            "#".into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .expect("bind");
     std::mem::forget(conn);
     AmqpQueue { channel, queue }
 }
