@@ -128,9 +128,10 @@ macro_rules! refuse_other_table {
 /// is new (an `Err` left is an error). Their errors go through the method `error` this
 /// writes too: an error that `missing` says is of a missing table or column is
 /// [`missing_table`] (of storage `storage` and the quoted table `table`), any other is what
-/// `other` makes of it. Without `missing`, the SQLSTATE says
-/// ([`missing_table_or_column`](crate::missing_table_or_column): PostgreSQL, MySQL). The doc lines after `process:` and `purge:` are what each storage
-/// does its own way (how racing transactions behave, what keeps a purge's batches cheap).
+/// `other` makes of it; without `missing`, the SQLSTATE tells
+/// ([`missing_table_or_column`](crate::missing_table_or_column): PostgreSQL, MySQL). The
+/// doc lines after `process:` and `purge:` are what each storage does its own way (how
+/// racing transactions behave, what keeps a purge's batches cheap).
 ///
 /// Under `cfg(test)` it adds `calls_are_spawnable`, which compiles only if `migrate`,
 /// `process` and `purge` can run in a spawned task.
