@@ -449,13 +449,7 @@ mod cli_checks {
             assert_eq!(worker.relay.as_deref(), Some(relay.name.as_str()));
             worker.validate().expect("an accepted worker is valid");
             let now = Instant::now();
-            for (setting, duration) in [
-                ("poll_interval", worker.poll_interval),
-                ("lease", worker.lease),
-                ("shutdown_timeout", worker.shutdown_timeout),
-                ("backoff.initial", worker.backoff.initial),
-                ("backoff.max", worker.backoff.max),
-            ] {
+            for (setting, duration) in worker.durations() {
                 assert!(
                     now.checked_add(duration).is_some(),
                     "{}.{setting} = {duration:?} was accepted: the worker cannot add it to \

@@ -255,14 +255,8 @@ impl Settings for AmqpConfig {
                 ),
             ));
         }
-        for (key, value) in [
-            ("connect_timeout", self.connect_timeout),
-            ("publish_timeout", self.publish_timeout),
-        ] {
-            if value.is_zero() {
-                return Err(Error::setting(key, "is 0; it must be greater than zero"));
-            }
-        }
+        outbox_core::config::check_not_zero("connect_timeout", self.connect_timeout)?;
+        outbox_core::config::check_not_zero("publish_timeout", self.publish_timeout)?;
         self.reconnect_backoff
             .validate()
             .map_err(|e| e.in_section("reconnect_backoff"))
@@ -280,12 +274,6 @@ impl AmqpConfig {
         }
     }
 
-    /// Sets the routing key template for topics not in `routes`.
-    pub fn routing_key(mut self, template: Template) -> Self {
-        self.routing_key = template;
-        self
-    }
-
     /// Routes `topic` to `exchange` with `routing_key`.
     pub fn route(
         mut self,
@@ -295,30 +283,6 @@ impl AmqpConfig {
     ) -> Self {
         self.routes
             .insert(topic.into(), Route::new(exchange, routing_key));
-        self
-    }
-
-    /// Sets how exchanges are set up.
-    pub fn exchange_setup(mut self, setup: ExchangeSetup) -> Self {
-        self.exchange_setup = setup;
-        self
-    }
-
-    /// Sets the kind of the exchanges declared with [`ExchangeSetup::Declare`].
-    pub fn exchange_kind(mut self, kind: ExchangeKind) -> Self {
-        self.exchange_kind = Some(kind);
-        self
-    }
-
-    /// Sets what an unroutable message becomes.
-    pub fn unroutable(mut self, unroutable: Unroutable) -> Self {
-        self.unroutable = unroutable;
-        self
-    }
-
-    /// Sets the longest wait for publishing one batch and receiving all its confirms.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
         self
     }
 
@@ -381,6 +345,19 @@ impl AmqpConfig {
         Ok(uri)
     }
 }
+
+outbox_core::setters!(AmqpConfig {
+    /// Sets the routing key template for topics not in `routes`.
+    routing_key(template: Template) => routing_key = template;
+    /// Sets how exchanges are set up.
+    exchange_setup(setup: ExchangeSetup) => exchange_setup = setup;
+    /// Sets the kind of the exchanges declared with [`ExchangeSetup::Declare`].
+    exchange_kind(kind: ExchangeKind) => exchange_kind = Some(kind);
+    /// Sets what an unroutable message becomes.
+    unroutable(unroutable: Unroutable) => unroutable = unroutable;
+    /// Sets the longest wait for publishing one batch and receiving all its confirms.
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 /// `exchange_kind` in the file: `direct`, `fanout`, `topic`, `headers`, or a plugin's type.
 fn exchange_kind<'de, D: Deserializer<'de>>(

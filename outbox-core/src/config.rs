@@ -63,6 +63,43 @@ fn without_value(problem: &str) -> String {
     format!("{PREFIX}{kind}, expected {expected}")
 }
 
+/// Writes the builder methods of a settings struct that set fields and return `self`, every
+/// one with the doc comment written above it:
+///
+/// ```
+/// #[derive(Default)]
+/// struct MyConfig { schema: String, table: String, retention: Option<std::time::Duration> }
+/// outbox_core::setters!(MyConfig {
+///     /// Sets the schema and table names.
+///     table(schema: &str, table: &str) => schema = schema.into(), table = table.into();
+///     /// Keeps delivered messages for `keep`.
+///     keep(keep: std::time::Duration) => retention = Some(keep);
+/// });
+/// let config = MyConfig::default().table("app", "events");
+/// assert_eq!((config.schema.as_str(), config.table.as_str()), ("app", "events"));
+/// ```
+///
+/// A method that does more than set fields is written out by hand.
+#[macro_export]
+macro_rules! setters {
+    ($type:ty {
+        $(
+            $(#[$doc:meta])*
+            $name:ident($($arg:ident: $arg_type:ty),+) => $($field:ident = $value:expr),+;
+        )*
+    }) => {
+        impl $type {
+            $(
+                $(#[$doc])*
+                pub fn $name(mut self, $($arg: $arg_type),+) -> Self {
+                    $(self.$field = $value;)+
+                    self
+                }
+            )*
+        }
+    };
+}
+
 /// Refuses a sink's `publish_timeout` shorter than `min`, with an error keyed by the setting
 /// (`publish_timeout is 5ms; it must be at least 10ms (and shorter than the worker's lease)`).
 /// For the sinks' [`Settings::validate`].
@@ -73,6 +110,27 @@ pub fn check_publish_timeout(timeout: std::time::Duration, min: std::time::Durat
             format!(
                 "is {timeout:?}; it must be at least {min:?} (and shorter than the worker's lease)"
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses a count setting of 0 with an error keyed by the setting (`batch_size is 0; it
+/// must be at least 1`), for settings that count things of which one at least is needed.
+pub fn check_at_least_one(setting: &str, count: u64) -> Result<()> {
+    if count == 0 {
+        return Err(Error::setting(setting, "is 0; it must be at least 1"));
+    }
+    Ok(())
+}
+
+/// Refuses a duration setting of 0 with an error keyed by the setting (`poll_interval is 0;
+/// it must be greater than zero`).
+pub fn check_not_zero(setting: &str, duration: std::time::Duration) -> Result<()> {
+    if duration.is_zero() {
+        return Err(Error::setting(
+            setting,
+            "is 0; it must be greater than zero",
         ));
     }
     Ok(())

@@ -64,26 +64,15 @@ impl Default for SinkCapabilities {
     }
 }
 
-impl SinkCapabilities {
+crate::setters!(SinkCapabilities {
     /// Sets whether the sink de-duplicates by message id.
-    pub fn with_deduplication(mut self, deduplicates: bool) -> Self {
-        self.deduplicates = deduplicates;
-        self
-    }
-
+    with_deduplication(deduplicates: bool) => deduplicates = deduplicates;
     /// Sets whether several messages of one key may share a call (see
     /// [`ordered_key_runs`](SinkCapabilities::ordered_key_runs)).
-    pub fn with_ordered_key_runs(mut self, ordered_key_runs: bool) -> Self {
-        self.ordered_key_runs = ordered_key_runs;
-        self
-    }
-
+    with_ordered_key_runs(ordered_key_runs: bool) => ordered_key_runs = ordered_key_runs;
     /// Sets the largest payload the sink accepts.
-    pub fn with_max_payload(mut self, max_payload: Option<usize>) -> Self {
-        self.max_payload = max_payload;
-        self
-    }
-}
+    with_max_payload(max_payload: Option<usize>) => max_payload = max_payload;
+});
 
 /// Where a relay publishes messages (a Redis stream, an AMQP exchange, a Kafka topic).
 ///

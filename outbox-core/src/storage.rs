@@ -153,19 +153,14 @@ impl StorageCapabilities {
     pub fn keyed(per_key_order: bool, max_per_key: usize) -> Self {
         Self::new(per_key_order).with_max_per_key(per_key_order.then_some(max_per_key))
     }
-
-    /// Sets whether committed messages wait for older transactions to end.
-    pub fn with_waits_for_older_transactions(mut self, waits: bool) -> Self {
-        self.waits_for_older_transactions = waits;
-        self
-    }
-
-    /// Sets the most messages of one key a claim returns.
-    pub fn with_max_per_key(mut self, max_per_key: Option<usize>) -> Self {
-        self.max_per_key = max_per_key;
-        self
-    }
 }
+
+crate::setters!(StorageCapabilities {
+    /// Sets whether committed messages wait for older transactions to end.
+    with_waits_for_older_transactions(waits: bool) => waits_for_older_transactions = waits;
+    /// Sets the most messages of one key a claim returns.
+    with_max_per_key(max_per_key: Option<usize>) => max_per_key = max_per_key;
+});
 
 /// Where outbox messages wait until a relay delivers them.
 ///

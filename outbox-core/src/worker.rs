@@ -105,16 +105,23 @@ impl WorkerConfig {
     /// of `u64::MAX` seconds panicked adding it to the clock at the first claim).
     pub const MAX_DURATION: Duration = Duration::from_secs(31_557_600);
 
-    /// Checks every setting; the error is keyed by the bad one (place it in its section
-    /// with [`Error::in_section`]).
-    pub fn validate(&self) -> Result<()> {
-        for (setting, duration) in [
+    /// Every duration setting with its key in the section (`backoff.max` for the backoff's),
+    /// in the order [`validate`](Self::validate) holds them to
+    /// [`MAX_DURATION`](Self::MAX_DURATION).
+    pub fn durations(&self) -> [(&'static str, Duration); 5] {
+        [
             ("lease", self.lease),
             ("poll_interval", self.poll_interval),
             ("shutdown_timeout", self.shutdown_timeout),
             ("backoff.initial", self.backoff.initial),
             ("backoff.max", self.backoff.max),
-        ] {
+        ]
+    }
+
+    /// Checks every setting; the error is keyed by the bad one (place it in its section
+    /// with [`Error::in_section`]).
+    pub fn validate(&self) -> Result<()> {
+        for (setting, duration) in self.durations() {
             if duration > Self::MAX_DURATION {
                 return Err(Error::setting(
                     setting,
@@ -128,15 +135,8 @@ impl WorkerConfig {
                 "is empty; give each worker a name",
             ));
         }
-        if self.batch_size == 0 {
-            return Err(Error::setting("batch_size", "is 0; it must be at least 1"));
-        }
-        if self.poll_interval.is_zero() {
-            return Err(Error::setting(
-                "poll_interval",
-                "is 0; it must be greater than zero",
-            ));
-        }
+        crate::config::check_at_least_one("batch_size", self.batch_size as u64)?;
+        crate::config::check_not_zero("poll_interval", self.poll_interval)?;
         if self.lease < Duration::from_secs(1) {
             return Err(Error::setting(
                 "lease",
@@ -146,12 +146,7 @@ impl WorkerConfig {
                 ),
             ));
         }
-        if self.max_attempts == 0 {
-            return Err(Error::setting(
-                "max_attempts",
-                "is 0; it must be at least 1",
-            ));
-        }
+        crate::config::check_at_least_one("max_attempts", self.max_attempts.into())?;
         self.backoff.validate().map_err(|e| e.in_section("backoff"))
     }
 }

@@ -120,19 +120,14 @@ impl FileConfig {
             ..Self::default()
         }
     }
-
-    /// Sets whether each batch is synced to the disk before it is reported delivered.
-    pub fn sync(mut self, sync: bool) -> Self {
-        self.sync = sync;
-        self
-    }
-
-    /// Sets the longest wait for one batch to be written (and synced).
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
 }
+
+outbox_core::setters!(FileConfig {
+    /// Sets whether each batch is synced to the disk before it is reported delivered.
+    sync(sync: bool) => sync = sync;
+    /// Sets the longest wait for one batch to be written (and synced).
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 /// The directory `path` sits in (`.` for a bare file name).
 pub(crate) fn directory_of(path: &Path) -> &Path {
@@ -168,13 +163,10 @@ impl Settings for StdoutConfig {
     }
 }
 
-impl StdoutConfig {
+outbox_core::setters!(StdoutConfig {
     /// Sets the longest wait for standard output to take one batch.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
-    }
-}
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 #[cfg(test)]
 mod tests {

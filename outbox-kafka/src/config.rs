@@ -183,12 +183,7 @@ impl Settings for KafkaConfig {
         }
 
         outbox_core::config::check_publish_timeout(self.publish_timeout, Duration::from_secs(1))?;
-        if self.health_timeout.is_zero() {
-            return Err(Error::setting(
-                "health_timeout",
-                "is 0; it must be greater than zero",
-            ));
-        }
+        outbox_core::config::check_not_zero("health_timeout", self.health_timeout)?;
 
         for (name, field) in OWNED_PROPERTIES {
             if self.properties.contains_key(*name) {
@@ -242,13 +237,6 @@ impl KafkaConfig {
         }
     }
 
-    /// Sets the topic template, e.g. `outbox.{topic}` (`"outbox.{topic}".parse()?` or
-    /// [`Template::new`] makes it).
-    pub fn topic_template(mut self, template: Template) -> Self {
-        self.topic_template = template;
-        self
-    }
-
     /// Sends messages of `outbox_topic` to `kafka_topic`.
     pub fn topic(
         mut self,
@@ -262,13 +250,6 @@ impl KafkaConfig {
     /// Sets a librdkafka property, e.g. `("compression.type", "lz4")`.
     pub fn property(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
         self.properties.insert(name.into(), value.into());
-        self
-    }
-
-    /// Sets the longest wait for a message's delivery report (librdkafka's
-    /// `message.timeout.ms`).
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
         self
     }
 
@@ -419,6 +400,15 @@ impl KafkaConfig {
         config
     }
 }
+
+outbox_core::setters!(KafkaConfig {
+    /// Sets the topic template, e.g. `outbox.{topic}` (`"outbox.{topic}".parse()?` or
+    /// [`Template::new`] makes it).
+    topic_template(template: Template) => topic_template = template;
+    /// Sets the longest wait for a message's delivery report (librdkafka's
+    /// `message.timeout.ms`).
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 /// Whether a librdkafka property holds a secret that must not be logged.
 pub(crate) fn is_secret_property(name: &str) -> bool {

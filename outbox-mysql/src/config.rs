@@ -138,26 +138,6 @@ impl MySqlConfig {
         }
     }
 
-    /// Sets the table name.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
-    /// Trusts the certificate authorities in `ca_file` (PEM) and presents the client
-    /// certificate `cert_file` with its key `key_file`; see [`tls_ca_file`](Self::tls_ca_file).
-    pub fn tls(
-        mut self,
-        ca_file: impl Into<PathBuf>,
-        cert_file: impl Into<PathBuf>,
-        key_file: impl Into<PathBuf>,
-    ) -> Self {
-        self.tls_ca_file = Some(ca_file.into());
-        self.tls_cert_file = Some(cert_file.into());
-        self.tls_key_file = Some(key_file.into());
-        self
-    }
-
     /// The parsed URL with the TLS files applied; errors keyed by the setting, the password
     /// hidden.
     pub(crate) fn options(&self) -> Result<MySqlConnectOptions> {
@@ -273,6 +253,17 @@ impl MySqlConfig {
         }
     }
 }
+
+outbox_core::setters!(MySqlConfig {
+    /// Sets the table name.
+    table(table: impl Into<String>) => table = table.into();
+    /// Trusts the certificate authorities in `ca_file` (PEM) and presents the client
+    /// certificate `cert_file` with its key `key_file`; see [`tls_ca_file`](Self::tls_ca_file).
+    tls(ca_file: impl Into<PathBuf>, cert_file: impl Into<PathBuf>, key_file: impl Into<PathBuf>)
+        => tls_ca_file = Some(ca_file.into()),
+        tls_cert_file = Some(cert_file.into()),
+        tls_key_file = Some(key_file.into());
+});
 
 /// The names of the URL's query parameters (`ssl-mode`, `ssl-ca`, …), as written.
 fn query_keys(url: &str) -> Vec<&str> {

@@ -235,12 +235,7 @@ impl Settings for NatsConfig {
             self.publish_timeout,
             Duration::from_millis(10),
         )?;
-        if self.max_pending_acks == 0 {
-            return Err(Error::setting(
-                "max_pending_acks",
-                "is 0; it must be at least 1",
-            ));
-        }
+        outbox_core::config::check_at_least_one("max_pending_acks", self.max_pending_acks as u64)?;
         for (key, file) in [
             ("tls_ca_file", &self.tls_ca_file),
             ("tls_cert_file", &self.tls_cert_file),
@@ -305,19 +300,6 @@ impl NatsConfig {
             url: url.into(),
             ..Self::default()
         }
-    }
-
-    /// Sets the subject prefix and template.
-    pub fn subject(mut self, prefix: impl Into<String>, template: Template) -> Self {
-        self.subject_prefix = prefix.into();
-        self.subject = template;
-        self
-    }
-
-    /// Sets the longest wait to connect, to hand a window over and for its acknowledgements.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
-        self
     }
 
     /// The credentials of `credentials_file` or `nkey_file`, read and checked; a `Config`
@@ -421,6 +403,14 @@ impl NatsConfig {
         Ok(subject)
     }
 }
+
+outbox_core::setters!(NatsConfig {
+    /// Sets the subject prefix and template.
+    subject(prefix: impl Into<String>, template: Template) => subject_prefix = prefix.into(),
+        subject = template;
+    /// Sets the longest wait to connect, to hand a window over and for its acknowledgements.
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 #[cfg(test)]
 mod tests {

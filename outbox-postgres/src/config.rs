@@ -230,13 +230,6 @@ impl PostgresConfig {
         }
     }
 
-    /// Sets the schema and table names.
-    pub fn table(mut self, schema: impl Into<String>, table: impl Into<String>) -> Self {
-        self.schema = schema.into();
-        self.table = table.into();
-        self
-    }
-
     /// Whether any of the `tls_*` files is given.
     pub(crate) fn has_tls_files(&self) -> bool {
         self.tls_ca_file.is_some() || self.tls_cert_file.is_some() || self.tls_key_file.is_some()
@@ -316,6 +309,12 @@ impl PostgresConfig {
         }
     }
 }
+
+outbox_core::setters!(PostgresConfig {
+    /// Sets the schema and table names.
+    table(schema: impl Into<String>, table: impl Into<String>) => schema = schema.into(),
+        table = table.into();
+});
 
 /// A PostgreSQL URL is given in `key`.
 fn check_url(key: &str, url: &str) -> Result<()> {

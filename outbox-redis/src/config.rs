@@ -130,9 +130,7 @@ impl Settings for RedisConfig {
             self.tls_cert_file.as_deref(),
             self.tls_key_file.as_deref(),
         )?;
-        if self.pool_size == 0 {
-            return Err(Error::setting("pool_size", "is 0; it must be at least 1"));
-        }
+        outbox_core::config::check_at_least_one("pool_size", self.pool_size as u64)?;
         if self.publish_timeout.is_zero() {
             return Err(Error::setting(
                 "publish_timeout",
@@ -210,19 +208,6 @@ impl RedisConfig {
         }
     }
 
-    /// Sets the prefix of every stream name.
-    pub fn stream_prefix(mut self, prefix: impl Into<String>) -> Self {
-        self.stream_prefix = prefix.into();
-        self
-    }
-
-    /// Sends each topic to the stream named by `template` (and drops any stream map).
-    pub fn stream_template(mut self, template: Template) -> Self {
-        self.stream_template = template;
-        self.streams = None;
-        self
-    }
-
     /// Sends each topic to the stream the map names for it (instead of the template).
     pub fn stream_map<T, S>(mut self, map: impl IntoIterator<Item = (T, S)>) -> Self
     where
@@ -231,24 +216,6 @@ impl RedisConfig {
     {
         self.stream_template = Template::topic();
         self.streams = Some(map.into_iter().map(|(t, s)| (t.into(), s.into())).collect());
-        self
-    }
-
-    /// Trims each stream to about `max_len` entries.
-    pub fn max_len(mut self, max_len: u64) -> Self {
-        self.max_len = Some(max_len);
-        self
-    }
-
-    /// Turns de-duplication on, remembering each message id for `ttl`.
-    pub fn dedup(mut self, ttl: Duration) -> Self {
-        self.dedup_ttl = Some(ttl);
-        self
-    }
-
-    /// Sets the longest wait for a connection or a batch's replies.
-    pub fn publish_timeout(mut self, timeout: Duration) -> Self {
-        self.publish_timeout = timeout;
         self
     }
 
@@ -262,6 +229,19 @@ impl RedisConfig {
         Some(format!("{}{name}", self.stream_prefix))
     }
 }
+
+outbox_core::setters!(RedisConfig {
+    /// Sets the prefix of every stream name.
+    stream_prefix(prefix: impl Into<String>) => stream_prefix = prefix.into();
+    /// Sends each topic to the stream named by `template` (and drops any stream map).
+    stream_template(template: Template) => stream_template = template, streams = None;
+    /// Trims each stream to about `max_len` entries.
+    max_len(max_len: u64) => max_len = Some(max_len);
+    /// Turns de-duplication on, remembering each message id for `ttl`.
+    dedup(ttl: Duration) => dedup_ttl = Some(ttl);
+    /// Sets the longest wait for a connection or a batch's replies.
+    publish_timeout(timeout: Duration) => publish_timeout = timeout;
+});
 
 #[cfg(test)]
 mod tests {

@@ -100,12 +100,6 @@ impl SqliteConfig {
         }
     }
 
-    /// Sets the table name.
-    pub fn table(mut self, table: impl Into<String>) -> Self {
-        self.table = table.into();
-        self
-    }
-
     /// Checks that the file can be where `path` says: its directory exists, and the path is
     /// not a directory itself. Whether the file is a database shows when it is opened.
     pub fn check_path(&self) -> Result<()> {
@@ -138,6 +132,11 @@ impl SqliteConfig {
         Ok(())
     }
 }
+
+outbox_core::setters!(SqliteConfig {
+    /// Sets the table name.
+    table(table: impl Into<String>) => table = table.into();
+});
 
 #[cfg(test)]
 mod tests {
