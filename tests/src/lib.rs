@@ -59,13 +59,18 @@ pub fn assert_key_order(
     }
 }
 
-/// Four relays over `storage`, which holds [`over_keys`]`(total, keys)`, in batches of 250
-/// until it is drained: every message is delivered exactly once, every key in order.
+/// Four relays over `storage` deliver 20,000 messages over 200 keys ([`over_keys`]) exactly
+/// once, every key in order: `enqueue` writes them first, `batch` at a time (the
+/// application's way), then the relays, in batches of 250, drain the storage.
 pub async fn four_relays_deliver_once_in_key_order(
     storage: std::sync::Arc<dyn outbox_core::Storage>,
-    total: usize,
-    keys: usize,
+    enqueue: impl AsyncFn(&[outbox_core::NewMessage]),
+    batch: usize,
 ) {
+    let (keys, total) = (200, 20_000);
+    for messages in over_keys(total, keys).chunks(batch) {
+        enqueue(messages).await;
+    }
     let sink = std::sync::Arc::new(outbox_core::memory::MemorySink::new());
     let relays: Vec<Relay> = (0..4)
         .map(|i| {

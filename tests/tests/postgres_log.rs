@@ -200,13 +200,9 @@ fn first_deliveries(sink: &MemorySink) -> (BTreeMap<String, Vec<String>>, usize)
 
 /// The shards table: (shard, owner, epoch, cursor seq).
 async fn shards(outbox: &LogOutbox) -> Vec<(i32, Option<String>, i64, i64)> {
-    sqlx::query_as(&format!(
-        "SELECT shard, owner, epoch, cursor_seq FROM {} ORDER BY shard",
-        outbox.table.qualified("_shards")
-    ))
-    .fetch_all(&outbox.pool)
-    .await
-    .expect("read the shards")
+    let shards = outbox.table.qualified("_shards");
+    let sql = format!("SELECT shard, owner, epoch, cursor_seq FROM {shards} ORDER BY shard");
+    outbox.rows(&sql).await
 }
 
 /// Four relays (each its own storage, as separate processes would be), 20,000 messages over

@@ -109,6 +109,17 @@ impl PgOutbox {
             .unwrap_or_else(|e| panic!("ack: {e}"))
     }
 
+    /// Every row `sql` selects on the application's pool; an error fails the test.
+    pub async fn rows<T>(&self, sql: &str) -> Vec<T>
+    where
+        T: for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow> + Send + Unpin,
+    {
+        sqlx::query_as(sql)
+            .fetch_all(&self.pool)
+            .await
+            .unwrap_or_else(|e| panic!("{sql}: {e}"))
+    }
+
     /// Runs the statement `sql` on the application's pool; an error fails the test.
     pub async fn execute(&self, sql: &str) {
         sqlx::query(sql)
@@ -218,26 +229,20 @@ impl TestOutbox {
 
     /// The receipts kept with the delivered rows (retention on), by message id.
     pub async fn receipts(&self) -> HashMap<uuid::Uuid, String> {
-        sqlx::query_as::<_, (uuid::Uuid, String)>(&format!(
-            "SELECT id, receipt FROM {}",
-            self.table.qualified("_delivered")
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .expect("delivered rows")
-        .into_iter()
-        .collect()
+        let delivered = self.table.qualified("_delivered");
+        let rows: Vec<(uuid::Uuid, String)> = self
+            .rows(&format!("SELECT id, receipt FROM {delivered}"))
+            .await;
+        rows.into_iter().collect()
     }
 
     /// The attempts column of every message in the outbox, in enqueue order.
     pub async fn attempts(&self) -> Vec<i32> {
-        sqlx::query_scalar(&format!(
-            "SELECT attempts FROM {} ORDER BY seq",
-            self.table.qualified("")
-        ))
-        .fetch_all(&self.pool)
-        .await
-        .expect("read attempts")
+        let outbox = self.table.qualified("");
+        let rows: Vec<(i32,)> = self
+            .rows(&format!("SELECT attempts FROM {outbox} ORDER BY seq"))
+            .await;
+        rows.into_iter().map(|(attempts,)| attempts).collect()
     }
 }
 
