@@ -127,14 +127,7 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         "\n== drain: {n} messages of 200 bytes over {} keys, batches of {BATCH} ==",
         scale.keys
     );
-    let bare = median(repeat(scale.runs, || baselines::bare_delete(scale)).await?);
-    report.add(
-        "drain",
-        "ceiling: bare DELETE … SKIP LOCKED loop",
-        bare,
-        "rows/s",
-        None,
-    );
+    let bare = bare_delete_ceiling(scale, report, "drain").await?;
     let naive = median(
         repeat(scale.runs, || {
             baselines::naive_relay(scale, SinkKind::Redis)
@@ -267,6 +260,18 @@ pub fn sinks(scale: Scale) -> [(SinkKind, usize); 5] {
         (SinkKind::Nats, 1),
         (SinkKind::Kafka, 1),
     ]
+}
+
+/// Measures PostgreSQL's ceiling, a bare `DELETE … SKIP LOCKED` loop (the median of the
+/// runs), and reports it in `section`: the drains of both modes are read against it.
+pub async fn bare_delete_ceiling(
+    scale: Scale,
+    report: &mut Report,
+    section: &str,
+) -> Result<f64, String> {
+    let bare = median(repeat(scale.runs, || baselines::bare_delete(scale)).await?);
+    report.add_bare_ceiling(section, "DELETE … SKIP LOCKED", bare);
+    Ok(bare)
 }
 
 /// The figures of `runs` runs of `f`, in order (take their [`median`](crate::median)).

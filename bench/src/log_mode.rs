@@ -63,14 +63,7 @@ async fn drains(scale: Scale, report: &mut Report) -> Result<(), String> {
         "\n== log drain: {n} messages over {} keys, key order on, log against lease mode ==",
         scale.keys
     );
-    let bare = median(repeat(scale.runs, || baselines::bare_delete(scale)).await?);
-    report.add(
-        "log drain",
-        "ceiling: bare DELETE … SKIP LOCKED loop",
-        bare,
-        "rows/s",
-        None,
-    );
+    let bare = drain::bare_delete_ceiling(scale, report, "log drain").await?;
     for (kind, runs) in drain::sinks(scale) {
         let ceiling = if kind == SinkKind::Null {
             None

@@ -80,24 +80,20 @@ async fn main() {
         .collect();
     println!("{}", report.machine);
     let result: Result<(), String> = async {
-        if wanted("drain") {
-            drain::run(scale, &mut report).await?;
+        // A part runs when named (every part when none is), in this order.
+        macro_rules! part {
+            ($name:literal, $run:path) => {
+                if wanted($name) {
+                    $run(scale, &mut report).await?;
+                }
+            };
         }
-        if wanted("backlog") {
-            drain::backlog(scale, &mut report).await?;
-        }
-        if wanted("latency") {
-            latency::run(scale, &mut report).await?;
-        }
-        if wanted("enqueue") {
-            enqueue::run(scale, &mut report).await?;
-        }
-        if wanted("sqlite") {
-            sqlite::run(scale, &mut report).await?;
-        }
-        if wanted("mysql") {
-            mysql::run(scale, &mut report).await?;
-        }
+        part!("drain", drain::run);
+        part!("backlog", drain::backlog);
+        part!("latency", latency::run);
+        part!("enqueue", enqueue::run);
+        part!("sqlite", sqlite::run);
+        part!("mysql", mysql::run);
         if named.is_empty() || !log_parts.is_empty() {
             log_mode::run(scale, &mut report, &log_parts).await?;
         }

@@ -199,15 +199,8 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         "\n== mysql ({version}): {n} messages of 200 bytes over {} keys, batches of {BATCH} ==",
         scale.keys
     );
-    let bares = drain::repeat(scale.runs, || bare_delete(scale)).await?;
-    let bare = median(bares);
-    report.add(
-        "mysql",
-        "ceiling: bare SELECT … FOR UPDATE SKIP LOCKED + DELETE loop",
-        bare,
-        "rows/s",
-        None,
-    );
+    let bare = median(drain::repeat(scale.runs, || bare_delete(scale)).await?);
+    report.add_bare_ceiling("mysql", "SELECT … FOR UPDATE SKIP LOCKED + DELETE", bare);
     for kind in [SinkKind::Null, SinkKind::Redis] {
         for per_key_order in [false, true] {
             for relays in [1, 2, 4] {

@@ -160,6 +160,13 @@ impl Report {
         });
     }
 
+    /// Records and prints a database's ceiling, a bare loop of `statement` in rows/s (the
+    /// baseline its drains are read against).
+    pub fn add_bare_ceiling(&mut self, section: &str, statement: &str, rows_per_second: f64) {
+        let name = format!("ceiling: bare {statement} loop");
+        self.add(section, &name, rows_per_second, "rows/s", None);
+    }
+
     /// Records and prints a ratio on its own.
     pub fn add_ratio(&mut self, section: &str, name: &str, ratio: f64) {
         self.add(section, name, ratio, "×", None);

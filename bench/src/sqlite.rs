@@ -436,15 +436,8 @@ pub async fn run(scale: Scale, report: &mut Report) -> Result<(), String> {
         scale.keys,
         tmp.display()
     );
-    let bares = drain::repeat(scale.runs, || bare_delete(scale)).await?;
-    let bare = median(bares);
-    report.add(
-        "sqlite",
-        "ceiling: bare DELETE … ORDER BY seq LIMIT 500 loop",
-        bare,
-        "rows/s",
-        None,
-    );
+    let bare = median(drain::repeat(scale.runs, || bare_delete(scale)).await?);
+    report.add_bare_ceiling("sqlite", "DELETE … ORDER BY seq LIMIT 500", bare);
     let files = drain::repeat(scale.runs, || file_ceiling(scale)).await?;
     let file_ceiling = median(files);
     report.add(
