@@ -18,19 +18,19 @@ async fn built(config: serde_json::Value) -> outbox_core::Error {
         .in_section("storage")
 }
 
+/// Checks that `error` is a `Config` error that starts `` path `<path>` <problem> ``.
+fn assert_refuses_path(error: &outbox_core::Error, path: &std::path::Path, problem: &str) {
+    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
+    let expected = format!("path `{}` {problem}", path.display());
+    assert!(error.message().starts_with(&expected), "{error}");
+}
+
 #[tokio::test]
 async fn a_path_in_a_missing_directory_is_refused_naming_path() {
     let dir = TempDir::new("outbox-sqlite");
     let path = dir.file("missing/sub/app.db");
     let error = SqliteStorage::new(SqliteConfig::new(&path)).unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Config);
-    assert!(
-        error.message().starts_with(&format!(
-            "path `{}` is in a directory that does not exist",
-            path.display()
-        )),
-        "{error}"
-    );
+    assert_refuses_path(&error, &path, "is in a directory that does not exist");
     let error = built(serde_json::json!({ "path": path })).await;
     assert_eq!(error.kind(), ErrorKind::Config);
     assert!(
@@ -51,14 +51,7 @@ async fn a_file_that_is_not_a_database_is_refused_naming_path() {
     let error = SqliteStorage::open(SqliteConfig::new(&path))
         .await
         .unwrap_err();
-    assert_eq!(error.kind(), ErrorKind::Config, "{error}");
-    assert!(
-        error.message().starts_with(&format!(
-            "path `{}` is not a SQLite database",
-            path.display()
-        )),
-        "{error}"
-    );
+    assert_refuses_path(&error, &path, "is not a SQLite database");
     let error = built(serde_json::json!({ "path": path })).await;
     assert!(
         error.message().starts_with("storage.path `")
