@@ -25,7 +25,7 @@ use std::time::{Duration, Instant};
 
 use access::{Login, Sessions, Throttle};
 use axum::Router;
-use axum::extract::{ConnectInfo, FromRequestParts, RawQuery, State};
+use axum::extract::{ConnectInfo, FromRequest, FromRequestParts, RawQuery, Request, State};
 use axum::http::request::Parts;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
@@ -490,6 +490,26 @@ impl FromRequestParts<Console> for Authorized {
             who,
             headers: parts.headers.clone(),
         })
+    }
+}
+
+/// A form POST of the login and logout forms, before any login: who sent it, the request's
+/// headers and the form's fields.
+struct Posted(SocketAddr, HeaderMap, Vec<(String, String)>);
+
+impl FromRequest<Console> for Posted {
+    type Rejection = Response;
+
+    async fn from_request(request: Request, console: &Console) -> Result<Self, Response> {
+        let (mut parts, body) = request.into_parts();
+        let ConnectInfo(peer) = ConnectInfo::<SocketAddr>::from_request_parts(&mut parts, console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        let headers = parts.headers.clone();
+        let body = String::from_request(Request::from_parts(parts, body), console)
+            .await
+            .map_err(IntoResponse::into_response)?;
+        Ok(Posted(peer, headers, page::pairs(&body)))
     }
 }
 
@@ -1212,12 +1232,7 @@ async fn login_form(State(c): State<Console>, headers: HeaderMap) -> Response {
 
 /// The login form's POST: with the right token, or user and password, opens a session (its
 /// cookie `Secure` when the browser came over HTTPS) and goes to the overview.
-async fn login(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    body: String,
-) -> Response {
+async fn login(State(c): State<Console>, Posted(peer, headers, form): Posted) -> Response {
     if c.token.is_none() && c.basic.is_none() {
         return c.page(
             StatusCode::OK,
@@ -1228,7 +1243,6 @@ async fn login(
     if let Err(refused) = c.throttled(peer) {
         return refused.into_response();
     }
-    let form = page::pairs(&body);
     let by_token = c.token.as_ref().is_some_and(|token| {
         page::value(&form, "token").is_some_and(|given| same_secret(given, token))
     });
@@ -1294,13 +1308,7 @@ fn came_over_https(headers: &HeaderMap) -> bool {
 }
 
 /// Logging out: ends this session (others stay open) and clears its cookie.
-async fn logout(
-    State(c): State<Console>,
-    ConnectInfo(peer): ConnectInfo<SocketAddr>,
-    headers: HeaderMap,
-    body: String,
-) -> Response {
-    let form = page::pairs(&body);
+async fn logout(State(c): State<Console>, Posted(peer, headers, form): Posted) -> Response {
     if let Err(refused) = c.same_origin(&headers, &form) {
         return refused.into_response();
     }
