@@ -827,7 +827,7 @@ async fn checked_readiness(addr: &str) -> (u16, String) {
     }
 }
 
-/// The value of the first series of `metrics` (Prometheus text) whose line is `wanted`.
+/// The value of the first series in `metrics` (Prometheus text) whose line `wanted` picks.
 fn metric(metrics: &str, wanted: impl Fn(&str) -> bool) -> Option<f64> {
     let line = metrics.lines().find(|l| wanted(l))?;
     line.rsplit(' ').next()?.parse().ok()
