@@ -458,9 +458,10 @@ mod tests {
         Template::new(text).unwrap()
     }
 
-    /// The error of an invalid config, placed in the `sink` section as the relay does.
-    fn invalid(config: KafkaConfig) -> String {
-        let err = config.validate().expect_err("config should be refused");
+    /// The `Config` error of a check that refused the config (`validate`, `check_tls`),
+    /// placed in the `sink` section as the relay does.
+    fn refused(checked: Result<()>) -> String {
+        let err = checked.expect_err("config should be refused");
         assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
         err.in_section("sink").to_string()
     }
@@ -548,7 +549,7 @@ mod tests {
                 "max.in.flight.requests.per.connection to 1",
             ),
         ] {
-            let message = invalid(config);
+            let message = refused(config.validate());
             assert!(message.contains(expected), "{expected}: {message}");
         }
         KafkaConfig::new("k:1")
@@ -614,15 +615,6 @@ mod tests {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("Cargo.toml")
     }
 
-    /// The TLS settings' error for a build with or without TLS support, in `sink`.
-    fn tls_invalid(config: &KafkaConfig, ssl_built: bool) -> String {
-        let err = config
-            .check_tls(ssl_built)
-            .expect_err("TLS settings should be refused");
-        assert_eq!(err.kind(), outbox_core::ErrorKind::Config);
-        err.in_section("sink").to_string()
-    }
-
     #[test]
     fn tls_files_turn_tls_on_and_sasl_ssl_stays() {
         let config = KafkaConfig {
@@ -664,31 +656,32 @@ mod tests {
             ..KafkaConfig::new("k:9093")
         };
         assert!(
-            tls_invalid(&half, true).contains("sink.tls_cert_file and tls_key_file go together"),
+            refused(half.check_tls(true))
+                .contains("sink.tls_cert_file and tls_key_file go together"),
         );
         let missing = KafkaConfig {
             tls_ca_file: Some("/nowhere/ca.pem".into()),
             ..KafkaConfig::new("k:9093")
         };
         assert!(
-            tls_invalid(&missing, true)
+            refused(missing.check_tls(true))
                 .contains("sink.tls_ca_file `/nowhere/ca.pem` cannot be read"),
         );
         let plaintext = ca_only.clone().property("security.protocol", "plaintext");
         assert!(
-            tls_invalid(&plaintext, true).contains(
+            refused(plaintext.check_tls(true)).contains(
                 "sink.tls_ca_file needs TLS, but properties.security.protocol is plaintext: set it to ssl"
             ),
         );
         let sasl_plaintext = ca_only
             .clone()
             .property("security.protocol", "SASL_PLAINTEXT");
-        assert!(tls_invalid(&sasl_plaintext, true).contains("is sasl_plaintext"));
+        assert!(refused(sasl_plaintext.check_tls(true)).contains("is sasl_plaintext"));
         let twice = ca_only
             .clone()
             .property("ssl.ca.location", "/etc/ssl/ca.pem");
         assert!(
-            tls_invalid(&twice, true).contains(
+            refused(twice.check_tls(true)).contains(
                 "sink.tls_ca_file and properties.ssl.ca.location both name the file; keep tls_ca_file only"
             ),
         );
@@ -706,14 +699,14 @@ mod tests {
             tls_ca_file: Some(readable()),
             ..KafkaConfig::new("k:9093")
         };
-        let error = tls_invalid(&ca, false);
+        let error = refused(ca.check_tls(false));
         assert!(
             error.contains("sink.tls_ca_file needs TLS, but this build has no TLS for Kafka")
                 && error.contains("rebuild with cargo feature `kafka-ssl`"),
             "{error}"
         );
         let sasl_ssl = KafkaConfig::new("k:9093").property("security.protocol", "SASL_SSL");
-        let error = tls_invalid(&sasl_ssl, false);
+        let error = refused(sasl_ssl.check_tls(false));
         assert!(
             error.contains("sink.properties.security.protocol is sasl_ssl, which needs TLS")
                 && error.contains("kafka-ssl"),
@@ -723,12 +716,12 @@ mod tests {
             .property("security.protocol", "sasl_plaintext")
             .property("sasl.mechanisms", "SCRAM-SHA-256");
         assert!(
-            tls_invalid(&scram, false)
+            refused(scram.check_tls(false))
                 .contains("sink.properties.sasl.mechanisms is SCRAM-SHA-256, which needs OpenSSL")
         );
         let ssl_property = KafkaConfig::new("k:9093").property("ssl.ca.location", "/ca.pem");
         assert!(
-            tls_invalid(&ssl_property, false)
+            refused(ssl_property.check_tls(false))
                 .contains("sink.properties.ssl.ca.location is a TLS setting")
         );
         // SASL PLAIN without TLS needs no OpenSSL.
