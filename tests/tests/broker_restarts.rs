@@ -335,6 +335,35 @@ impl Run {
         ));
     }
 
+    /// Kills `server` (SIGKILL, `who` names it) while a publish is on the wire, checks that
+    /// nothing goes out for `hold` ([`held_back`](Self::held_back)), and starts it again:
+    /// how long the start took.
+    async fn killed_and_started(
+        &mut self,
+        server: &mut servers::Server,
+        who: &str,
+        hold: Duration,
+    ) -> Duration {
+        server.kill().await;
+        self.held_back(&format!("{who} killed"), hold).await;
+        server.start().await
+    }
+
+    /// Stops `server` cleanly (SIGTERM, `who` names it), checks that nothing goes out for
+    /// `hold` ([`held_back`](Self::held_back)), and starts it again: how long the start
+    /// took.
+    async fn stopped_and_started(
+        &mut self,
+        server: &mut servers::Server,
+        who: &str,
+        hold: Duration,
+    ) -> Duration {
+        let took = server.stop().await;
+        self.note(format!("{who} stopped (SIGTERM) in {took:?}"));
+        self.held_back(&format!("{who} stopped"), hold).await;
+        server.start().await
+    }
+
     /// Waits until the relay delivers again (within 60 s): the same worker and sink, not
     /// restarted. Returns how long it took.
     async fn recovered(&mut self, what: &str) -> Duration {
@@ -578,6 +607,63 @@ fn redis_sink(url: &str, prefix: &str, dedup: bool) -> Arc<dyn Sink> {
     Arc::new(outbox_redis::RedisSink::new(config).expect("valid sink configuration"))
 }
 
+/// The test's own redis-server (started, its data in a directory of its own) and a run of
+/// the relay into a stream of its own on it, through the Redis sink ([`redis_sink`]).
+struct OwnRedis {
+    server: servers::Server,
+    url: String,
+    stream: String,
+    /// Last, so the server goes before its directory.
+    _dir: Scratch,
+}
+
+impl OwnRedis {
+    /// The server (data in a directory `scratch_<random>`) and the run `name` of
+    /// [`REDIS_LOAD`] into the stream `<names>_<random>:events`.
+    async fn start(name: &'static str, scratch: &str, names: &str, dedup: bool) -> (OwnRedis, Run) {
+        let dir = Scratch::new(scratch);
+        let mut server = servers::redis(&dir.0);
+        server.start().await;
+        let url = format!("redis://{}", server.addr());
+        let prefix = format!("{}:", unique_name(names));
+        let sink = redis_sink(&url, &prefix, dedup);
+        assert!(sink.capabilities().ordered_key_runs, "batches go whole");
+        let run = Run::start(name, sink, "events", REDIS_LOAD).await;
+        let redis = OwnRedis {
+            server,
+            url,
+            stream: format!("{prefix}events"),
+            _dir: dir,
+        };
+        (redis, run)
+    }
+
+    /// Ends `run` ([`Run::finish`]) and checks what the stream holds ([`check_arrivals`]):
+    /// the duplicates in it.
+    async fn duplicates(&self, run: Run) -> usize {
+        let name = run.name;
+        let (sent, report) = run.finish(Duration::from_secs(1)).await;
+        let arrived = redis_server::ids(&self.url, &self.stream).await;
+        check_arrivals(name, &sent, &arrived, &report, "stream")
+    }
+}
+
+/// Two tests of the Redis scenario `$scenario(name, dedup)`: `$plain` without
+/// de-duplication, `$dedup` with it, each a run of its own name.
+macro_rules! redis_tests {
+    ($scenario:ident: $plain:ident = $plain_name:literal, $dedup:ident = $dedup_name:literal) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $plain() {
+            $scenario($plain_name, false).await;
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $dedup() {
+            $scenario($dedup_name, true).await;
+        }
+    };
+}
+
 /// One-kilobyte messages over 20 keys and a few without a key, a backlog first: each claim
 /// takes 8 of each key (the storage's `max_per_key`) and unkeyed ones, which go in one call
 /// and one pipeline of 20 key-run scripts and single appends (about 170 KB) that Redis,
@@ -596,21 +682,15 @@ const REDIS_LOAD: Load = Load {
 /// de-duplication, the entries of a batch whose replies the kill cut off are appended again
 /// (counted); with it, each message is in the stream once.
 async fn redis_restart(name: &'static str, dedup: bool) {
-    let dir = Scratch::new("outbox_redis_restart");
-    let mut server = servers::redis(&dir.0);
-    server.start().await;
-    let url = format!("redis://{}", server.addr());
-    let prefix = format!("{}:", unique_name("restart"));
-    let stream = format!("{prefix}events");
-    let sink = redis_sink(&url, &prefix, dedup);
-    assert!(sink.capabilities().ordered_key_runs, "batches go whole");
-    let mut run = Run::start(name, sink, "events", REDIS_LOAD).await;
+    let (mut redis, mut run) =
+        OwnRedis::start(name, "outbox_redis_restart", "restart", dedup).await;
+    let (url, stream) = (redis.url.clone(), redis.stream.clone());
+    let hold = Duration::from_secs(2);
 
     run.publishing_after(500).await;
-    server.kill().await;
-    run.held_back("redis-server killed", Duration::from_secs(2))
+    let up = run
+        .killed_and_started(&mut redis.server, "redis-server", hold)
         .await;
-    let up = server.start().await;
     let mut unacknowledged = redis_server::unacknowledged(&url, &stream, &run, dedup, 0).await;
     run.note(format!(
         "redis-server started again in {up:?}; {unacknowledged} entries were appended by the \
@@ -619,11 +699,8 @@ async fn redis_restart(name: &'static str, dedup: bool) {
     run.recovered("restart after the kill").await;
 
     run.publishing_after(run.sink.delivered() + 500).await;
-    let took = server.stop().await;
-    run.note(format!("redis-server stopped (SIGTERM) in {took:?}"));
-    run.held_back("redis-server stopped", Duration::from_secs(2))
+    run.stopped_and_started(&mut redis.server, "redis-server", hold)
         .await;
-    server.start().await;
     let earlier = unacknowledged;
     unacknowledged = redis_server::unacknowledged(&url, &stream, &run, dedup, earlier).await;
     run.note(format!(
@@ -632,23 +709,15 @@ async fn redis_restart(name: &'static str, dedup: bool) {
     ));
     run.recovered("restart after the stop").await;
 
-    let (sent, report) = run.finish(Duration::from_secs(1)).await;
-    let arrived = redis_server::ids(&url, &stream).await;
-    let duplicates = check_arrivals(name, &sent, &arrived, &report, "stream");
+    let duplicates = redis.duplicates(run).await;
     if dedup {
         assert_eq!(duplicates, 0, "[{name}] de-duplicated: each message once");
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_restart_in_the_middle_of_a_pipelined_run_loses_nothing() {
-    redis_restart("redis-restart", false).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redis_restart_with_dedup_appends_each_message_once() {
-    redis_restart("redis-restart-dedup", true).await;
-}
+redis_tests!(redis_restart:
+    a_redis_restart_in_the_middle_of_a_pipelined_run_loses_nothing = "redis-restart",
+    a_redis_restart_with_dedup_appends_each_message_once = "redis-restart-dedup");
 
 /// Redis refusing writes while a pipelined batch is on the wire: first `READONLY` (made a
 /// replica of a port nothing listens on; its data stay), back to a primary; then `OOM`
@@ -656,14 +725,8 @@ async fn a_redis_restart_with_dedup_appends_each_message_once() {
 /// is the reply of an `XADD` or of an append inside a key-run script; with it, also the
 /// error of the whole de-duplication script.
 async fn redis_refusals(name: &'static str, dedup: bool) {
-    let dir = Scratch::new("outbox_redis_refusals");
-    let mut server = servers::redis(&dir.0);
-    server.start().await;
-    let url = format!("redis://{}", server.addr());
-    let prefix = format!("{}:", unique_name("refusals"));
-    let stream = format!("{prefix}events");
-    let sink = redis_sink(&url, &prefix, dedup);
-    let mut run = Run::start(name, sink, "events", REDIS_LOAD).await;
+    let (redis, mut run) = OwnRedis::start(name, "outbox_redis_refusals", "refusals", dedup).await;
+    let (url, stream) = (redis.url.clone(), redis.stream.clone());
     let count = || async { Some(redis_server::xlen(&url, &stream).await) };
 
     run.publishing_after(500).await;
@@ -684,23 +747,15 @@ async fn redis_refusals(name: &'static str, dedup: bool) {
     redis_server::command(&url, &["CONFIG", "SET", "maxmemory", "0"]).await;
     run.recovered("maxmemory 0").await;
 
-    let (sent, report) = run.finish(Duration::from_secs(1)).await;
-    let arrived = redis_server::ids(&url, &stream).await;
-    let duplicates = check_arrivals(name, &sent, &arrived, &report, "stream");
+    let duplicates = redis.duplicates(run).await;
     // A refused command appends nothing, and a script is refused before its first append or
     // not at all: nothing reported failed is in the stream.
     assert_eq!(duplicates, 0, "[{name}] a refusal appends nothing");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_refusing_writes_readonly_then_oom_loses_nothing_and_charges_nothing() {
-    redis_refusals("redis-refusals", false).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_refusing_writes_with_dedup_loses_nothing_and_charges_nothing() {
-    redis_refusals("redis-refusals-dedup", true).await;
-}
+redis_tests!(redis_refusals:
+    redis_refusing_writes_readonly_then_oom_loses_nothing_and_charges_nothing = "redis-refusals",
+    redis_refusing_writes_with_dedup_loses_nothing_and_charges_nothing = "redis-refusals-dedup");
 
 // ---------------------------------------------------------------------------------------
 // NATS JetStream
@@ -751,20 +806,17 @@ async fn a_nats_restart_in_the_middle_of_a_run_loses_nothing() {
         Arc::new(outbox_nats::NatsSink::new(config).expect("valid sink configuration"));
     let mut run = Run::start("nats-restart", sink, "events", NATS_LOAD).await;
 
+    let hold = Duration::from_secs(2);
     run.publishing_after(300).await;
-    server.kill().await;
-    run.held_back("nats-server killed", Duration::from_secs(2))
+    let up = run
+        .killed_and_started(&mut server, "nats-server", hold)
         .await;
-    let up = server.start().await;
     run.note(format!("nats-server started again in {up:?}"));
     run.recovered("restart after the kill").await;
 
     run.publishing_after(run.sink.delivered() + 300).await;
-    let took = server.stop().await;
-    run.note(format!("nats-server stopped (SIGTERM) in {took:?}"));
-    run.held_back("nats-server stopped", Duration::from_secs(2))
+    run.stopped_and_started(&mut server, "nats-server", hold)
         .await;
-    server.start().await;
     run.recovered("restart after the stop").await;
 
     let (sent, report) = run.finish(Duration::from_secs(1)).await;
@@ -899,11 +951,9 @@ async fn a_rabbitmq_restart_in_the_middle_of_a_run_loses_nothing() {
     run.note(format!("RabbitMQ node took {up:?} to start"));
 
     run.publishing_after(200).await;
-    let took = server.stop().await;
-    run.note(format!("RabbitMQ node stopped (SIGTERM) in {took:?}"));
-    run.held_back("RabbitMQ stopped", Duration::from_secs(1))
+    let up = run
+        .stopped_and_started(&mut server, "RabbitMQ node", Duration::from_secs(1))
         .await;
-    let up = server.start().await;
     run.note(format!("RabbitMQ node started again in {up:?}"));
     run.recovered("restart").await;
 
