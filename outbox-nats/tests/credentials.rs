@@ -128,10 +128,38 @@ fn write_creds(path: &Path, account: &KeyPair, user: &KeyPair) -> PathBuf {
     path.to_path_buf()
 }
 
-fn temp_dir(prefix: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name(prefix));
-    std::fs::create_dir_all(&dir).expect("temp dir");
-    dir
+/// A directory of the test's own (it derefs to its path). Once the test has passed, and the
+/// server in it was dropped before it, it is removed and the test says how long it took.
+struct Scratch {
+    dir: PathBuf,
+    test: &'static str,
+    started: Instant,
+}
+
+impl Scratch {
+    fn new(prefix: &str, test: &'static str) -> Scratch {
+        let started = Instant::now();
+        let dir = std::env::temp_dir().join(outbox_test_support::unique_name(prefix));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        Scratch { dir, test, started }
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+            eprintln!("{} took {:?}", self.test, self.started.elapsed());
+        }
+    }
 }
 
 fn sink(url: String, auth: impl FnOnce(&mut NatsConfig)) -> NatsSink {
@@ -226,8 +254,7 @@ async fn refused(sink: &NatsSink, hidden: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_creds_file_authenticates_to_an_operator_mode_server() {
-    let started = Instant::now();
-    let dir = temp_dir("outbox_nats_creds");
+    let dir = Scratch::new("outbox_nats_creds", "operator-mode credentials test");
     let operator = KeyPair::new_operator();
     // JetStream in operator mode needs a system account.
     let system = KeyPair::new_account();
@@ -286,19 +313,11 @@ async fn a_creds_file_authenticates_to_an_operator_mode_server() {
     let stranger_seed = stranger.seed().expect("seed");
     let wrong = |c: &mut NatsConfig| c.credentials_file = Some(theirs.clone());
     refuses_none_and_the_wrong(server.url(), wrong, &seed, &stranger_seed).await;
-
-    drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!(
-        "operator-mode credentials test took {:?}",
-        started.elapsed()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_nkey_seed_authenticates_to_a_server_that_lists_nkey_users() {
-    let started = Instant::now();
-    let dir = temp_dir("outbox_nats_nkey");
+    let dir = Scratch::new("outbox_nats_nkey", "nkey test");
     let user = KeyPair::new_user();
     let other = KeyPair::new_user();
     let config = format!(
@@ -325,8 +344,4 @@ async fn an_nkey_seed_authenticates_to_a_server_that_lists_nkey_users() {
     publishes_and_reads_back(&with_seed, &stream, "nkey").await;
     let wrong = |c: &mut NatsConfig| c.nkey_file = Some(theirs.clone());
     refuses_none_and_the_wrong(server.url(), wrong, &seed, &other_seed).await;
-
-    drop(server);
-    let _ = std::fs::remove_dir_all(&dir);
-    eprintln!("nkey test took {:?}", started.elapsed());
 }

@@ -87,6 +87,17 @@ fn message(topic: &str, key: &str, payload: impl Into<Vec<u8>>) -> Message {
     NewMessage::new(topic, payload).key(key).into()
 }
 
+/// Messages of these keys and payloads to topic `good`, but the one at `broken`, which goes
+/// to topic `broken` (the stream [`break_stream`] breaks).
+fn good_but_one(messages: &[(&str, &str)], broken: usize) -> Vec<Message> {
+    (messages.iter().enumerate())
+        .map(|(i, (key, payload))| {
+            let topic = if i == broken { "broken" } else { "good" };
+            message(topic, key, *payload)
+        })
+        .collect()
+}
+
 #[tokio::test]
 async fn entries_hold_the_exact_message() {
     let prefix = prefix().await;
@@ -186,11 +197,7 @@ async fn wrongtype_dead_letters_only_that_message() {
     for dedup in [false, true] {
         let (prefix, sink, broken) = sink_with_a_broken_stream(dedup).await;
 
-        let batch = vec![
-            message("good", "k1", "1"),
-            message("broken", "k2", "2"),
-            message("good", "k3", "3"),
-        ];
+        let batch = good_but_one(&[("k1", "1"), ("k2", "2"), ("k3", "3")], 1);
         let outcomes = sink.publish(&batch).await.unwrap();
         assert_eq!(outcomes.len(), 3);
         assert_delivered_at(&outcomes, &[0, 2]);
@@ -625,16 +632,19 @@ async fn a_failure_in_the_middle_of_a_key_run_stops_that_key_only() {
     for dedup in [false, true] {
         let (prefix, sink, broken) = sink_with_a_broken_stream(dedup).await;
         // Key k: two good, one to the broken stream, two good again; key o around it.
-        let batch = vec![
-            message("good", "k", "k1"),
-            message("good", "o", "o1"),
-            message("good", "k", "k2"),
-            message("broken", "k", "k3"),
-            message("good", "o", "o2"),
-            message("good", "k", "k4"),
-            message("good", "k", "k5"),
-            message("good", "o", "o3"),
-        ];
+        let batch = good_but_one(
+            &[
+                ("k", "k1"),
+                ("o", "o1"),
+                ("k", "k2"),
+                ("k", "k3"),
+                ("o", "o2"),
+                ("k", "k4"),
+                ("k", "k5"),
+                ("o", "o3"),
+            ],
+            3,
+        );
         let outcomes = sink.publish(&batch).await.unwrap();
         assert_eq!(outcomes.len(), batch.len());
         assert_delivered_at(&outcomes, &[0, 1, 2, 4, 7]);
