@@ -52,6 +52,19 @@ async fn dead_letter(storage: &MemoryStorage, limit: usize, dead: &[(&str, &str)
     assert_eq!(n, dead.len() as u64);
 }
 
+/// Whether a claim hands out nothing.
+async fn claims_nothing(storage: &MemoryStorage) -> bool {
+    let claim = storage.claim("w", 10, LEASE).await.expect("claim");
+    claim.messages.is_empty()
+}
+
+/// A storage that keeps per-key order or not, holding `messages` (committed).
+async fn holding(per_key_order: bool, messages: &[NewMessage]) -> MemoryStorage {
+    let storage = MemoryStorage::new(per_key_order);
+    enqueue(&storage, messages).await;
+    storage
+}
+
 fn payloads(rows: &[crate::DeadLetterRow]) -> Vec<String> {
     rows.iter()
         .map(|r| String::from_utf8_lossy(&r.message.payload).into_owned())
@@ -244,28 +257,19 @@ async fn topic_stats_count_parked_messages_as_pending() {
             dead_lettered: 1,
         }]
     );
-    assert!(
-        storage
-            .claim("w", 10, LEASE)
-            .await
-            .expect("claim")
-            .messages
-            .is_empty(),
-        "k2 is parked"
-    );
+    assert!(claims_nothing(&storage).await, "k2 is parked");
 }
 
 /// Three dead letters, dead-lettered newest first: `o1` (orders, key a), `o2` (orders,
 /// key b), `u1` (users, key a).
 async fn three_dead_letters() -> (MemoryStorage, Vec<Uuid>) {
-    let storage = MemoryStorage::new(false);
     let messages = [
         NewMessage::new("orders", "o1").key("a").header("h", "1"),
         NewMessage::new("orders", "o2").key("b"),
         NewMessage::new("users", "u1").key("a"),
         NewMessage::new("users", "alive"),
     ];
-    enqueue(&storage, &messages).await;
+    let storage = holding(false, &messages).await;
     dead_letter(
         &storage,
         3,
@@ -329,38 +333,37 @@ async fn dead_letters_honours_each_filter_field_and_the_limit() {
         Vec::<String>::new()
     );
 
-    let by_topic = |topic: &str| DeadLetterFilter {
-        topic: Some(topic.into()),
-        ..DeadLetterFilter::default()
+    // One text field at a time (topic and key exactly, the error text in any ASCII case).
+    let by = |field: &str, value: &str| {
+        let mut filter = DeadLetterFilter::default();
+        let slot = match field {
+            "topic" => &mut filter.topic,
+            "key" => &mut filter.key,
+            _ => &mut filter.last_error,
+        };
+        *slot = Some(value.into());
+        filter
     };
-    assert_eq!(list(by_topic("orders"), 10).await, ["o1", "o2"]);
-    assert_eq!(list(by_topic("users"), 10).await, ["u1"]);
-    assert_eq!(list(by_topic("Orders"), 10).await, Vec::<String>::new());
-
-    let by_key = |key: &str| DeadLetterFilter {
-        key: Some(key.into()),
-        ..DeadLetterFilter::default()
-    };
-    assert_eq!(list(by_key("a"), 10).await, ["o1", "u1"]);
-    assert_eq!(list(by_key("b"), 10).await, ["o2"]);
-    assert_eq!(list(by_key("c"), 10).await, Vec::<String>::new());
-
-    let by_error = |text: &str| DeadLetterFilter {
-        last_error: Some(text.into()),
-        ..DeadLetterFilter::default()
-    };
-    assert_eq!(list(by_error("broker SAID no"), 10).await, ["o1"]);
-    assert_eq!(list(by_error("TIMEOUT"), 10).await, ["o2"]);
-    assert_eq!(list(by_error("500"), 10).await, ["u1"]);
-    assert_eq!(list(by_error(""), 10).await, ["o1", "o2", "u1"]);
-    // Only ASCII letters ignore their case.
-    assert_eq!(list(by_error("échec"), 10).await, Vec::<String>::new());
-    assert_eq!(list(by_error("ÉCHEC"), 10).await, ["o2"]);
-    assert_eq!(
-        list(by_error("Échec"), 10).await,
-        ["o2"],
-        "É matches itself"
-    );
+    let cases: [(&str, &str, &[&str]); 13] = [
+        ("topic", "orders", &["o1", "o2"]),
+        ("topic", "users", &["u1"]),
+        ("topic", "Orders", &[]),
+        ("key", "a", &["o1", "u1"]),
+        ("key", "b", &["o2"]),
+        ("key", "c", &[]),
+        ("last_error", "broker SAID no", &["o1"]),
+        ("last_error", "TIMEOUT", &["o2"]),
+        ("last_error", "500", &["u1"]),
+        ("last_error", "", &["o1", "o2", "u1"]),
+        // Only ASCII letters ignore their case: É matches itself, not é.
+        ("last_error", "échec", &[]),
+        ("last_error", "ÉCHEC", &["o2"]),
+        ("last_error", "Échec", &["o2"]),
+    ];
+    for (field, value, expected) in cases {
+        let listed = list(by(field, value), 10).await;
+        assert_eq!(listed, expected, "{field} {value:?}");
+    }
 
     let every = DeadLetterFilter {
         ids: Some(ids.clone()),
@@ -384,7 +387,7 @@ async fn dead_letters_honours_each_filter_field_and_the_limit() {
 
     // The limit keeps the oldest.
     assert_eq!(list(DeadLetterFilter::default(), 2).await, ["o1", "o2"]);
-    assert_eq!(list(by_key("a"), 1).await, ["o1"]);
+    assert_eq!(list(by("key", "a"), 1).await, ["o1"]);
     assert_eq!(
         list(DeadLetterFilter::default(), 0).await,
         Vec::<String>::new()
@@ -420,7 +423,6 @@ async fn dead_letters_without_payloads_leaves_only_the_payload_out() {
 
 #[tokio::test(start_paused = true)]
 async fn parked_keys_name_each_key_with_its_oldest_dead_letter() {
-    let storage = MemoryStorage::new(true);
     let messages = [
         NewMessage::new("t", "b1").key("b"),
         NewMessage::new("t", "a1").key("a"),
@@ -428,7 +430,7 @@ async fn parked_keys_name_each_key_with_its_oldest_dead_letter() {
         NewMessage::new("t", "free"),
         NewMessage::new("t", "a3").key("a"),
     ];
-    enqueue(&storage, &messages).await;
+    let storage = holding(true, &messages).await;
     assert!(storage.parked_keys().await.expect("parked").is_empty());
     // a2 is dead-lettered before a1, and parks the key.
     dead_letter(
@@ -465,15 +467,7 @@ async fn parked_keys_name_each_key_with_its_oldest_dead_letter() {
         storage.parked_keys().await.expect("parked"),
         vec![parked("a", 2), parked("b", 0)]
     );
-    assert!(
-        storage
-            .claim("w", 10, LEASE)
-            .await
-            .expect("claim")
-            .messages
-            .is_empty(),
-        "a3 is held back"
-    );
+    assert!(claims_nothing(&storage).await, "a3 is held back");
 }
 
 #[tokio::test(start_paused = true)]
@@ -491,12 +485,11 @@ async fn without_per_key_order_a_dead_letter_parks_nothing() {
 
 #[tokio::test(start_paused = true)]
 async fn replay_purge_and_release_do_what_the_inherent_methods_do() {
-    let storage = MemoryStorage::new(true);
     let messages = [
         NewMessage::new("t", "k1").key("k"),
         NewMessage::new("t", "k2").key("k"),
     ];
-    enqueue(&storage, &messages).await;
+    let storage = holding(true, &messages).await;
     dead_letter(&storage, 1, &[("k1", "poison")]).await;
 
     // Replay: back first in its key's order, attempts reset, key released.
