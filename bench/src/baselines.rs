@@ -19,18 +19,30 @@ pub async fn bare_delete(scale: Scale) -> Result<f64, String> {
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT $1 FOR UPDATE SKIP LOCKED) RETURNING *"
     );
     let mut conn = outbox.pool.acquire().await.map_err(text)?;
-    let rate = rows_per_second(async || {
-        let rows = sqlx::query(&sql)
+    let rate = deleted_per_second::<sqlx::Postgres>(&mut conn, &sql).await?;
+    drop(conn);
+    outbox.drop_schema().await?;
+    Ok(rate)
+}
+
+/// The rate of a bare `DELETE … RETURNING *` loop on one connection: runs `sql`, whose one
+/// parameter is the batch size, until it deletes nothing (see [`rows_per_second`]).
+pub async fn deleted_per_second<DB>(conn: &mut DB::Connection, sql: &str) -> Result<f64, String>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    for<'q> i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    for<'q> <DB as sqlx::Database>::Arguments<'q>: sqlx::IntoArguments<'q, DB>,
+{
+    rows_per_second(async || {
+        let rows = sqlx::query::<DB>(sql)
             .bind(BATCH as i64)
             .fetch_all(&mut *conn)
             .await
             .map_err(text)?;
         Ok(rows.len())
     })
-    .await?;
-    drop(conn);
-    outbox.drop_schema().await?;
-    Ok(rate)
+    .await
 }
 
 /// The rate of a storage's bare-delete ceiling: runs `batch` (which removes up to a batch

@@ -293,15 +293,7 @@ async fn bare_delete(scale: Scale) -> Result<f64, String> {
         "DELETE FROM {t} WHERE seq IN (SELECT seq FROM {t} ORDER BY seq LIMIT ?1) RETURNING *"
     );
     let mut conn = file.storage.pool().acquire().await.map_err(text)?;
-    baselines::rows_per_second(async || {
-        let rows = sqlx::query(&sql)
-            .bind(BATCH as i64)
-            .fetch_all(&mut *conn)
-            .await
-            .map_err(text)?;
-        Ok(rows.len())
-    })
-    .await
+    baselines::deleted_per_second::<sqlx::Sqlite>(&mut conn, &sql).await
 }
 
 /// The file sink's ceiling: the drain's messages written straight to it in batches of
