@@ -25,10 +25,11 @@ pub const STDOUT_TYPE: &str = "stdout";
 
 /// Registers both sinks: [`TYPE`] (a [`FileSink`] built from a [`FileConfig`]) and
 /// [`STDOUT_TYPE`] (a [`StdoutSink`] on the process's standard output, from a
-/// [`StdoutConfig`]). The factories read the `[sink]` table (see [`Settings::from_value`];
-/// errors are keyed by the setting, relative to the section). The file sink's factory looks
-/// at the file system (the directory of `path` must exist) off the async threads; it does
-/// not open the file yet.
+/// [`StdoutConfig`]). The factories read the `[sink]` table (see
+/// [`Settings::from_value`](outbox_core::config::Settings::from_value); errors are keyed by
+/// the setting, relative to the section). The file sink's factory looks at the file system
+/// (the directory of `path` must exist) off the async threads; it does not open the file
+/// yet.
 pub fn register(registry: &mut SinkRegistry) {
     use outbox_core::config::Settings;
     registry.register(TYPE, |config| async move {
