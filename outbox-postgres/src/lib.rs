@@ -13,6 +13,7 @@ mod sql;
 mod storage;
 mod table;
 mod wakeup;
+mod wal;
 
 pub use config::{DEFAULT_MAX_PER_KEY, DEFAULT_SHARDS, LogStart, PostgresConfig, StorageMode};
 /// The operator's types live in `outbox-core` (every storage shares them); re-exported here for
