@@ -205,34 +205,25 @@ fn what_protocol_1_does_not_send_is_refused_with_what_was_found() {
 /// logical message and a rolled-back insert decodes, in commit order, whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_live_servers_changes_decode_in_commit_order() {
-    use outbox_test_support::postgres_server::PostgresServer;
     use sqlx::{Connection, Row};
 
-    let dir = std::env::temp_dir().join(outbox_test_support::unique_name("pgoutput"));
-    let server = PostgresServer::init(&dir);
-    server.configure("wal_level = logical\n");
-    server.start();
-    let url = server.url("127.0.0.1", "postgres", "");
-    let mut conn = sqlx::PgConnection::connect(&url)
-        .await
-        .expect("the server of the test");
-    for statement in [
-        "CREATE TABLE ob (seq bigserial PRIMARY KEY, key text, payload bytea NOT NULL)",
-        "CREATE PUBLICATION p FOR TABLE ob",
-        "SELECT 1 FROM pg_create_logical_replication_slot('s', 'pgoutput')",
-        "BEGIN",
-        "INSERT INTO ob (key, payload) VALUES ('k', '\\x01'), (NULL, '\\x02')",
-        "SELECT 1 FROM pg_logical_emit_message(true, 'outbox:public.ob', 'm')",
-        "COMMIT",
-        "BEGIN",
-        "INSERT INTO ob (key, payload) VALUES ('rolled back', '\\x03')",
-        "ROLLBACK",
-    ] {
-        sqlx::raw_sql(statement)
-            .execute(&mut conn)
-            .await
-            .unwrap_or_else(|e| panic!("{statement}: {e}"));
-    }
+    let (_server, mut conn) = crate::wal::logical_server("pgoutput", "").await;
+    crate::wal::run_all(
+        &mut conn,
+        &[
+            "CREATE TABLE ob (seq bigserial PRIMARY KEY, key text, payload bytea NOT NULL)",
+            "CREATE PUBLICATION p FOR TABLE ob",
+            "SELECT 1 FROM pg_create_logical_replication_slot('s', 'pgoutput')",
+            "BEGIN",
+            "INSERT INTO ob (key, payload) VALUES ('k', '\\x01'), (NULL, '\\x02')",
+            "SELECT 1 FROM pg_logical_emit_message(true, 'outbox:public.ob', 'm')",
+            "COMMIT",
+            "BEGIN",
+            "INSERT INTO ob (key, payload) VALUES ('rolled back', '\\x03')",
+            "ROLLBACK",
+        ],
+    )
+    .await;
     let rows = sqlx::query(
         "SELECT data FROM pg_logical_slot_peek_binary_changes('s', NULL, NULL, \
          'proto_version', '1', 'publication_names', 'p', 'messages', 'true')",
