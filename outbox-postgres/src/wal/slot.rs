@@ -194,6 +194,105 @@ pub(crate) async fn advance(conn: &mut PgConnection, slot: &str, lsn: u64) -> Re
     lsn_of(Ok(Some(moved_to)))
 }
 
+/// A slot as the server sees it, checked to be one WAL mode can read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct SlotState {
+    /// `reserved` or `extended` (the WAL it needs is kept), `unreserved` (about to be
+    /// lost: past `max_slot_wal_keep_size`, kept until the next checkpoint).
+    pub(crate) wal_status: String,
+    /// Where the slot was last advanced to.
+    pub(crate) confirmed: u64,
+    /// The WAL the server keeps for the slot (from its restart position to the head).
+    pub(crate) retained_bytes: i64,
+    /// The WAL written since the slot's confirmed position.
+    pub(crate) unconfirmed_bytes: i64,
+    /// How much more WAL may be written before the slot is lost (`None`: no
+    /// `max_slot_wal_keep_size`).
+    pub(crate) safe_bytes: Option<i64>,
+}
+
+/// Reads `slot`'s state, refusing a slot WAL mode cannot read: missing or lost (`Schema`:
+/// messages may be missing from it, so it is never read or silently replaced), or not a
+/// permanent pgoutput slot of this database (`Config`).
+pub(crate) async fn check(conn: &mut PgConnection, slot: &str) -> Result<SlotState> {
+    let row = sqlx::query(
+        "SELECT plugin, database = current_database() AS here, temporary, \
+                coalesce(wal_status, 'lost') AS wal_status, \
+                (confirmed_flush_lsn - '0/0'::pg_lsn)::bigint AS confirmed, \
+                (pg_current_wal_lsn() - restart_lsn)::bigint AS retained, \
+                (pg_current_wal_lsn() - confirmed_flush_lsn)::bigint AS unconfirmed, \
+                safe_wal_size, current_setting('max_slot_wal_keep_size') AS keep \
+         FROM pg_replication_slots WHERE slot_name = $1",
+    )
+    .bind(slot)
+    .fetch_optional(&mut *conn)
+    .await
+    .map_err(|e| db_error(&format!("cannot read replication slot {slot:?}"), e))?;
+    let Some(row) = row else {
+        return Err(Error::new(
+            ErrorKind::Schema,
+            format!(
+                "postgres: replication slot {slot:?} does not exist: WAL mode reads the \
+                 outbox through it. A new slot would start now and miss what was committed \
+                 before it, so none is created behind your back"
+            ),
+        ));
+    };
+    let field = |e| db_error(&format!("cannot read replication slot {slot:?}"), e);
+    let plugin: Option<String> = row.try_get("plugin").map_err(field)?;
+    let here: Option<bool> = row.try_get("here").map_err(field)?;
+    let temporary: bool = row.try_get("temporary").map_err(field)?;
+    if plugin.as_deref() != Some("pgoutput") || here != Some(true) || temporary {
+        let what = match plugin {
+            None => "a physical slot".to_string(),
+            Some(plugin) => format!(
+                "plugin {plugin}, {}{}",
+                if here == Some(true) {
+                    "this database"
+                } else {
+                    "another database"
+                },
+                if temporary { ", temporary" } else { "" },
+            ),
+        };
+        return Err(Error::new(
+            ErrorKind::Config,
+            format!(
+                "postgres: replication slot {slot:?} is not a permanent pgoutput slot of this \
+                 database ({what}): give WAL mode a slot of its own"
+            ),
+        ));
+    }
+    let wal_status: String = row.try_get("wal_status").map_err(field)?;
+    let confirmed = lsn_of(row.try_get("confirmed"))?;
+    if wal_status == "lost" {
+        let keep: String = row.try_get("keep").map_err(field)?;
+        return Err(Error::new(
+            ErrorKind::Schema,
+            format!(
+                "postgres: replication slot {slot:?} is lost (wal_status = lost: the server \
+                 removed WAL the slot still needed; max_slot_wal_keep_size = {keep}): what \
+                 was committed after {}, its last confirmed position, cannot be read from it, \
+                 so the relay does not read it",
+                Lsn(confirmed)
+            ),
+        ));
+    }
+    Ok(SlotState {
+        wal_status,
+        confirmed,
+        retained_bytes: row
+            .try_get::<Option<i64>, _>("retained")
+            .map_err(field)?
+            .unwrap_or(0),
+        unconfirmed_bytes: row
+            .try_get::<Option<i64>, _>("unconfirmed")
+            .map_err(field)?
+            .unwrap_or(0),
+        safe_bytes: row.try_get("safe_wal_size").map_err(field)?,
+    })
+}
+
 /// An LSN read as a bigint (`lsn - '0/0'`), which is never negative.
 fn lsn_of(value: std::result::Result<Option<i64>, sqlx::Error>) -> Result<u64> {
     let value = value.map_err(|e| db_error("cannot read a WAL position", e))?;

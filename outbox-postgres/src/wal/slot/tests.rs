@@ -249,3 +249,93 @@ fn a_transaction_keeps_its_inserts_and_messages_and_lone_messages_are_passed_ove
         [("outbox:public.ob".to_string(), b"m".to_vec())]
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slots_figures_show_the_wal_it_keeps_and_a_missing_or_foreign_slot_is_refused() {
+    let (_server, mut conn) = logical_server("wal-check", "").await;
+    run_all(&mut conn, SETUP).await;
+    let fresh = check(&mut conn, "s").await.expect("a fresh slot");
+    assert_eq!(fresh.wal_status, "reserved");
+    assert_eq!(fresh.safe_bytes, None, "no max_slot_wal_keep_size");
+    // 2 MB of WAL written elsewhere: kept for the slot until it is advanced.
+    run_all(
+        &mut conn,
+        &[
+            "CREATE TABLE other (filler text)",
+            "INSERT INTO other SELECT repeat('x', 1000) FROM generate_series(1, 2000)",
+        ],
+    )
+    .await;
+    let behind = check(&mut conn, "s").await.expect("the slot");
+    assert!(behind.unconfirmed_bytes > 2_000_000, "{behind:?}");
+    assert!(
+        behind.retained_bytes >= behind.unconfirmed_bytes,
+        "{behind:?}"
+    );
+    let head = peek(&mut conn, "s", "p", 1000).await.expect("peek");
+    assert!(
+        head.txns.is_empty(),
+        "nothing of the publication's: {head:?}"
+    );
+    advance(&mut conn, "s", head.flushed)
+        .await
+        .expect("advance");
+    let current = check(&mut conn, "s").await.expect("the slot");
+    assert!(current.unconfirmed_bytes < 100_000, "{current:?}");
+    assert_eq!(current.confirmed, head.flushed);
+
+    run_all(
+        &mut conn,
+        &[
+            "SELECT 1 FROM pg_create_logical_replication_slot('decoder', 'test_decoding')",
+            "SELECT 1 FROM pg_create_physical_replication_slot('physical')",
+        ],
+    )
+    .await;
+    for (slot, kind, says) in [
+        (
+            "nowhere",
+            ErrorKind::Schema,
+            r#"replication slot "nowhere" does not exist"#,
+        ),
+        (
+            "decoder",
+            ErrorKind::Config,
+            "(plugin test_decoding, this database)",
+        ),
+        ("physical", ErrorKind::Config, "(a physical slot)"),
+    ] {
+        let error = check(&mut conn, slot).await.expect_err(slot);
+        assert_eq!(error.kind(), kind, "{slot}: {error}");
+        assert!(error.to_string().contains(says), "{slot}: {error}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_past_max_slot_wal_keep_size_is_lost_and_refused_naming_it() {
+    let (_server, mut conn) = logical_server("wal-lost", "max_slot_wal_keep_size = 1MB\n").await;
+    run_all(&mut conn, SETUP).await;
+    let kept = check(&mut conn, "s").await.expect("a fresh slot");
+    assert!(kept.safe_bytes.is_some(), "{kept:?}");
+    // Several 16 MB segments past the limit, and a checkpoint that removes them.
+    run_all(
+        &mut conn,
+        &[
+            "CREATE TABLE other (filler text)",
+            "INSERT INTO other SELECT repeat(md5(n::text), 32) FROM generate_series(1, 60000) n",
+            "SELECT pg_switch_wal()",
+            "CHECKPOINT",
+        ],
+    )
+    .await;
+    let error = check(&mut conn, "s").await.expect_err("a lost slot");
+    assert_eq!(error.kind(), ErrorKind::Schema);
+    let said = error.to_string();
+    for part in [
+        r#"replication slot "s" is lost"#,
+        "max_slot_wal_keep_size = 1MB",
+        &format!("committed after {}", Lsn(kept.confirmed)),
+    ] {
+        assert!(said.contains(part), "{part}: {said}");
+    }
+}
