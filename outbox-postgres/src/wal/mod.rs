@@ -1,12 +1,15 @@
 //! WAL mode (issue 32, being built; docs/design/wal-mode.md): reading the outbox through a
 //! logical replication slot with the `pgoutput` plugin. What is here so far: the decoder of
 //! pgoutput's messages (`pgoutput`), which the SQL reader and a later streaming reader
-//! share, and the SQL reader (`slot`: peek, put together into transactions, advance). No
-//! configuration selects this mode yet.
+//! share; the SQL reader (`slot`: peek, put together into transactions, advance, the slot's
+//! checks); an outbox message from an insert's text values (`row`). No configuration
+//! selects this mode yet.
 
 // Used by the WAL engine as it lands; until then only their tests call them.
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod pgoutput;
+#[cfg_attr(not(test), allow(dead_code))]
+pub(crate) mod row;
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod slot;
 
